@@ -1,0 +1,30 @@
+# Each target creates .venv when it is missing and installs the project with the
+# pinned constraints (torch stays at 2.13.0: it is installed first, then pinned).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+.PHONY: test demo bench lint install
+
+$(STAMP):
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+
+demo: $(STAMP)
+	$(BIN)/python examples/controller_demo.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/controller.py --json

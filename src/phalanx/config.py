@@ -1,0 +1,227 @@
+"""Typed job config: one TOML file per job, with dotted CLI overrides.
+
+A job file looks like::
+
+    [job]
+    id = "demo"
+
+    [timeouts]
+    collective_s = 5.0
+    heartbeat_s = 10.0
+    quorum_s = 60.0
+
+    [roles.policy]
+    min_replicas = 1
+    n_init_replicas = 2
+
+Unknown keys are refused (a typo must not silently fall back to a default),
+and the timeout ordering ``collective < heartbeat < quorum`` is checked here,
+at load, so that a bad combination never reaches a running job.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ROLE_NAMES = ("policy", "rollout")
+
+
+class ConfigError(ValueError):
+    """A job config that cannot be used. The message says what to change."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class JobSection(_Section):
+    id: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Job identifier, carried in every reply and log line."""
+    seed: int = Field(0, ge=0)
+    """Seed for everything random in the job (data order, init, sampling)."""
+
+
+class TimeoutsSection(_Section):
+    """All timeouts of the job, in seconds, in one place.
+
+    The ordering ``collective_s < heartbeat_s < quorum_s`` is enforced: a
+    hung collective must be aborted (and its peer reported) before the
+    controller would evict that peer by heartbeat, and a quorum wait must
+    outlive one heartbeat eviction so that survivors re-form instead of
+    giving up.
+    """
+
+    collective_s: float = Field(5.0, gt=0, le=3600)
+    """Longest a collective (all-reduce, heal transfer) may block before it is aborted."""
+    heartbeat_s: float = Field(10.0, gt=0, le=3600)
+    """A replica not heard from for this long is evicted."""
+    quorum_s: float = Field(60.0, gt=0, le=86400)
+    """Longest a replica waits for a quorum before giving up the step."""
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=600)
+    """How often a replica heartbeats (each heartbeat is held open this long)."""
+    suspect_grace_s: float = Field(0.25, gt=0, le=60)
+    """A replica reported by a peer is evicted unless it heartbeats within this grace."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TimeoutsSection:
+        if not self.collective_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.collective_s must be < timeouts.heartbeat_s: got "
+                f"collective_s={self.collective_s}, heartbeat_s={self.heartbeat_s}. "
+                f"Raise heartbeat_s above {self.collective_s} or lower collective_s."
+            )
+        if not self.heartbeat_s < self.quorum_s:
+            raise ValueError(
+                f"timeouts.heartbeat_s must be < timeouts.quorum_s: got "
+                f"heartbeat_s={self.heartbeat_s}, quorum_s={self.quorum_s}. "
+                f"Raise quorum_s above {self.heartbeat_s} or lower heartbeat_s."
+            )
+        if not self.heartbeat_interval_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.heartbeat_interval_s must be < timeouts.heartbeat_s: got "
+                f"{self.heartbeat_interval_s} >= {self.heartbeat_s}. A replica must "
+                f"heartbeat several times per timeout; lower heartbeat_interval_s."
+            )
+        if not self.suspect_grace_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.suspect_grace_s must be < timeouts.heartbeat_s: got "
+                f"{self.suspect_grace_s} >= {self.heartbeat_s}. The grace after a failure "
+                f"report is meant to be short; lower suspect_grace_s."
+            )
+        return self
+
+
+class RoleSection(_Section):
+    """Membership and quorum rules of one role."""
+
+    min_replicas: int = Field(1, ge=1, le=100_000)
+    """No quorum (and so no step) with fewer participants than this."""
+    n_init_replicas: int = Field(1, ge=1, le=100_000)
+    """The role's first quorum waits until this many replicas ask for it."""
+    join_timeout_s: float = Field(1.0, ge=0, le=3600)
+    """When some live replicas have not asked for the quorum yet, wait this long for them."""
+
+    @model_validator(mode="after")
+    def _init_covers_min(self) -> RoleSection:
+        if self.n_init_replicas < self.min_replicas:
+            raise ValueError(
+                f"n_init_replicas must be >= min_replicas: got n_init_replicas="
+                f"{self.n_init_replicas}, min_replicas={self.min_replicas}. "
+                f"Raise n_init_replicas to at least {self.min_replicas}."
+            )
+        return self
+
+
+class ControllerSection(_Section):
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Requests with a larger body are refused with 413."""
+    journal_sync: Literal["normal", "full"] = "normal"
+    """SQLite synchronous mode. `normal` survives a killed controller; `full` also a power loss."""
+    tick_s: float = Field(0.02, gt=0, le=1)
+    """How often the controller checks deadlines (evictions, join timeouts)."""
+    history: int = Field(500, ge=10, le=100_000)
+    """How many past events (evictions, quorums) the status API keeps."""
+
+
+def _default_roles() -> dict[str, RoleSection]:
+    return {"policy": RoleSection()}
+
+
+class JobConfig(_Section):
+    job: JobSection = Field(default_factory=JobSection)
+    timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    controller: ControllerSection = Field(default_factory=ControllerSection)
+    roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
+    """Roles of the job, by name: `policy` and/or `rollout`."""
+
+    @model_validator(mode="after")
+    def _known_roles(self) -> JobConfig:
+        unknown = sorted(set(self.roles) - set(ROLE_NAMES))
+        if unknown:
+            raise ValueError(
+                f"roles must be among {list(ROLE_NAMES)}: got {unknown}. "
+                f"Rename the [roles.*] section(s)."
+            )
+        if not self.roles:
+            raise ValueError("roles must name at least one role: add a [roles.policy] section.")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _coerce(text: str) -> Any:
+    """Parse a CLI override value as JSON where it is JSON, else keep the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--a.b.c VALUE`` / ``a.b.c=VALUE`` overrides onto a raw config dict."""
+    items: list[tuple[str, str]] = []
+    i = 0
+    while i < len(overrides):
+        token = overrides[i]
+        if not token.startswith("--") and "=" not in token:
+            raise ConfigError(
+                f"config override must look like --section.key VALUE or section.key=VALUE: "
+                f"got {token!r}."
+            )
+        token = token.removeprefix("--")
+        if "=" in token:
+            key, value = token.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"config override --{token} needs a value: got none.")
+            key, value = token, overrides[i + 1]
+            i += 2
+        items.append((key, value))
+    for key, value in items:
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config override {key}: {part} is a value, not a section.")
+            node = child
+        node[parts[-1]] = _coerce(value)
+    return data
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = [f"invalid job config {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; check its spelling against the documented fields"
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Load a job config from TOML (or defaults when ``path`` is None), then apply overrides."""
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"job config {p} must be an existing TOML file: not found.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job config {p} is not valid TOML: {e}.") from e
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from e

@@ -1,0 +1,1 @@
+"""The control plane: membership, quorum, commands and status of one job."""

@@ -1,0 +1,311 @@
+"""The controller's HTTP API (FastAPI): versioned JSON under ``/v1``.
+
+Every endpoint but ``/healthz`` needs the job token as a bearer token.
+Rejected input gets a 4xx JSON body ``{"error": ..., "fields": [...]}`` that
+names the field, and never changes state (the state machine validates
+before it mutates). Every reply carries the controller epoch, in the body
+and in the ``X-Phalanx-Epoch`` header, so a replica can tell that the
+controller restarted.
+
+Long-polls (heartbeat, quorum, commands) hold the request open for at most
+``wait_s`` and answer early when the state machine has news for the caller.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from phalanx.controller.service import ControllerService
+from phalanx.controller.state import StateError
+
+API_VERSION = "v1"
+MAX_WAIT_S = 30.0
+
+ReplicaId = Annotated[str, Field(min_length=1, max_length=160)]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Scalar = str | int | float | bool | None
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterReq(_Req):
+    role: Annotated[str, Field(min_length=1, max_length=32)]
+    name: Name
+    ranks: int = Field(1, ge=1, le=65536)
+    address: str = Field("", max_length=256)
+    capabilities: dict[Annotated[str, Field(max_length=64)], Scalar] = Field(
+        default_factory=dict, max_length=64
+    )
+
+
+class HeartbeatReq(_Req):
+    replica_id: ReplicaId
+    step: int | None = Field(None, ge=0, le=2**62)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+
+
+class QuorumReq(_Req):
+    replica_id: ReplicaId
+    step: int = Field(ge=0, le=2**62)
+    request_id: Annotated[str, Field(min_length=1, max_length=64)]
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    wait_s: float = Field(10.0, ge=0, le=MAX_WAIT_S)
+
+
+class PollReq(_Req):
+    replica_id: ReplicaId
+    after: int = Field(0, ge=0, le=2**62)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+
+
+class AckReq(_Req):
+    replica_id: ReplicaId
+    ids: list[Annotated[int, Field(ge=1, le=2**62)]] = Field(min_length=1, max_length=1000)
+
+
+class EnqueueReq(_Req):
+    target: Annotated[str, Field(min_length=1, max_length=160)]
+    kind: Name
+    payload: dict[Annotated[str, Field(max_length=64)], Any] = Field(
+        default_factory=dict, max_length=256
+    )
+
+
+class ReportReq(_Req):
+    reporter: ReplicaId
+    suspects: list[ReplicaId] = Field(default_factory=list, max_length=1000)
+    reason: str = Field("", max_length=1000)
+    failed_commit: bool = False
+
+
+class DeregisterReq(_Req):
+    replica_id: ReplicaId
+    reason: str = Field("", max_length=1000)
+
+
+def _error(status: int, message: str, fields: list[dict[str, str]] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "fields": fields or []}, status_code=status)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over ``limit`` bytes with 413, whether the
+    client declared a Content-Length or streamed the body."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = _error(
+            413, f"request body must be at most {self.limit} bytes; send less per request."
+        )
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await too_big(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await too_big(scope, receive, send)
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def create_app(service: ControllerService, token: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(
+        title="phalanx controller",
+        version=API_VERSION,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    expected = token.encode()
+
+    def auth(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        given = (cred.credentials if cred else "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise _Unauthorized()
+
+    authorized = Depends(auth)
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauth(request: Request, exc: _Unauthorized) -> JSONResponse:
+        r = _error(
+            401,
+            "a valid job token is required: send 'Authorization: Bearer <token>' "
+            "(the token is in the state dir's 'token' file or $PHALANX_TOKEN).",
+        )
+        r.headers["WWW-Authenticate"] = "Bearer"
+        return r
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = [
+            {
+                "field": ".".join(str(p) for p in e["loc"] if p != "body") or "body",
+                "message": e["msg"],
+            }
+            for e in exc.errors()
+        ]
+        names = ", ".join(f["field"] for f in fields)
+        return _error(422, f"invalid request: check {names}", fields)
+
+    @app.exception_handler(StateError)
+    async def _refused(request: Request, exc: StateError) -> JSONResponse:
+        fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
+        return _error(exc.status, str(exc), fields)
+
+    @app.middleware("http")
+    async def _epoch_header(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        response.headers["X-Phalanx-Epoch"] = str(service.epoch)
+        return response
+
+    st = service.state
+
+    def reply(**body: Any) -> dict[str, Any]:
+        return {"epoch": service.epoch, "job_id": st.cfg.job.id, **body}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "epoch": service.epoch}
+
+    @app.get("/openapi.json", dependencies=[authorized], include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/metrics", dependencies=[authorized])
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(f"/{API_VERSION}/status", dependencies=[authorized])
+    async def status() -> dict[str, Any]:
+        return reply(**st.status(service.clock()))
+
+    @app.post(f"/{API_VERSION}/register", dependencies=[authorized])
+    async def register(req: RegisterReq) -> dict[str, Any]:
+        member = service.apply(
+            st.register,
+            req.role,
+            req.name,
+            uuid.uuid4().hex[:8],
+            ranks=req.ranks,
+            address=req.address,
+            capabilities=req.capabilities,
+        )
+        t = st.cfg.timeouts
+        return reply(
+            replica_id=member.replica_id,
+            heartbeat_interval_s=t.heartbeat_interval_s,
+            heartbeat_timeout_s=t.heartbeat_s,
+            suspect_grace_s=t.suspect_grace_s,
+            quorum_timeout_s=t.quorum_s,
+        )
+
+    @app.post(f"/{API_VERSION}/heartbeat", dependencies=[authorized])
+    async def heartbeat(req: HeartbeatReq) -> dict[str, Any]:
+        service.apply(st.heartbeat, req.replica_id, step=req.step)
+        service.metrics.heartbeats.inc()
+        wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
+        woken = await service.wait("heartbeat", req.replica_id, wait)
+        m = st.members.get(req.replica_id)
+        if m is None:
+            st.member(req.replica_id)  # raises 410: evicted while we waited
+        return reply(probe=woken and m is not None and m.suspect_since is not None)
+
+    @app.post(f"/{API_VERSION}/quorum", dependencies=[authorized])
+    async def quorum(req: QuorumReq) -> dict[str, Any]:
+        t0 = time.monotonic()
+        q = service.apply(
+            st.request_quorum, req.replica_id, req.step, req.request_id, req.timeout_s
+        )
+        deadline = t0 + req.wait_s
+        while q is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await service.wait("quorum", req.replica_id, left):
+                break
+            st.member(req.replica_id)  # raises 410 if evicted while waiting
+            q = st.answer(req.replica_id, req.request_id)
+        if q is None:
+            return reply(status="pending", quorum=None)
+        service.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
+        return reply(status="ok", quorum=q.record())
+
+    @app.post(f"/{API_VERSION}/commands/poll", dependencies=[authorized])
+    async def poll(req: PollReq) -> dict[str, Any]:
+        cmds = st.pending_commands(req.replica_id, req.after)
+        if not cmds and await service.wait("commands", req.replica_id, req.wait_s):
+            cmds = st.pending_commands(req.replica_id, req.after)
+        return reply(commands=[c.__dict__ for c in cmds])
+
+    @app.post(f"/{API_VERSION}/commands/ack", dependencies=[authorized])
+    async def ack(req: AckReq) -> dict[str, Any]:
+        missing = st.ack(req.replica_id, req.ids)
+        service.commit()
+        return reply(not_pending=missing)
+
+    @app.post(f"/{API_VERSION}/commands", dependencies=[authorized])
+    async def enqueue(req: EnqueueReq) -> dict[str, Any]:
+        cmds = service.apply(st.enqueue, req.target, req.kind, req.payload)
+        service.metrics.commands.labels(req.kind).inc(len(cmds))
+        return reply(commands=[c.__dict__ for c in cmds])
+
+    @app.post(f"/{API_VERSION}/report-failure", dependencies=[authorized])
+    async def report_failure(req: ReportReq) -> dict[str, Any]:
+        unknown = service.apply(
+            st.report_failure,
+            req.reporter,
+            req.suspects,
+            reason=req.reason,
+            failed_commit=req.failed_commit,
+        )
+        service.metrics.reports.inc()
+        return reply(unknown=unknown)
+
+    @app.post(f"/{API_VERSION}/deregister", dependencies=[authorized])
+    async def deregister(req: DeregisterReq) -> dict[str, Any]:
+        service.apply(st.deregister, req.replica_id, req.reason)
+        return reply(ok=True)
+
+    app.add_middleware(BodyLimit, limit=st.cfg.controller.max_body_bytes)
+    return app
+
+
+class _Unauthorized(Exception):
+    pass

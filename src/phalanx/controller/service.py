@@ -1,0 +1,164 @@
+"""The controller service: the pure state machine, its journal, and the waiters
+of long-polls, glued together on one asyncio loop.
+
+Every mutation goes through :meth:`ControllerService.apply`, which runs the
+state-machine call, writes the resulting changes to the journal, and only
+then wakes the long-polls that the call answered. So no reply ever tells a
+replica something the journal does not hold yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from phalanx.config import JobConfig
+from phalanx.controller.journal import Journal
+from phalanx.controller.state import ControllerState, Tick
+
+T = TypeVar("T")
+
+
+class Metrics:
+    def __init__(self, service: ControllerService):
+        r = self.registry = CollectorRegistry()
+        self.heartbeats = Counter("phalanx_heartbeats", "Heartbeats received.", registry=r)
+        self.quorums = Counter("phalanx_quorums", "Quorums formed.", ["role"], registry=r)
+        self.evictions = Counter(
+            "phalanx_evictions", "Replicas evicted.", ["role", "reason"], registry=r
+        )
+        self.reports = Counter("phalanx_failure_reports", "Failure reports received.", registry=r)
+        self.commands = Counter("phalanx_commands", "Commands queued.", ["kind"], registry=r)
+        self.journal_writes = Counter(
+            "phalanx_journal_writes", "Journal transactions committed.", registry=r
+        )
+        self.quorum_wait = Histogram(
+            "phalanx_quorum_wait_seconds",
+            "Time from a quorum request to its answer.",
+            ["role"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        replicas = Gauge("phalanx_replicas", "Live replicas.", ["role"], registry=r)
+        quorum_id = Gauge("phalanx_quorum_id", "Current quorum id.", ["role"], registry=r)
+        step = Gauge("phalanx_step", "Highest committed step seen.", ["role"], registry=r)
+        epoch = Gauge("phalanx_controller_epoch", "Controller epoch.", registry=r)
+        epoch.set_function(lambda: service.state.epoch)
+        rs = service.state.roles
+        for role in rs:
+            replicas.labels(role).set_function(lambda role=role: len(rs[role].member_ids))
+            quorum_id.labels(role).set_function(lambda role=role: rs[role].quorum_id)
+            step.labels(role).set_function(lambda role=role: rs[role].step)
+
+
+class ControllerService:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        journal: Journal,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.cfg = cfg
+        self.journal = journal
+        self.clock = clock
+        self.wall = wall
+        self.state = ControllerState.restore(cfg, journal.load(), clock())
+        self.state.start(clock(), wall())
+        self.journal.write(self.state.drain())
+        self.metrics = Metrics(self)
+        self._quorum_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    def apply(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one state-machine call with the current clocks, journal its changes,
+        then wake whoever it answered. The call's own return value is passed
+        through (with the :class:`Tick` peeled off where it returns one)."""
+        result = fn(*args, now=self.clock(), wall=self.wall(), **kwargs)
+        tick = None
+        if isinstance(result, Tick):
+            tick, result = result, None
+        elif isinstance(result, tuple) and result and isinstance(result[-1], Tick):
+            tick = result[-1]
+            result = result[0] if len(result) == 2 else result[:-1]
+        self.commit(tick)
+        return result  # type: ignore[return-value]
+
+    def commit(self, tick: Tick | None = None) -> None:
+        changes = self.state.drain()
+        if changes:
+            self.journal.write(changes)
+            self.metrics.journal_writes.inc()
+        if tick is None:
+            return
+        for q in tick.formed:
+            self.metrics.quorums.labels(q.role).inc()
+            for rid in q.replica_ids:
+                self._wake(self._quorum_waiters, rid)
+        for rid in tick.evicted:
+            ev = next((e for e in reversed(self.state.events) if e.get("replica_id") == rid), {})
+            self.metrics.evictions.labels(ev.get("role", "?"), ev.get("reason", "?")).inc()
+            for waiters in (self._quorum_waiters, self._heartbeat_waiters, self._command_waiters):
+                self._wake(waiters, rid)
+        for rid in tick.probe:
+            self._wake(self._heartbeat_waiters, rid)
+        for rid in tick.commands_for:
+            self._wake(self._command_waiters, rid)
+
+    @staticmethod
+    def _wake(waiters: dict[str, list[asyncio.Future[None]]], rid: str) -> None:
+        for fut in waiters.pop(rid, []):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self, kind: str, replica_id: str, timeout: float) -> bool:
+        """Wait until ``replica_id`` is woken for ``kind`` or ``timeout`` passes.
+        Returns True when woken."""
+        waiters = {
+            "quorum": self._quorum_waiters,
+            "heartbeat": self._heartbeat_waiters,
+            "commands": self._command_waiters,
+        }[kind]
+        if timeout <= 0:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.setdefault(replica_id, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            lst = waiters.get(replica_id)
+            if lst is not None and fut in lst:
+                lst.remove(fut)
+                if not lst:
+                    del waiters[replica_id]
+
+    async def run_ticker(self) -> None:
+        period = self.cfg.controller.tick_s
+        while True:
+            await asyncio.sleep(period)
+            self.apply(self.state.tick)
+
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self.run_ticker())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            try:
+                await self._ticker
+            except asyncio.CancelledError:
+                pass
+        self.journal.close()
