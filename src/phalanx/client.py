@@ -130,6 +130,7 @@ class ControllerClient:
         self._hb_http = httpx.Client(headers=headers, timeout=30.0)
         self._reg_lock = threading.Lock()
         self._closed = threading.Event()
+        self._leaving = False
         self._hb_thread: threading.Thread | None = None
         self.heartbeats = 0
         self.probes_answered = 0
@@ -223,7 +224,7 @@ class ControllerClient:
 
     def _reregister(self, stale_id: str | None) -> None:
         with self._reg_lock:
-            if self.replica_id == stale_id and not self._closed.is_set():
+            if self.replica_id == stale_id and not self._leaving and not self._closed.is_set():
                 self.log.warning("evicted by the controller; registering a new incarnation")
                 self.register()
 
@@ -250,7 +251,7 @@ class ControllerClient:
 
     def _heartbeat_loop(self) -> None:
         interval = self.timeouts.get("heartbeat_interval_s", 1.0)
-        while not self._closed.is_set():
+        while not self._closed.is_set() and not self._leaving:
             t0 = time.monotonic()
             rid = self.replica_id
             try:
@@ -274,8 +275,10 @@ class ControllerClient:
             self._closed.wait(max(0.0, interval - (time.monotonic() - t0)))
 
     def deregister(self, reason: str = "") -> None:
+        """Leave the job for good: the heartbeat stops re-registering."""
         if self.replica_id is None:
             return
+        self._leaving = True
         try:
             self._call("/v1/deregister", {"replica_id": self.replica_id, "reason": reason})
         except Evicted:

@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # coerce_numbers_to_str: a CLI override is parsed as JSON, so `--job.id 42`
+    # arrives as an int; a string field must still accept it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class JobSection(_Section):
@@ -128,6 +130,35 @@ class ControllerSection(_Section):
     """How many past events (evictions, quorums) the status API keeps."""
 
 
+class TrainSection(_Section):
+    """The FT data-parallel training job (the built-in example task)."""
+
+    steps: int = Field(100, ge=1, le=10_000_000)
+    """Committed optimizer steps to run."""
+    global_batch_size: int = Field(64, ge=1, le=1 << 24)
+    """Samples per committed step, constant whatever the number of replicas."""
+    micro_batch_size: int = Field(0, ge=0, le=1 << 24)
+    """Largest forward/backward chunk; a replica's share is accumulated in such chunks. 0: whole share."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum (sgd only)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads per replica process."""
+    in_dim: int = Field(32, ge=1, le=1 << 16)
+    hidden: list[int] = Field(default_factory=lambda: [128, 128])
+    """Hidden layer widths of the MLP."""
+    out_dim: int = Field(8, ge=1, le=1 << 16)
+    dataset_size: int = Field(8192, ge=1, le=1 << 26)
+    """Samples in the synthetic regression dataset (generated from job.seed)."""
+    bucket_mb: float = Field(25.0, gt=0, le=4096)
+    """All-reduce bucket size."""
+    step_delay_s: float = Field(0.0, ge=0, le=60)
+    """Extra time per step (a stand-in for a bigger model, for demos)."""
+
+
 def _default_roles() -> dict[str, RoleSection]:
     return {"policy": RoleSection()}
 
@@ -138,6 +169,7 @@ class JobConfig(_Section):
     controller: ControllerSection = Field(default_factory=ControllerSection)
     roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
     """Roles of the job, by name: `policy` and/or `rollout`."""
+    train: TrainSection = Field(default_factory=TrainSection)
 
     @model_validator(mode="after")
     def _known_roles(self) -> JobConfig:

@@ -14,6 +14,7 @@ Long-polls (heartbeat, quorum, commands) hold the request open for at most
 from __future__ import annotations
 
 import hmac
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -23,11 +24,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx.controller.service import ControllerService
-from phalanx.controller.state import StateError
+from phalanx.controller.state import QUORUM_HISTORY, Quorum, StateError
 
 API_VERSION = "v1"
 MAX_WAIT_S = 30.0
@@ -40,8 +43,36 @@ Scalar = str | int | float | bool | None
 _bearer = HTTPBearer(auto_error=False)
 
 
+MAX_PAYLOAD_DEPTH = 32
+
+
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are not JSON: refuse them here rather than store values
+    # that a reply cannot carry.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _check_plain_json(value: Any) -> Any:
+    """Refuse free-form values that the replies could not serialize: non-finite
+    numbers, strings with lone surrogates, and nesting past MAX_PAYLOAD_DEPTH.
+    Iterative, so a deep payload cannot exhaust the stack."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise ValueError(f"must nest at most {MAX_PAYLOAD_DEPTH} levels deep")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must hold finite numbers only: got {v}")
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must hold valid Unicode text (no lone surrogates)") from None
+        elif isinstance(v, dict):
+            todo.extend((x, depth + 1) for kv in v.items() for x in kv)
+        elif isinstance(v, list):
+            todo.extend((x, depth + 1) for x in v)
+    return value
 
 
 class RegisterReq(_Req):
@@ -85,6 +116,8 @@ class EnqueueReq(_Req):
     payload: dict[Annotated[str, Field(max_length=64)], Any] = Field(
         default_factory=dict, max_length=256
     )
+
+    _payload_is_plain_json = field_validator("payload")(_check_plain_json)
 
 
 class ReportReq(_Req):
@@ -157,7 +190,8 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
     )
     expected = token.encode()
 
-    def auth(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    # async: a plain def dependency would hop through the thread pool on every request.
+    async def auth(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         given = (cred.credentials if cred else "").encode()
         if not hmac.compare_digest(given, expected):
             raise _Unauthorized()
@@ -181,15 +215,38 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
                 "field": ".".join(str(p) for p in e["loc"] if p != "body") or "body",
                 "message": e["msg"],
             }
+            if e["type"] != "json_invalid"
+            else {
+                "field": "body",
+                "message": f"{e['msg']} at character {e['loc'][-1]}: "
+                f"{e.get('ctx', {}).get('error', '')}",
+            }
             for e in exc.errors()
         ]
         names = ", ".join(f["field"] for f in fields)
         return _error(422, f"invalid request: check {names}", fields)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        fields = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
+        r = _error(exc.status_code, str(exc.detail), fields)
+        r.headers.update(exc.headers or {})
+        return r
+
     @app.exception_handler(StateError)
     async def _refused(request: Request, exc: StateError) -> JSONResponse:
         fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
         return _error(exc.status, str(exc), fields)
+
+    @app.middleware("http")
+    async def _auth_first(request: Request, call_next: Any) -> Response:
+        # FastAPI parses the body before it runs dependencies, so without this an
+        # anonymous request with a malformed body would get 422 instead of 401.
+        if request.url.path != "/healthz":
+            scheme, given = get_authorization_scheme_param(request.headers.get("authorization"))
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
+                return await _unauth(request, _Unauthorized())
+        return await call_next(request)
 
     @app.middleware("http")
     async def _epoch_header(request: Request, call_next: Any) -> Response:
@@ -201,6 +258,20 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     def reply(**body: Any) -> dict[str, Any]:
         return {"epoch": service.epoch, "job_id": st.cfg.job.id, **body}
+
+    records: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+    def quorum_record(q: Quorum) -> dict[str, Any]:
+        # Every member of a quorum gets the same record: build it once per quorum,
+        # not once per member (dataclasses.asdict of N members, N times a round,
+        # was the controller's top cost from N = 100 on). Read-only once built.
+        key = (q.role, q.round, q.quorum_id)
+        rec = records.get(key)
+        if rec is None:
+            rec = records[key] = q.record()
+            while len(records) > 4 * QUORUM_HISTORY:
+                del records[next(iter(records))]
+        return rec
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -265,7 +336,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         if q is None:
             return reply(status="pending", quorum=None)
         service.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
-        return reply(status="ok", quorum=q.record())
+        return reply(status="ok", quorum=quorum_record(q))
 
     @app.post(f"/{API_VERSION}/commands/poll", dependencies=[authorized])
     async def poll(req: PollReq) -> dict[str, Any]:

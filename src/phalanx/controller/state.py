@@ -93,6 +93,9 @@ class Quorum:
     heal: dict[str, str]
     """Lagging replica id -> the up-to-date replica id that heals it."""
     formed_at: float
+    job_step: int = 0
+    """Highest step the role ever committed (survives restarts). A quorum whose
+    ``max_step`` is below it means no live replica holds the job's latest state."""
 
     @property
     def replica_ids(self) -> list[str]:
@@ -310,12 +313,14 @@ class ControllerState:
         incarnation of the same process: it is evicted first."""
         rs = self._role(role)
         tick = Tick()
+        rid = f"{name}:{incarnation}"
+        # Checked before evicting the old incarnation: a reused id must be refused
+        # without side effects, not evict the live member and revive its id.
+        if rid in self.members:
+            raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
         old = self._by_name.get((role, name))
         if old is not None:
             tick.merge(self._evict(old, "replaced by a new incarnation", now, wall))
-        rid = f"{name}:{incarnation}"
-        if rid in self.members:
-            raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
         m = Member(rid, rs.name, name, ranks, address, dict(capabilities or {}), wall)
         m.last_seen = now
         self.members[rid] = m
@@ -414,6 +419,12 @@ class ControllerState:
         join timeouts. Call it often (every ``controller.tick_s``)."""
         t = self.cfg.timeouts
         tick = Tick()
+        # Stale requests go first: an eviction below may form a quorum, and it
+        # must not count a replica whose request timed out (it gave up waiting).
+        for rs in self.roles.values():
+            stale = [rid for rid, p in rs.pending.items() if p.deadline <= now]
+            for rid in stale:
+                rs.drop_pending(rid)
         for m in list(self.members.values()):
             if m.suspect_since is not None and now - m.suspect_since >= t.suspect_grace_s:
                 tick.merge(
@@ -422,9 +433,6 @@ class ControllerState:
             elif now - m.last_seen >= t.heartbeat_s:
                 tick.merge(self._evict(m.replica_id, "heartbeat timeout", now, wall))
         for rs in self.roles.values():
-            stale = [rid for rid, p in rs.pending.items() if p.deadline <= now]
-            for rid in stale:
-                rs.drop_pending(rid)
             q = self._try_form(rs, now, wall)
             if q is not None:
                 tick.formed.append(q)
@@ -490,7 +498,7 @@ class ControllerState:
             return None
         ids = sorted(rs.pending)
         last = rs.last_quorum
-        if last is None or rs.force_bump or ids != sorted(last.replica_ids):
+        if last is None or ids != sorted(last.replica_ids):
             rs.quorum_id += 1
         rs.force_bump = False
         rs.round += 1
@@ -510,7 +518,9 @@ class ControllerState:
             )
             for rank, rid in enumerate(ids)
         )
-        q = Quorum(rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall)
+        q = Quorum(
+            rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall, max(rs.step, max_step)
+        )
         for rid in ids:
             m = self.members[rid]
             m.last_request_id = rs.pending[rid].request_id

@@ -1,0 +1,778 @@
+"""Controller benchmark: quorum latency and heartbeat load at N replicas, next to
+torchft's lighthouse on the same N.
+
+    python bench/controller.py [--json] [--n 10,100,1000] [--rounds 12]
+
+For each N it starts a real controller (``python -m phalanx.cli controller``)
+in a temp state dir, with a job whose first quorum waits for all N
+(``n_init_replicas = N``), and drives it from a few worker processes that
+simulate the replicas over raw HTTP/1.1 keep-alive connections (asyncio,
+uvloop where installed), so that the load generator costs little next to
+the controller. Each simulated replica:
+
+- heartbeats as the real client does: a long-poll with ``wait_s = 1.0``,
+  which the controller holds for ``heartbeat_interval_s`` (1 s), so 1 Hz;
+- runs quorum rounds: round r starts at ``t0 + r * interval`` (a training
+  step of ``--interval-s``; a late round starts at once), asks for the
+  quorum at step r and parses the answer, checking that it holds all N.
+
+Figures (over the rounds after ``--warmup`` warm-up rounds):
+
+- ``quorum_p50_ms`` / ``quorum_p99_ms``: per replica per round, from sending
+  its quorum request to holding the parsed answer.
+- ``round_ms_p50``: per round, from the first request sent to the last
+  answer received, which is what a training step waits for.
+- ``heartbeats_per_s``: counted by the controller (``phalanx_heartbeats_total``
+  on ``/metrics``) over the measured rounds.
+- ``controller_cpu_percent``: the controller process over the same window
+  (100 = one core). ``loadgen_cpu_percent`` is the workers' total.
+
+The torchft side runs the same N, rounds, schedule and 1 Hz heartbeats
+against a ``LighthouseServer`` (its Python binding's defaults for the
+timing knobs, ``min_replicas = N``) in its own process, from worker
+processes with one thread and one ``LighthouseClient`` per replica.
+
+Last, fast failure detection: 3 replica processes form a quorum, one is
+SIGKILLed, a survivor reports it (``POST /v1/report-failure``) and asks for
+the next quorum. ``evict_after_report_ms`` is the time from sending the
+report to the controller's status no longer listing the victim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+
+ROLE = "policy"
+QUORUM_WAIT_S = 30.0
+CONNECT_BATCH = 100
+READY_TIMEOUT_S = 300.0
+
+
+# -- a minimal HTTP/1.1 client -------------------------------------------------
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection, one request at a time. Much cheaper per
+    request than httpx, so that 2000 connections fit beside the controller."""
+
+    def __init__(self, url: str, token: str):
+        u = urlsplit(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self._head = (
+            f"HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\n"
+        ).encode()
+        self._r: asyncio.StreamReader | None = None
+        self._w: asyncio.StreamWriter | None = None
+
+    async def open(self) -> Conn:
+        self._r, self._w = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def request(self, method: bytes, path: bytes, body: bytes = b"") -> tuple[int, bytes]:
+        assert self._r is not None and self._w is not None, "open() the connection first"
+        self._w.write(
+            b"%s %s %sContent-Length: %d\r\n\r\n%s" % (method, path, self._head, len(body), body)
+        )
+        head = await self._r.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        i = head.lower().find(b"content-length:")
+        if i < 0:
+            raise RuntimeError(f"controller reply must carry Content-Length: got {head[:200]!r}")
+        n = int(head[i + 15 : head.index(b"\r\n", i)])
+        return status, await self._r.readexactly(n)
+
+    async def post(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        status, data = await self.request(b"POST", path.encode(), json.dumps(obj).encode())
+        if status != 200:
+            raise RuntimeError(f"POST {path} answered {status}: {data[:300]!r}")
+        return json.loads(data)
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+
+
+async def _open_all(url: str, token: str, n: int) -> list[Conn]:
+    conns = [Conn(url, token) for _ in range(n)]
+    for i in range(0, n, CONNECT_BATCH):
+        await asyncio.gather(*(c.open() for c in conns[i : i + CONNECT_BATCH]))
+    return conns
+
+
+async def _quorum(conn: Conn, rid: str, step: int) -> dict[str, Any]:
+    """Ask for the quorum at ``step`` until it is answered (a pending long-poll is
+    retried with the same request id, as the real client does)."""
+    req = {"replica_id": rid, "step": step, "request_id": f"s{step}", "wait_s": QUORUM_WAIT_S}
+    while True:
+        reply = await conn.post("/v1/quorum", req)
+        if reply["status"] == "ok":
+            return reply["quorum"]
+
+
+async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int]) -> None:
+    while True:
+        await conn.post("/v1/heartbeat", {"replica_id": rid, "wait_s": 1.0})
+        counter[0] += 1
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# -- worker protocol -------------------------------------------------------------
+#
+# Every load worker (phalanx or torchft) speaks the same protocol with the
+# coordinator over a Pipe: it sends ("ready",) once its replicas are
+# registered and heartbeating, receives ("go", t0), sends ("warm", cpu_s)
+# when all its replicas finished the warm-up rounds, and ("done", samples,
+# heartbeats, cpu_s) at the end. A sample is (round, sent, answered) on the
+# shared monotonic clock.
+
+
+@dataclass
+class Plan:
+    n: int
+    rounds: int
+    warmup: int
+    interval_s: float
+
+
+def _phalanx_worker(pipe: Any, url: str, token: str, names: list[str], plan: Plan) -> None:
+    _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+
+
+async def _phalanx_worker_async(
+    pipe: Any, url: str, token: str, names: list[str], plan: Plan
+) -> None:
+    loop = asyncio.get_running_loop()
+    reg = await _open_all(url, token, 8)
+
+    async def register(conn: Conn, chunk: list[str]) -> list[str]:
+        out = []
+        for name in chunk:
+            out.append(
+                (await conn.post("/v1/register", {"role": ROLE, "name": name}))["replica_id"]
+            )
+        return out
+
+    chunks = await asyncio.gather(*(register(c, names[i :: len(reg)]) for i, c in enumerate(reg)))
+    rids = [rid for chunk in chunks for rid in chunk]
+    for c in reg:
+        c.close()
+    hb_conns = await _open_all(url, token, len(rids))
+    q_conns = await _open_all(url, token, len(rids))
+    beats = [0]
+    hb_tasks = [
+        loop.create_task(_heartbeat_loop(c, rid, beats))
+        for c, rid in zip(hb_conns, rids, strict=True)
+    ]
+    pipe.send(("ready",))
+    _, t0 = await loop.run_in_executor(None, pipe.recv)
+    samples: list[tuple[int, float, float]] = []
+    warm_left = [len(rids)]
+
+    async def replica(conn: Conn, rid: str) -> None:
+        for r in range(plan.rounds):
+            delay = t0 + r * plan.interval_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.monotonic()
+            q = await _quorum(conn, rid, r)
+            answered = time.monotonic()
+            if len(q["members"]) != plan.n:
+                raise RuntimeError(
+                    f"round {r}: quorum has {len(q['members'])} members, not {plan.n}"
+                )
+            samples.append((r, sent, answered))
+            if r == plan.warmup - 1:
+                warm_left[0] -= 1
+                if warm_left[0] == 0:
+                    pipe.send(("warm", _cpu_s(), beats[0]))
+
+    await asyncio.gather(*(replica(c, rid) for c, rid in zip(q_conns, rids, strict=True)))
+    cpu = _cpu_s()
+    for t in hb_tasks:
+        t.cancel()
+    await asyncio.gather(*hb_tasks, return_exceptions=True)
+    for c in hb_conns + q_conns:
+        c.close()
+    pipe.send(("done", samples, beats[0], cpu))
+
+
+def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
+    from datetime import timedelta
+
+    # One blocking client per replica, each with its own tokio runtime: one
+    # runtime thread each keeps 1000 replicas at ~2000 threads. The clients'
+    # own logging is not what is measured: keep it to warnings.
+    os.environ["TOKIO_WORKER_THREADS"] = "1"
+    os.environ["RUST_LOG"] = "warn"
+    from torchft._torchft import LighthouseClient
+
+    threading.stack_size(512 * 1024)
+    clients = [LighthouseClient(addr, connect_timeout=timedelta(seconds=30)) for _ in names]
+    for c, rid in zip(clients, names, strict=True):
+        c.heartbeat(rid)
+    stop = threading.Event()
+    beats = [0]
+
+    def heartbeats() -> None:
+        # Every replica once a second, spread over the second.
+        while not stop.is_set():
+            start = time.monotonic()
+            for i, (c, rid) in enumerate(zip(clients, names, strict=True)):
+                if stop.is_set():
+                    return
+                c.heartbeat(rid)
+                beats[0] += 1
+                lag = start + (i + 1) / len(names) - time.monotonic()
+                if lag > 0:
+                    time.sleep(lag)
+
+    hb = threading.Thread(target=heartbeats, daemon=True)
+    hb.start()
+    pipe.send(("ready",))
+    _, t0 = pipe.recv()
+    samples: list[tuple[int, float, float]] = []
+    lock = threading.Lock()
+    warm_left = [len(names)]
+    errors: list[BaseException] = []
+
+    def replica(c: Any, rid: str) -> None:
+        try:
+            for r in range(plan.rounds):
+                delay = t0 + r * plan.interval_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                sent = time.monotonic()
+                q = c.quorum(replica_id=rid, timeout=timedelta(seconds=60), step=r)
+                answered = time.monotonic()
+                if len(q.participants) != plan.n:
+                    raise RuntimeError(f"round {r}: quorum has {len(q.participants)} members")
+                samples.append((r, sent, answered))
+                if r == plan.warmup - 1:
+                    with lock:
+                        warm_left[0] -= 1
+                        if warm_left[0] == 0:
+                            pipe.send(("warm", _cpu_s(), beats[0]))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=replica, args=(c, rid), daemon=True)
+        for c, rid in zip(clients, names, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu = _cpu_s()
+    stop.set()
+    hb.join(timeout=5)
+    if errors:
+        pipe.send(("error", repr(errors[0])))
+        return
+    pipe.send(("done", samples, beats[0], cpu))
+
+
+def _expect(pipe: Any, kind: str, timeout: float) -> tuple[Any, ...]:
+    if not pipe.poll(timeout):
+        raise TimeoutError(f"a load worker sent no {kind!r} within {timeout:.0f}s")
+    msg = pipe.recv()
+    if msg[0] != kind:
+        raise RuntimeError(f"a load worker must send {kind!r}: got {msg!r}")
+    return msg
+
+
+@dataclass
+class Load:
+    samples: list[tuple[int, float, float]]
+    heartbeats: int
+    loadgen_cpu_s: float
+    window_s: float
+
+
+def _drive(
+    target: Callable[..., None],
+    worker_args: list[tuple[Any, ...]],
+    on_warm: Callable[[], None],
+    on_done: Callable[[], None],
+    timeout_s: float,
+) -> Load:
+    """Run the load workers through ready / go / warm / done (see above)."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    try:
+        for args in worker_args:
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+            p.start()
+            pipes.append(mine)
+            procs.append(p)
+        for pipe in pipes:
+            _expect(pipe, "ready", READY_TIMEOUT_S)
+        t0 = time.monotonic() + 0.5
+        for pipe in pipes:
+            pipe.send(("go", t0))
+        warm = [_expect(pipe, "warm", timeout_s) for pipe in pipes]
+        on_warm()
+        w0 = time.monotonic()
+        done = [_expect(pipe, "done", timeout_s) for pipe in pipes]
+        on_done()
+        window = time.monotonic() - w0
+        for p in procs:
+            p.join(timeout=30)
+        return Load(
+            samples=[s for d in done for s in d[1]],
+            heartbeats=sum(d[2] for d in done) - sum(w[2] for w in warm),
+            loadgen_cpu_s=sum(d[3] for d in done) - sum(w[1] for w in warm),
+            window_s=window,
+        )
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=5)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _summarize(load: Load, warmup: int) -> dict[str, float]:
+    lat = [(a - s) * 1e3 for r, s, a in load.samples if r >= warmup]
+    rounds: dict[int, tuple[float, float]] = {}
+    for r, s, a in load.samples:
+        if r >= warmup:
+            lo, hi = rounds.get(r, (s, a))
+            rounds[r] = (min(lo, s), max(hi, a))
+    round_ms = [(hi - lo) * 1e3 for lo, hi in rounds.values()]
+    return {
+        "quorum_p50_ms": round(_percentile(lat, 50), 2),
+        "quorum_p99_ms": round(_percentile(lat, 99), 2),
+        "round_ms_p50": round(_percentile(round_ms, 50), 2),
+        "round_ms_max": round(max(round_ms), 2),
+    }
+
+
+def _split(names: list[str], workers: int) -> list[list[str]]:
+    return [names[i::workers] for i in range(workers) if names[i::workers]]
+
+
+# -- phalanx ---------------------------------------------------------------------
+
+
+@dataclass
+class Controller:
+    url: str
+    token: str
+    pid: int
+
+    def get(self, path: str) -> httpx.Response:
+        r = httpx.get(
+            self.url + path, headers={"Authorization": f"Bearer {self.token}"}, timeout=60
+        )
+        r.raise_for_status()
+        return r
+
+    def heartbeats_total(self) -> float:
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith("phalanx_heartbeats_total "):
+                return float(line.split()[1])
+        raise RuntimeError("controller /metrics must expose phalanx_heartbeats_total")
+
+
+@contextlib.contextmanager
+def controller(
+    tmp: Path, name: str, n_init: int, profile_dir: Path | None = None
+) -> Iterator[Controller]:
+    """A real controller subprocess on port 0, stopped by its pid on exit."""
+    state = tmp / name
+    state.mkdir()
+    cfg = state / "job.toml"
+    cfg.write_text(
+        f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\nn_init_replicas = {n_init}\n'
+    )
+    log = (state / "controller.log").open("wb")
+    cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        cmd[1:1] = ["-m", "cProfile", "-o", str(profile_dir / f"{name}.prof")]
+    proc = subprocess.Popen(
+        [*cmd, "--config", str(cfg), "--port", "0"], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "url").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (state / "controller.log").read_text()[-2000:]
+                raise RuntimeError(f"controller did not start (rc {proc.returncode}):\n{tail}")
+            time.sleep(0.05)
+        ctl = Controller(
+            (state / "url").read_text().strip(), (state / "token").read_text().strip(), proc.pid
+        )
+        while True:
+            try:
+                httpx.get(ctl.url + "/healthz", timeout=5).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield ctl
+    finally:
+        if proc.poll() is None:
+            # uvicorn re-raises SIGTERM after its clean shutdown, which would kill a
+            # cProfile run before it writes; SIGINT ends in a KeyboardInterrupt.
+            proc.send_signal(signal.SIGTERM if profile_dir is None else signal.SIGINT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def bench_phalanx(
+    tmp: Path, plan: Plan, workers: int, profile_dir: Path | None = None
+) -> dict[str, Any]:
+    with controller(tmp, f"bench-n{plan.n}", plan.n, profile_dir) as ctl:
+        cpu = psutil.Process(ctl.pid)
+        marks: dict[str, tuple[float, float, float]] = {}
+
+        def mark(key: str) -> Callable[[], None]:
+            def f() -> None:
+                t = cpu.cpu_times()
+                marks[key] = (time.monotonic(), t.user + t.system, ctl.heartbeats_total())
+
+            return f
+
+        names = [f"r{i:04d}" for i in range(plan.n)]
+        load = _drive(
+            _phalanx_worker,
+            [(ctl.url, ctl.token, chunk, plan) for chunk in _split(names, workers)],
+            mark("warm"),
+            mark("done"),
+            timeout_s=max(120.0, plan.rounds * plan.interval_s * 4),
+        )
+    (t_a, c_a, h_a), (t_b, c_b, h_b) = marks["warm"], marks["done"]
+    return {
+        **_summarize(load, plan.warmup),
+        "heartbeats_per_s": round((h_b - h_a) / (t_b - t_a), 1),
+        "controller_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
+        "loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),
+    }
+
+
+# -- torchft ---------------------------------------------------------------------
+
+
+def _lighthouse(pipe: Any, n: int, log_path: str) -> None:
+    # The lighthouse logs every quorum request at INFO (its default level):
+    # into a file, as a deployed one would, not onto the terminal.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    from torchft._torchft import LighthouseServer
+
+    # Timing knobs left to the binding's defaults (join_timeout_ms=100,
+    # quorum_tick_ms=100, heartbeat_timeout_ms=5000 in torchft 0.2.0).
+    lh = LighthouseServer(bind="[::]:0", min_replicas=n)
+    pipe.send(lh.address())
+    pipe.recv()
+    lh.shutdown()
+
+
+def torchft_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        import torchft._torchft  # noqa: F401
+    except ImportError:
+        return None
+    return version("torchft")
+
+
+def bench_torchft(tmp: Path, plan: Plan, workers: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    log = str(tmp / f"lighthouse-n{plan.n}.log")
+    server = ctx.Process(target=_lighthouse, args=(theirs, plan.n, log), daemon=True)
+    server.start()
+    try:
+        addr = _expect_value(mine, 60)
+        cpu = psutil.Process(server.pid)
+        marks: dict[str, tuple[float, float]] = {}
+
+        def mark(key: str) -> Callable[[], None]:
+            def f() -> None:
+                t = cpu.cpu_times()
+                marks[key] = (time.monotonic(), t.user + t.system)
+
+            return f
+
+        names = [f"r{i:04d}" for i in range(plan.n)]
+        load = _drive(
+            _torchft_worker,
+            [(addr, chunk, plan) for chunk in _split(names, workers)],
+            mark("warm"),
+            mark("done"),
+            timeout_s=max(120.0, plan.rounds * plan.interval_s * 4),
+        )
+        mine.send("stop")
+        server.join(timeout=10)
+    finally:
+        if server.is_alive() and server.pid is not None:
+            os.kill(server.pid, signal.SIGKILL)
+            server.join(timeout=5)
+    (t_a, c_a), (t_b, c_b) = marks["warm"], marks["done"]
+    s = _summarize(load, plan.warmup)
+    return {
+        "torchft_quorum_p50_ms": s["quorum_p50_ms"],
+        "torchft_quorum_p99_ms": s["quorum_p99_ms"],
+        "torchft_round_ms_p50": s["round_ms_p50"],
+        "torchft_round_ms_max": s["round_ms_max"],
+        "torchft_heartbeats_per_s": round(load.heartbeats / load.window_s, 1),
+        "torchft_lighthouse_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
+        "torchft_loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),
+    }
+
+
+def _expect_value(pipe: Any, timeout: float) -> Any:
+    if not pipe.poll(timeout):
+        raise TimeoutError(f"the lighthouse process sent no address within {timeout:.0f}s")
+    return pipe.recv()
+
+
+# -- fast failure detection ------------------------------------------------------
+
+
+async def _evicted_at(conn: Conn, victim: str) -> float:
+    """Poll the status every 5 ms; the time it first no longer lists ``victim``."""
+    while True:
+        _, data = await conn.request(b"GET", b"/v1/status")
+        ids = {r["replica_id"] for r in json.loads(data)["roles"][ROLE]["replicas"]}
+        if victim not in ids:
+            return time.monotonic()
+        await asyncio.sleep(0.005)
+
+
+def _fd_replica(pipe: Any, url: str, token: str, name: str) -> None:
+    _run_loop(_fd_replica_async(pipe, url, token, name))
+
+
+async def _fd_replica_async(pipe: Any, url: str, token: str, name: str) -> None:
+    loop = asyncio.get_running_loop()
+    conn, hb, status_conn = await _open_all(url, token, 3)
+    rid = (await conn.post("/v1/register", {"role": ROLE, "name": name}))["replica_id"]
+    beats = [0]
+    hb_task = loop.create_task(_heartbeat_loop(hb, rid, beats))
+    pipe.send(("ready", rid, os.getpid()))
+    while True:
+        msg = await loop.run_in_executor(None, pipe.recv)
+        if msg[0] == "quorum":
+            q = await _quorum(conn, rid, msg[1])
+            pipe.send(("quorum", [m["replica_id"] for m in q["members"]]))
+        elif msg[0] == "report":
+            _, victim, step = msg
+            sent = time.monotonic()
+            report = {"reporter": rid, "suspects": [victim], "reason": "bench: collective error"}
+            await conn.post("/v1/report-failure", report)
+            t_evict, q = await asyncio.gather(
+                _evicted_at(status_conn, victim), _quorum(conn, rid, step)
+            )
+            t_quorum = time.monotonic()
+            members = [m["replica_id"] for m in q["members"]]
+            pipe.send(("reported", t_evict - sent, t_quorum - sent, members))
+        else:
+            break
+    hb_task.cancel()
+
+
+def bench_failure_detection(tmp: Path, trial: int, k: int = 3) -> dict[str, Any]:
+    """K replica processes in quorum; SIGKILL one; a survivor reports it."""
+    ctx = mp.get_context("spawn")
+    with controller(tmp, f"bench-fd{trial}", k) as ctl:
+        pipes, procs, rids, pids = [], [], [], []
+        try:
+            for i in range(k):
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=_fd_replica, args=(theirs, ctl.url, ctl.token, f"fd{i}"))
+                p.start()
+                pipes.append(mine)
+                procs.append(p)
+            for pipe in pipes:
+                _, rid, pid = _expect(pipe, "ready", 60)
+                rids.append(rid)
+                pids.append(pid)
+            for pipe in pipes:
+                pipe.send(("quorum", 0))
+            for pipe in pipes:
+                assert len(_expect(pipe, "quorum", 60)[1]) == k
+            victim = rids[-1]
+            os.kill(pids[-1], signal.SIGKILL)
+            procs[-1].join(timeout=10)
+            for pipe in pipes[1:-1]:
+                pipe.send(("quorum", 1))  # survivors that saw the error ask again
+            pipes[0].send(("report", victim, 1))
+            _, evict_s, requorum_s, members = _expect(pipes[0], "reported", 60)
+            for pipe in pipes[1:-1]:
+                _expect(pipe, "quorum", 60)
+            if victim in members or len(members) != k - 1:
+                raise RuntimeError(f"the quorum after the report must drop {victim}: {members}")
+            events = ctl.get("/v1/status").json()["events"]
+            rep = next(e for e in reversed(events) if e["kind"] == "failure_report")
+            ev = next(e for e in events if e["kind"] == "evict" and e["replica_id"] == victim)
+            for pipe in pipes[:-1]:
+                pipe.send(("stop",))
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.join(timeout=5)
+    return {
+        "evict_after_report_ms": round(evict_s * 1e3, 1),
+        "evict_after_report_controller_ms": round((ev["at"] - rep["at"]) * 1e3, 1),
+        "requorum_after_report_ms": round(requorum_s * 1e3, 1),
+    }
+
+
+# -- main ------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--n", default="10,100,1000", help="replica counts (comma separated)")
+    p.add_argument("--rounds", type=int, default=12, help="quorum rounds per N, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up rounds left out of the figures")
+    p.add_argument("--interval-s", type=float, default=0.5, help="round period (a training step)")
+    p.add_argument("--workers", type=int, default=2, help="load worker processes (N >= 100)")
+    p.add_argument("--fd-trials", type=int, default=3, help="failure-detection trials")
+    p.add_argument("--no-torchft", action="store_true", help="skip the torchft comparison")
+    p.add_argument(
+        "--profile-dir", type=Path, help="run the controller under cProfile, stats into this dir"
+    )
+    args = p.parse_args(argv)
+    if not 0 < args.warmup < args.rounds:
+        p.error(f"--warmup must be in [1, --rounds): got {args.warmup} with --rounds {args.rounds}")
+    tf_version = None if args.no_torchft else torchft_version()
+    out = sys.stdout
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as d:
+        tmp = Path(d)
+        for n in (int(x) for x in args.n.split(",")):
+            plan = Plan(n, args.rounds, args.warmup, args.interval_s)
+            workers = 1 if n < 100 else args.workers
+            row: dict[str, Any] = {
+                "n": n,
+                "rounds": args.rounds - args.warmup,
+                "warmup_rounds": args.warmup,
+                "interval_s": args.interval_s,
+                "load_workers": workers,
+            }
+            row.update(bench_phalanx(tmp, plan, workers, args.profile_dir))
+            row.update(torchft_fields(tmp, plan, workers, tf_version))
+            ours, theirs = row["quorum_p50_ms"], row.get("torchft_quorum_p50_ms")
+            row["ratio_vs_torchft"] = round(ours / theirs, 2) if theirs else None
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), file=out, flush=True)
+        trials = [bench_failure_detection(tmp, i) for i in range(args.fd_trials)]
+    fd = {
+        "failure_detection": {
+            "k": 3,
+            "trials": args.fd_trials,
+            **{key: _median([t[key] for t in trials]) for key in trials[0]},
+            "evict_after_report_ms_all": [t["evict_after_report_ms"] for t in trials],
+            "suspect_grace_s": 0.25,
+            "target_ms": 500,
+        }
+    }
+    if args.json:
+        print(json.dumps(fd), file=out, flush=True)
+    else:
+        _table(rows, fd["failure_detection"])
+    return 0
+
+
+def torchft_fields(tmp: Path, plan: Plan, workers: int, version: str | None) -> dict[str, Any]:
+    empty = {
+        "torchft_quorum_p50_ms": None,
+        "torchft_quorum_p99_ms": None,
+        "torchft_round_ms_p50": None,
+        "torchft_version": version,
+    }
+    if version is None:
+        return {**empty, "torchft_reason": "torchft is not installed (pip install torchft)"}
+    try:
+        return {**bench_torchft(tmp, plan, workers), "torchft_version": version}
+    except Exception as e:
+        return {**empty, "torchft_reason": f"torchft run failed at N={plan.n}: {e!r}"}
+
+
+def _median(xs: list[float]) -> float:
+    return round(_percentile(xs, 50), 1)
+
+
+def _table(rows: list[dict[str, Any]], fd: dict[str, Any]) -> None:
+    cols = [
+        ("n", "N"),
+        ("quorum_p50_ms", "p50 ms"),
+        ("quorum_p99_ms", "p99 ms"),
+        ("round_ms_p50", "round ms"),
+        ("heartbeats_per_s", "hb/s"),
+        ("controller_cpu_percent", "ctl cpu%"),
+        ("torchft_quorum_p50_ms", "tf p50"),
+        ("torchft_quorum_p99_ms", "tf p99"),
+        ("torchft_round_ms_p50", "tf round"),
+        ("ratio_vs_torchft", "ours/tf"),
+    ]
+    print(" ".join(f"{h:>9}" for _, h in cols))
+    for r in rows:
+        print(" ".join(f"{'-' if r.get(k) is None else r[k]!s:>9}" for k, _ in cols))
+    print(
+        f"\nfailure detection (K=3, {fd['trials']} trials): evict {fd['evict_after_report_ms']} ms "
+        f"after the report (controller: {fd['evict_after_report_controller_ms']} ms), survivors' "
+        f"new quorum {fd['requorum_after_report_ms']} ms after it"
+    )
+    print(f"{platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The data plane: reconfigurable process groups and state transfer between replicas."""

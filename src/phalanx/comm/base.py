@@ -1,0 +1,47 @@
+"""Interface of a replica-to-replica communicator that is rebuilt per quorum."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point transfer failed (peer died, hung past the
+    collective timeout, or the group was aborted). Recoverable: the caller does
+    not commit the step, reports the peers, and retries with the next quorum."""
+
+
+class Communicator(ABC):
+    """Collectives among the replicas of one quorum.
+
+    ``configure`` is called by every participant of a quorum with the same
+    ``store_addr``/``prefix``; it is itself a rendezvous (a collective).
+    Every other method is a collective (or a matched send/recv pair) over
+    the configured group, raises :class:`CommError` on failure, and never
+    blocks longer than the timeout given at construction.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @abstractmethod
+    def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None: ...
+
+    @abstractmethod
+    def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
+        """In-place all-reduce of each tensor (``op``: sum, min or max)."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+
+    @abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None: ...
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Tear down the group; pending and later operations fail fast."""

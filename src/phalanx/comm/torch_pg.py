@@ -1,0 +1,113 @@
+"""A :class:`Communicator` over torch.distributed process groups: gloo on CPU,
+NCCL on CUDA. A new group is built for each quorum, under a fresh store
+prefix, so that a group never mixes members of two quorums.
+
+The rendezvous store is a ``TCPStore`` served by each replica's rank 0
+(:func:`serve_store`) and advertised to the controller as the replica's
+address; the quorum's rank-0 member's store is the rendezvous point.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.base import CommError, Communicator
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def serve_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
+    """Start this replica's rendezvous store on a free port. Returns (store, "host:port")."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    return store, f"{host}:{store.port}"
+
+
+def local_host() -> str:
+    return socket.gethostbyname("localhost")
+
+
+class TorchCommunicator(Communicator):
+    def __init__(self, timeout_s: float, device: torch.device | None = None):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device or torch.device("cpu")
+        self.pg: dist.ProcessGroup | None = None
+        self.rank, self.world_size = 0, 1
+
+    def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None:
+        self.abort()
+        host, port = store_addr.rsplit(":", 1)
+        try:
+            base = dist.TCPStore(
+                host.strip("[]"),
+                int(port),
+                is_master=False,
+                timeout=self.timeout,
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+            store = dist.PrefixStore(prefix, base)
+            if self.device.type == "cuda":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        except Exception as e:  # rendezvous failed: a peer is gone or the store host died
+            self.pg = None
+            raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e
+        self.rank, self.world_size = rank, world_size
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise CommError("no process group: configure() has not succeeded for this quorum")
+        return self.pg
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            raise CommError(f"{what} failed: {e}") from e
+
+    def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
+        pg = self._group()
+        try:
+            works = [pg.allreduce([t], _OPS[op]) for t in tensors]
+        except Exception as e:
+            raise CommError(f"allreduce failed to start: {e}") from e
+        for w in works:
+            self._wait(w, "allreduce")
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        try:
+            work = self._group().broadcast([tensor], opts)
+        except Exception as e:
+            raise CommError(f"broadcast failed to start: {e}") from e
+        self._wait(work, "broadcast")
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        try:
+            work = self._group().send([tensor], dst, tag)
+        except Exception as e:
+            raise CommError(f"send to rank {dst} failed to start: {e}") from e
+        self._wait(work, f"send to rank {dst}")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        try:
+            work = self._group().recv([tensor], src, tag)
+        except Exception as e:
+            raise CommError(f"recv from rank {src} failed to start: {e}") from e
+        self._wait(work, f"recv from rank {src}")
+
+    def abort(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:
+                pass  # best effort: the group is being discarded either way

@@ -1,0 +1,1 @@
+"""Launchers: local processes (`phalanx run`); elastic agents and executors come later."""

@@ -1,0 +1,65 @@
+"""Gradients in flat buffers, all-reduced in buckets with no copy.
+
+Each parameter's ``.grad`` is a view into one flat buffer per dtype and
+device, so backward accumulates straight into the buffer and the
+all-reduce runs on slices of it (the buckets). A two-element side tensor
+travels with the buckets: the count of participants that vote to commit
+and the summed loss, so the commit vote costs no extra round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phalanx.comm.base import Communicator
+
+
+class GradBuffer:
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int = 25 << 20):
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                groups.setdefault((p.dtype, p.device), []).append(p)
+        self.flats: list[torch.Tensor] = []
+        self.views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.buckets: list[torch.Tensor] = []
+        for (dtype, device), params in groups.items():
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+            off = 0
+            for p in params:
+                self.views.append((p, flat[off : off + p.numel()].view_as(p)))
+                off += p.numel()
+            per = max(1, bucket_bytes // flat.element_size())
+            self.buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
+            self.flats.append(flat)
+        self.meta = torch.zeros(2, dtype=torch.float64)
+        self.vote_ok = False
+        self.bind()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
+    def bind(self) -> None:
+        """Point every ``.grad`` at its view (after a ``zero_grad(set_to_none=True)``)."""
+        for p, v in self.views:
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                p.grad = v
+
+    def zero(self) -> None:
+        self.bind()
+        for f in self.flats:
+            f.zero_()
+
+    def allreduce(
+        self, comm: Communicator, world_size: int, loss_sum: float, vote: bool = True
+    ) -> float:
+        """Sum gradients over the group; returns the group's summed loss. Sets
+        :attr:`vote_ok` when every participant voted to commit."""
+        self.bind()
+        self.meta[0] = 1.0 if vote else 0.0
+        self.meta[1] = loss_sum
+        self.vote_ok = False
+        comm.allreduce([*self.buckets, self.meta], "sum")
+        self.vote_ok = int(round(self.meta[0].item())) == world_size
+        return float(self.meta[1])

@@ -1,0 +1,181 @@
+"""The built-in FT data-parallel job: an MLP regressing a fixed random function
+on synthetic data generated from the job seed. It is small enough for
+tests on CPU and has everything a real job has: a dataset read through the
+exactly-once sampler, a constant global batch, an optimizer with state,
+and live heal.
+
+A replica process runs :func:`run_replica`; it prints one JSON line per
+committed step on stdout (``phalanx run`` reads them for its progress view).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.client import ControllerClient, QuorumTimeout
+from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.config import JobConfig, TrainSection
+from phalanx.data.sampler import ElasticSampler
+from phalanx.train.manager import Manager
+
+log = logging.getLogger("phalanx.train")
+
+
+def build_model(tc: TrainSection, seed: int) -> torch.nn.Module:
+    """Same initial weights on every replica: the first quorum needs no heal."""
+    torch.manual_seed(seed)
+    dims = [tc.in_dim, *tc.hidden]
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:], strict=True):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(dims[-1], tc.out_dim))
+    return torch.nn.Sequential(*layers).to(getattr(torch, tc.dtype))
+
+
+def build_data(tc: TrainSection, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    dtype = getattr(torch, tc.dtype)
+    x = torch.randn(tc.dataset_size, tc.in_dim, generator=g, dtype=torch.float64)
+    w = torch.randn(tc.in_dim, tc.out_dim, generator=g, dtype=torch.float64) / tc.in_dim**0.5
+    y = torch.tanh(x @ w) + 0.01 * torch.randn(
+        tc.dataset_size, tc.out_dim, generator=g, dtype=torch.float64
+    )
+    return x.to(dtype), y.to(dtype)
+
+
+def build_optimizer(tc: TrainSection, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay
+        )
+    return torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+
+
+def make_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, delay_s: float = 0.0):
+    def compute(indices: list[int], scale: float) -> float:
+        if delay_s:
+            time.sleep(delay_s)
+        if not indices:
+            return 0.0
+        idx = torch.as_tensor(indices)
+        per_sample = ((model(x[idx]) - y[idx]) ** 2).mean(dim=1)
+        loss_sum = per_sample.sum()
+        (loss_sum * scale).backward()
+        return float(loss_sum.detach())
+
+    return compute
+
+
+def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors under stable names (for comparing replicas)."""
+    out = {f"model.{k}": v.detach().clone() for k, v in manager.model.state_dict().items()}
+    for pid, st in manager.optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{pid}.{k}"] = v.detach().clone().reshape(v.shape)
+    return out
+
+
+def save_final(path: Path, manager: Manager) -> None:
+    from safetensors.torch import save_file
+
+    meta = {"step": str(manager.step), "cursor": str(manager.sampler.cursor)}
+    tmp = path.with_suffix(".tmp")
+    save_file(flat_state(manager), str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
+    tc = cfg.train
+    torch.set_num_threads(tc.threads)
+    store, address = serve_store()
+    client = ControllerClient(controller, "policy", name, address=address)
+    client.register()
+    job_step = client.status()["roles"]["policy"]["step"]
+    if job_step >= tc.steps:
+        emit({"event": "done", "replica": client.replica_id, "step": job_step, "heals": 0})
+        log.info("the job already committed its %d steps; nothing to do", tc.steps)
+        client.close("job already finished")
+        return 0
+    client.start_heartbeat()
+    model = build_model(tc, cfg.job.seed)
+    x, y = build_data(tc, cfg.job.seed)
+    optimizer = build_optimizer(tc, model)
+    sampler = ElasticSampler(tc.dataset_size, seed=cfg.job.seed)
+    comm = TorchCommunicator(cfg.timeouts.collective_s)
+    manager = Manager(
+        client,
+        comm,
+        model,
+        optimizer,
+        sampler,
+        global_batch_size=tc.global_batch_size,
+        micro_batch_size=tc.micro_batch_size or None,
+        bucket_bytes=int(tc.bucket_mb * (1 << 20)),
+        quorum_timeout_s=cfg.timeouts.quorum_s,
+    )
+    compute = make_compute(model, x, y, tc.step_delay_s)
+    emit(
+        {
+            "event": "start",
+            "replica": client.replica_id,
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+    )
+    try:
+        while manager.step < tc.steps:
+            try:
+                r = manager.train_step(compute)
+            except QuorumTimeout as e:
+                log.warning("%s; asking again", e)
+                continue
+            if r.committed:
+                emit(
+                    {
+                        "event": "step",
+                        "replica": client.replica_id,
+                        "step": r.step,
+                        "loss": r.loss,
+                        "participants": r.participants,
+                        "quorum_id": r.quorum_id,
+                        "healed": r.healed,
+                        "cursor": manager.sampler.cursor,
+                        "t": time.time(),
+                    }
+                )
+            else:
+                emit(
+                    {
+                        "event": "retry",
+                        "replica": client.replica_id,
+                        "step": r.step,
+                        "error": (r.error or "")[:200],
+                    }
+                )
+        if out is not None:
+            save_final(out, manager)
+        emit(
+            {
+                "event": "done",
+                "replica": client.replica_id,
+                "step": manager.step,
+                "heals": manager.heals,
+            }
+        )
+    finally:
+        manager.close()
+        client.close("finished")
+        del store
+    return 0

@@ -1,0 +1,361 @@
+"""The per-replica FT data-parallel manager: quorum per step, all-reduce,
+commit everywhere or nowhere, live heal.
+
+One :class:`Manager` per replica. A step goes::
+
+    start_quorum()          ask the controller, in the background
+    (speculative compute)   forward/backward on the share the last quorum implies
+    wait_quorum()           rebuild the process group if quorum_id changed; heal
+    (recompute if needed)   only when the quorum changed this replica's share
+    allreduce_grads()       bucketed sum; loss was pre-scaled by 1/global_batch
+    should_commit()         every participant succeeded -> step the optimizer
+
+:meth:`Manager.train_step` runs exactly that; the pieces are public for
+loops that need to own the order (the RL policy replicas do).
+
+Failure handling: a :class:`~phalanx.comm.base.CommError` anywhere (dead or
+hung peer) makes this replica vote no, report every other participant as a
+suspect (the controller probes them, so live ones are not evicted) with
+``failed_commit``, and the step is retried with the next quorum. A replica
+that voted no while others committed is one step behind at the next quorum
+and heals, so the replicas never diverge.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from phalanx.client import ControllerClient
+from phalanx.comm.base import CommError, Communicator
+from phalanx.comm.transfer import recv_state, send_state
+from phalanx.controller.state import Quorum
+from phalanx.data.sampler import ElasticSampler
+from phalanx.log import ReplicaLogger
+from phalanx.train.batch import micro_batches, split
+from phalanx.train.grads import GradBuffer
+
+Compute = Callable[[list[int], float], float]
+"""``compute(sample_indices, loss_scale) -> summed loss``: forward and backward on
+the samples, with the summed loss multiplied by ``loss_scale`` before backward."""
+
+
+@dataclass
+class StepResult:
+    committed: bool
+    step: int
+    """The committed step count after this call."""
+    loss: float | None
+    """Mean loss over the global batch (only when committed)."""
+    participants: int
+    quorum_id: int
+    healed: bool = False
+    error: str | None = None
+
+
+def rng_state() -> dict[str, Any]:
+    st: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    # set_rng_state needs a tensor that owns its storage (a view into a
+    # received buffer crashes it), hence the clone.
+    torch.set_rng_state(st["torch"].clone())
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.clone() for t in st["cuda"]])
+
+
+class Manager:
+    def __init__(
+        self,
+        client: ControllerClient,
+        comm: Communicator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        bucket_bytes: int = 25 << 20,
+        quorum_timeout_s: float | None = None,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1: got {global_batch_size}.")
+        self.client = client
+        self.comm = comm
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size or global_batch_size
+        self.quorum_timeout_s = quorum_timeout_s
+        self.grads = GradBuffer(model, bucket_bytes)
+        self.step = 0
+        self.quorum: Quorum | None = None
+        self._configured: tuple[int, ...] | None = None
+        self._incarnation = -1
+        self.rank, self.world_size = 0, 1
+        self.extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.log = ReplicaLogger(logging.getLogger("phalanx.train"), client.who)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
+        self._pending: Future[Quorum] | None = None
+        self._ok = True
+        self._error: str | None = None
+        self.heals = 0
+        self.last_heal: dict[str, float] = {}
+
+    # -- state -----------------------------------------------------------
+
+    def register_state(
+        self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]
+    ) -> None:
+        """Add state that heal (and checkpoints) must carry, e.g. an LR scheduler."""
+        self.extra[name] = (get, set_)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "extra": {k: get() for k, (get, _) in self.extra.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.step = int(sd["step"])
+        self.sampler.load_state_dict(sd["sampler"])
+        set_rng_state(sd["rng"])
+        for k, v in sd["extra"].items():
+            if k in self.extra:
+                self.extra[k][1](v)
+        self.client.step = self.step
+        self.client.who.step = self.step
+
+    # -- quorum ----------------------------------------------------------
+
+    def start_quorum(self) -> None:
+        """Ask for this step's quorum in the background (call once per step,
+        before the forward pass)."""
+        if self._pending is None:
+            step = self.step
+            self._pending = self._pool.submit(self.client.quorum, step, self.quorum_timeout_s)
+
+    def predicted_share(self) -> tuple[int, int] | None:
+        """(rank, world_size) this replica will most likely have, from the last
+        quorum, or None when it cannot be predicted (joiner, lagging)."""
+        q = self.quorum
+        if q is None or self.client.incarnations != self._incarnation:
+            return None
+        me = self.client.replica_id
+        if me not in q.replica_ids:
+            return None
+        return q.replica_ids.index(me), len(q.members)
+
+    def wait_quorum(self) -> Quorum:
+        """Wait for the quorum; rebuild the process group if ``quorum_id`` changed;
+        heal this replica or its assigned lagging peers. CommError is recorded
+        (this replica will vote no), not raised."""
+        self.start_quorum()
+        assert self._pending is not None
+        try:
+            q = self._pending.result()
+        finally:
+            self._pending = None
+        self.quorum = q
+        self._ok, self._error = True, None
+        if q.max_step < q.job_step and self.step == q.max_step:
+            self.log.error(
+                "no live replica holds the job's step %d (the quorum's newest is %d): that "
+                "state was lost with its replicas; going on from step %d",
+                q.job_step,
+                q.max_step,
+                q.max_step,
+            )
+        me = self.client.replica_id
+        self.rank, self.world_size = q.replica_ids.index(me), len(q.members)
+        self.client.who.quorum_id = q.quorum_id
+        key = (q.quorum_id, self.client.incarnations)
+        try:
+            if self._configured != key:
+                t0 = time.perf_counter()
+                store = q.members[0].address
+                self.comm.configure(store, f"{q.role}/q{q.quorum_id}", self.rank, self.world_size)
+                self._configured = key
+                self.log.info(
+                    "process group for quorum %d: %d replicas (%.0f ms)",
+                    q.quorum_id,
+                    self.world_size,
+                    1e3 * (time.perf_counter() - t0),
+                )
+            self._incarnation = self.client.incarnations
+            self._heal(q)
+        except CommError as e:
+            self._fail(e)
+        return q
+
+    def _heal(self, q: Quorum) -> None:
+        me = self.client.replica_id
+        ranks = {rid: i for i, rid in enumerate(q.replica_ids)}
+        if me in q.heal:
+            t0 = time.perf_counter()
+            src = ranks[q.heal[me]]
+            sd = recv_state(self.comm, src, tag=1)
+            self.load_state_dict(sd)
+            dt = time.perf_counter() - t0
+            self.heals += 1
+            nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+            self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step}
+            self.log.info(
+                "healed from %s to step %d in %.3f s (%d model bytes)",
+                q.heal[me],
+                self.step,
+                dt,
+                nbytes,
+            )
+        for lag, src in sorted(q.heal.items()):
+            if src == me:
+                send_state(self.comm, self.state_dict(), ranks[lag], tag=1)
+
+    # -- gradients and commit --------------------------------------------
+
+    def share(self) -> list[int]:
+        """This replica's sample indices of the current (uncommitted) global batch."""
+        off, count = split(self.global_batch_size, self.world_size, self.rank)
+        return self.sampler.positions(self.sampler.cursor + off, count)
+
+    def compute(self, fn: Compute, rank: int, world_size: int) -> float:
+        """Run ``fn`` over this replica's share as micro-batches; returns the summed loss."""
+        off, count = split(self.global_batch_size, world_size, rank)
+        idx = self.sampler.positions(self.sampler.cursor + off, count)
+        total = 0.0
+        for mb in micro_batches(idx, self.micro_batch_size):
+            total += float(fn(mb, 1.0 / self.global_batch_size))
+        return total
+
+    def allreduce_grads(self, loss_sum: float = 0.0) -> float:
+        """Sum the gradients over the quorum (bucketed). Returns the summed loss of
+        the global batch. CommError is recorded, not raised."""
+        if not self._ok:
+            return float("nan")
+        try:
+            return self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=True)
+        except CommError as e:
+            self._fail(e)
+            return float("nan")
+
+    def should_commit(self) -> bool:
+        """Whether every participant succeeded this step.
+
+        Call on every replica after :meth:`allreduce_grads` and before the
+        optimizer step; step the optimizer only if it returns True. On True
+        the step counter and the data cursor advance. On False the step is
+        to be retried (call :meth:`start_quorum` again)."""
+        ok = self._ok and self.grads.vote_ok
+        if ok:
+            self.step += 1
+            self.sampler.commit(self.global_batch_size)
+            self.client.step = self.step
+            self.client.who.step = self.step
+        return ok
+
+    def _fail(self, e: Exception) -> None:
+        self._ok, self._error = False, str(e)
+        q = self.quorum
+        me = self.client.replica_id
+        peers = [r for r in (q.replica_ids if q else []) if r != me]
+        self.log.warning("collective failed, reporting %d peer(s): %s", len(peers), str(e)[:200])
+        self._configured = None
+        self.comm.abort()
+        try:
+            self.client.report_failure(peers, reason=str(e)[:500], failed_commit=True)
+        except Exception as report_error:  # the retry will surface a dead controller
+            self.log.error("failure report not delivered: %s", report_error)
+
+    # -- the whole step --------------------------------------------------
+
+    def train_step(self, fn: Compute) -> StepResult:
+        """One FT data-parallel step over the constant global batch.
+
+        Must be called by every replica, once per loop iteration; it either
+        commits (optimizer stepped, cursor advanced) or returns
+        ``committed=False`` and the caller calls it again for the same batch."""
+        self.start_quorum()
+        guess = self.predicted_share()
+        self.grads.zero()
+        loss = self.compute(fn, *guess) if guess is not None else None
+        q = self.wait_quorum()
+        healed = self.client.replica_id in q.heal
+        if self._ok and (guess != (self.rank, self.world_size) or healed):
+            self.grads.zero()
+            loss = self.compute(fn, self.rank, self.world_size)
+        total = self.allreduce_grads(loss or 0.0)
+        committed = self.should_commit()
+        if committed:
+            self.optimizer.step()
+        return StepResult(
+            committed,
+            self.step,
+            total / self.global_batch_size if committed else None,
+            self.world_size,
+            q.quorum_id,
+            healed,
+            self._error,
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.comm.abort()
+
+
+class FTOptimizer:
+    """Wraps an optimizer so that it steps only when the step commits.
+
+    Use it where the loop owns the order instead of :meth:`Manager.train_step`::
+
+        manager.start_quorum(); opt.zero_grad()
+        ... forward/backward on manager.share() (after manager.wait_quorum()) ...
+        manager.allreduce_grads(loss_sum)
+        opt.step()   # calls manager.should_commit(); steps only on True
+    """
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer):
+        self.manager = manager
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        # Gradients live in the manager's flat buffer: zero it, never drop it.
+        self.manager.grads.zero()
+
+    def step(self) -> bool:
+        """Step the optimizer if every participant succeeded. Returns whether it did."""
+        if self.manager.should_commit():
+            self.optimizer.step()
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(sd)

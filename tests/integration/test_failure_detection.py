@@ -1,0 +1,139 @@
+"""The failure detectors with real processes and real signals: a peer's failure
+report (fast path), the heartbeat timeout (slow path), and a false report
+against a live replica (which answers the probe and stays)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from procs import Controller, check_rounds, names, wait_for
+
+from phalanx.client import ControllerClient
+
+FAST_PATH_REASON = "failure report, no heartbeat in grace"
+
+
+@pytest.fixture
+def detector() -> Iterator[list[ControllerClient]]:
+    """Stands in for a peer whose collective failed: a rollout-role member (so it
+    does not take part in the policy quorum) that files failure reports."""
+    made: list[ControllerClient] = []
+    yield made
+    for c in made:
+        c.close()
+
+
+def _detector(made: list[ControllerClient], ctl: Controller) -> ControllerClient:
+    c = ControllerClient(str(ctl.state_dir), "rollout", "detector")
+    made.append(c)
+    c.start_heartbeat()
+    return c
+
+
+def _three_in_quorum(ctl, start_replica):
+    reps = {n: start_replica(ctl, n) for n in "abc"}
+    for r in reps.values():
+        r.wait_line(lambda x: names(x["members"]) == {"a", "b", "c"}, 30, "a quorum of a, b, c")
+    return reps
+
+
+def test_sigkilled_replica_is_evicted_fast_by_a_failure_report(
+    start_controller, start_replica, detector, record_property
+):
+    hb = 20.0
+    # A long join timeout: the survivors cannot re-form before c is evicted, and
+    # a long heartbeat timeout: only the failure report can evict it in time.
+    ctl = start_controller(n_init=3, join_timeout_s=60.0, heartbeat_s=hb, quorum_s=60.0)
+    reporter = _detector(detector, ctl)
+    reps = _three_in_quorum(ctl, start_replica)
+    c = reps["c"]
+    c_id = c.replica_id()
+
+    c.signal(signal.SIGKILL)
+    c.proc.wait(timeout=10)
+    killed_at = marks_at = time.monotonic()
+    marks = {n: len(reps[n].lines()) for n in "ab"}
+    assert reporter.report_failure([c_id], reason="all-reduce: connection reset by peer") == []
+    wait_for(lambda: c_id not in ctl.members(), hb / 2, "the reported replica to be evicted")
+    latency = time.monotonic() - marks_at
+    record_property("eviction_latency_s", latency)
+    print(f"eviction latency after a failure report: {latency * 1000:.0f} ms (heartbeat_s={hb})")
+    assert latency < hb / 2
+    assert ctl.evictions(c_id)[-1]["reason"] == FAST_PATH_REASON
+
+    for n in "ab":
+        line = reps[n].wait_line(
+            lambda x: c_id not in x["members"], hb / 2, "a quorum without c", after=marks[n]
+        )
+        assert names(line["members"]) == {"a", "b"}
+    assert time.monotonic() - killed_at < hb / 2
+    check_rounds([r.lines() for r in reps.values()])
+
+
+def test_sigkilled_replica_is_evicted_by_heartbeat_timeout_alone(
+    start_controller, start_replica
+):
+    hb = 2.0
+    ctl = start_controller(n_init=3, join_timeout_s=30.0, heartbeat_s=hb)
+    reps = _three_in_quorum(ctl, start_replica)
+    c = reps["c"]
+    c_id = c.replica_id()
+    marks = {n: len(reps[n].lines()) for n in "ab"}
+
+    c.signal(signal.SIGKILL)
+    c.proc.wait(timeout=10)
+    t0 = time.monotonic()
+    wait_for(lambda: c_id not in ctl.members(), hb + 5, "the killed replica to be evicted")
+    latency = time.monotonic() - t0
+    print(f"eviction by heartbeat timeout after {latency:.2f} s (heartbeat_s={hb})")
+    assert ctl.evictions(c_id)[-1]["reason"] == "heartbeat timeout"
+    assert latency > hb / 2, "evicted too early for the heartbeat timeout"
+
+    for n in "ab":
+        line = reps[n].wait_line(
+            lambda x: c_id not in x["members"], 10, "a quorum without c", after=marks[n]
+        )
+        assert names(line["members"]) == {"a", "b"}
+    check_rounds([r.lines() for r in reps.values()])
+
+
+def test_false_failure_report_does_not_evict_a_live_replica(
+    start_controller, start_replica, detector
+):
+    grace = 1.0
+    # The heartbeat interval is longer than the grace, so a suspect survives only
+    # by answering the probe (its held heartbeat returns at once, and it re-beats).
+    ctl = start_controller(
+        n_init=2, heartbeat_interval_s=2.0, heartbeat_s=8.0, suspect_grace_s=grace
+    )
+    reporter = _detector(detector, ctl)
+    reps = {n: start_replica(ctl, n) for n in "ab"}
+    for r in reps.values():
+        r.wait_line(lambda x: names(x["members"]) == {"a", "b"}, 30, "a quorum of a and b")
+    a = reps["a"]
+    a_id = a.replica_id()
+    quorum_id = a.last()["quorum_id"]
+    mark = len(a.lines())
+
+    reports = 4
+    for _ in range(reports):
+        assert reporter.report_failure([a_id], reason="false alarm") == []
+        time.sleep(grace * 1.5)
+
+    assert a_id in ctl.members()
+    assert ctl.evictions(a_id) == []
+    wait_for(
+        lambda: not next(
+            m for m in ctl.status()["roles"]["policy"]["replicas"] if m["replica_id"] == a_id
+        )["suspect"],
+        grace,
+        "the suspicion to be cleared",
+    )
+    assert f"phalanx_failure_reports_total {reports:.1f}" in ctl.get("/metrics").text
+    a.wait_line(lambda x: True, 10, "another quorum", after=mark)
+    for x in a.lines()[mark:]:
+        assert x["replica_id"] == a_id and x["quorum_id"] == quorum_id
+    check_rounds([r.lines() for r in reps.values()])

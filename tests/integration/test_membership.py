@@ -1,0 +1,82 @@
+"""Elastic membership with real processes: replicas join, leave cleanly, and a
+SIGSTOPped one is evicted and comes back as a new incarnation."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from procs import check_rounds, names, wait_for
+
+
+def _quorum_ids(replica, members: set[str]) -> list[int]:
+    return [x["quorum_id"] for x in replica.lines() if names(x["members"]) == members]
+
+
+def test_replicas_join_leave_and_a_newcomer_is_included(start_controller, start_replica):
+    ctl = start_controller(n_init=3)
+    reps = {n: start_replica(ctl, n) for n in "abc"}
+    for r in reps.values():
+        r.wait_line(lambda x: names(x["members"]) == {"a", "b", "c"}, 30, "a quorum of a, b, c")
+
+    # c leaves cleanly (SIGTERM -> ControllerClient.close -> deregister).
+    c = reps.pop("c")
+    c_id = c.replica_id()
+    marks = {n: len(r.lines()) for n, r in reps.items()}
+    c.signal(signal.SIGTERM)
+    assert c.proc.wait(timeout=10) == 0, c.err.read_text()
+    assert c_id not in ctl.members()
+    assert ctl.evictions(c_id)[-1]["reason"].startswith("left")
+    q_abc = max(_quorum_ids(reps["a"], {"a", "b", "c"}))
+    for n, r in reps.items():
+        line = r.wait_line(
+            lambda x: names(x["members"]) == {"a", "b"}, 10, "a quorum without c", after=marks[n]
+        )
+        assert line["quorum_id"] > q_abc
+
+    # d joins and is taken in at a later step, healed to the quorum's step.
+    q_ab = max(_quorum_ids(reps["a"], {"a", "b"}))
+    reps["d"] = start_replica(ctl, "d")
+    for r in reps.values():
+        line = r.wait_line(
+            lambda x: names(x["members"]) == {"a", "b", "d"}, 30, "a quorum with d"
+        )
+        assert line["quorum_id"] > q_ab
+    first_d = reps["d"].lines()[0]
+    assert first_d["step"] > 0, "d joined late, so it must have healed to the running step"
+
+    check_rounds([r.lines() for r in [*reps.values(), c]])
+
+
+def test_sigstopped_replica_is_evicted_then_rejoins_as_a_new_incarnation(
+    start_controller, start_replica
+):
+    ctl = start_controller(n_init=3)  # heartbeat_s 2.0
+    reps = {n: start_replica(ctl, n) for n in "abc"}
+    for r in reps.values():
+        r.wait_line(lambda x: names(x["members"]) == {"a", "b", "c"}, 30, "a quorum of a, b, c")
+    c = reps["c"]
+    old_id = c.replica_id()
+    marks = {n: len(r.lines()) for n, r in reps.items()}
+
+    c.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    wait_for(lambda: old_id not in ctl.members(), 10, "the stopped replica to be evicted")
+    print(f"SIGSTOPped replica evicted after {time.monotonic() - t0:.2f} s (heartbeat_s=2.0)")
+    assert ctl.evictions(old_id)[-1]["reason"] == "heartbeat timeout"
+    for n in "ab":
+        reps[n].wait_line(
+            lambda x: old_id not in x["members"], 10, "a quorum without c", after=marks[n]
+        )
+
+    c.signal(signal.SIGCONT)
+    line = c.wait_line(lambda x: x["replica_id"] != old_id, 20, "a quorum as a new incarnation")
+    new_id = line["replica_id"]
+    assert new_id.startswith("c:") and line["incarnation"] == 2
+    assert names(line["members"]) == {"a", "b", "c"}
+    for n in "ab":
+        reps[n].wait_line(lambda x: new_id in x["members"], 10, "a quorum with the new c")
+    assert new_id in ctl.members() and old_id not in ctl.members()
+    assert "registering a new incarnation" in c.err.read_text()
+
+    check_rounds([r.lines() for r in reps.values()])
