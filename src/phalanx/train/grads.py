@@ -61,5 +61,5 @@ class GradBuffer:
         self.meta[1] = loss_sum
         self.vote_ok = False
         comm.allreduce([*self.buckets, self.meta], "sum")
-        self.vote_ok = int(round(self.meta[0].item())) == world_size
+        self.vote_ok = round(self.meta[0].item()) == world_size
         return float(self.meta[1])

@@ -10,6 +10,7 @@ committed step on stdout (``phalanx run`` reads them for its progress view).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -33,7 +34,7 @@ def build_model(tc: TrainSection, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     dims = [tc.in_dim, *tc.hidden]
     layers: list[torch.nn.Module] = []
-    for a, b in zip(dims[:-1], dims[1:], strict=True):
+    for a, b in itertools.pairwise(dims):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     layers.append(torch.nn.Linear(dims[-1], tc.out_dim))
     return torch.nn.Sequential(*layers).to(getattr(torch, tc.dtype))
