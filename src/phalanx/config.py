@@ -157,6 +157,8 @@ class TrainSection(_Section):
     """All-reduce bucket size."""
     step_delay_s: float = Field(0.0, ge=0, le=60)
     """Extra time per step (a stand-in for a bigger model, for demos)."""
+    log_samples: bool = False
+    """Print the sample indices each replica trained on with every committed step (for audits)."""
 
 
 def _default_roles() -> dict[str, RoleSection]:

@@ -143,8 +143,10 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                 log.warning("%s; asking again", e)
                 continue
             if r.committed:
+                extra = {"samples": manager.last_indices} if tc.log_samples else {}
                 emit(
                     {
+                        **extra,
                         "event": "step",
                         "replica": client.replica_id,
                         "step": r.step,

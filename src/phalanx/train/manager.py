@@ -119,7 +119,9 @@ class Manager:
         self._ok = True
         self._error: str | None = None
         self.heals = 0
-        self.last_heal: dict[str, float] = {}
+        self.last_heal: dict[str, Any] = {}
+        self.last_indices: list[int] = []
+        """Sample indices of this replica's share in the last compute."""
 
     # -- state -----------------------------------------------------------
 
@@ -247,6 +249,7 @@ class Manager:
         """Run ``fn`` over this replica's share as micro-batches; returns the summed loss."""
         off, count = split(self.global_batch_size, world_size, rank)
         idx = self.sampler.positions(self.sampler.cursor + off, count)
+        self.last_indices = idx
         total = 0.0
         for mb in micro_batches(idx, self.micro_batch_size):
             total += float(fn(mb, 1.0 / self.global_batch_size))
