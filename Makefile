@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 
 demo: $(STAMP)
-	$(BIN)/python examples/controller_demo.py
+	$(BIN)/phalanx run examples/ft_mlp.toml --chaos kill-every=8
 
 bench: $(STAMP)
 	$(BIN)/python bench/controller.py --json

@@ -18,8 +18,7 @@ EXAMPLES = 30
 def _aim(spec: dict[str, Any], replica_ids: list[str]) -> dict[str, Any]:
     """Narrow the served spec's identifiers to this job's roles and replicas (plus
     one unknown of each), so that valid requests reach the state machine
-    instead of all bouncing off as unknown ids; and cap the long-poll waits
-    so that a request that does reach a member returns quickly."""
+    instead of all bouncing off as unknown ids."""
     ids = {"enum": [*replica_ids, "ghost:0"]}
     for model in spec["components"]["schemas"].values():
         props = model.get("properties", {})
@@ -32,9 +31,17 @@ def _aim(spec: dict[str, Any], replica_ids: list[str]) -> dict[str, Any]:
             props["suspects"]["items"] = ids
         if "role" in props:
             props["role"] = {"enum": ["policy", "rollout", "reward"]}
-        if "wait_s" in props:
-            props["wait_s"] = {"type": "number", "minimum": 0, "maximum": 0.2}
     return spec
+
+
+def _short_waits(case: Any) -> None:
+    """Cap a valid long-poll wait (the server allows up to 30 s) so that a request
+    that reaches a member returns quickly; an invalid wait is sent as it is."""
+    body = case.body
+    if isinstance(body, dict):
+        wait = body.get("wait_s")
+        if isinstance(wait, int | float) and not isinstance(wait, bool) and 0.2 < wait <= 30:
+            body["wait_s"] = 0.2
 
 
 def test_api_fuzzed_from_its_openapi_spec(start_controller):
@@ -70,11 +77,12 @@ def test_api_fuzzed_from_its_openapi_spec(start_controller):
                 max_examples=EXAMPLES,
                 deadline=None,
                 database=None,
-                phases=[Phase.explicit, Phase.generate, Phase.shrink],
+                phases=[Phase.explicit, Phase.generate],  # no shrinking against live state
                 suppress_health_check=list(HealthCheck),
             )
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case) -> None:
+                _short_waits(case)
                 before = membership()
                 resp = case.call(base_url=ctl.url, session=session, headers=ctl.auth(), timeout=10)
                 where = f"{case.method} {case.path} body={case.body!r} -> {resp.status_code}"

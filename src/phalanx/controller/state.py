@@ -93,9 +93,6 @@ class Quorum:
     heal: dict[str, str]
     """Lagging replica id -> the up-to-date replica id that heals it."""
     formed_at: float
-    job_step: int = 0
-    """Highest step the role ever committed (survives restarts). A quorum whose
-    ``max_step`` is below it means no live replica holds the job's latest state."""
 
     @property
     def replica_ids(self) -> list[str]:
@@ -250,7 +247,7 @@ class ControllerState:
         for name, role in st.roles.items():
             m = meta.get(f"role/{name}")
             if m:
-                role.quorum_id, role.round = m["quorum_id"], m["round"]
+                role.round = m["round"]
                 role.step, role.force_bump = m["step"], m["force_bump"]
         for key in sorted(tables.get("quorums", {})):
             q = Quorum.from_record(tables["quorums"][key])
@@ -498,7 +495,7 @@ class ControllerState:
             return None
         ids = sorted(rs.pending)
         last = rs.last_quorum
-        if last is None or ids != sorted(last.replica_ids):
+        if last is None or rs.force_bump or ids != sorted(last.replica_ids):
             rs.quorum_id += 1
         rs.force_bump = False
         rs.round += 1
@@ -518,9 +515,7 @@ class ControllerState:
             )
             for rank, rid in enumerate(ids)
         )
-        q = Quorum(
-            rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall, max(rs.step, max_step)
-        )
+        q = Quorum(rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall)
         for rid in ids:
             m = self.members[rid]
             m.last_request_id = rs.pending[rid].request_id
