@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -190,9 +191,13 @@ def test_timeout_ordering_refused_saying_what_to_raise(timeouts, which, raise_):
 
 
 def test_heartbeat_interval_and_grace_below_heartbeat():
-    with pytest.raises(ConfigError, match="heartbeat_interval_s must be < timeouts.heartbeat_s"):
+    with pytest.raises(
+        ConfigError, match=re.escape("heartbeat_interval_s must be < timeouts.heartbeat_s")
+    ):
         load_config(overrides=["timeouts.heartbeat_interval_s=10"])
-    with pytest.raises(ConfigError, match="suspect_grace_s must be < timeouts.heartbeat_s"):
+    with pytest.raises(
+        ConfigError, match=re.escape("suspect_grace_s must be < timeouts.heartbeat_s")
+    ):
         load_config(overrides=["timeouts.suspect_grace_s=10"])
 
 

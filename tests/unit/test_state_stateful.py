@@ -6,6 +6,7 @@ invariants after every call.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from phalanx.config import load_config
+from phalanx.config import JobConfig, load_config
 from phalanx.controller.journal import Journal
 from phalanx.controller.state import ControllerState, Quorum, RoleState, Tick
 
@@ -38,6 +39,9 @@ CFG = load_config(
         "roles.rollout.join_timeout_s=0.5",
     ]
 )
+# A journal per example, on tmpfs where there is one: a disk's fsyncs would make
+# the few hundred controller restarts of a run take seconds.
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 # Small steps stay inside every timeout; large ones cross join_timeout,
 # suspect_grace_s, heartbeat_s, or all of them at once.
 CLOCK_STEPS = st.sampled_from([0.0, 0.01, 0.2, 0.3, 0.6, 1.2, 5.0, HEARTBEAT_S + 0.5, 1000.0])
@@ -46,20 +50,22 @@ CLOCK_STEPS = st.sampled_from([0.0, 0.01, 0.2, 0.3, 0.6, 1.2, 5.0, HEARTBEAT_S +
 class RecordingState(ControllerState):
     """Records the role's live members at the exact moment each quorum forms."""
 
-    formations: list[tuple[Quorum, frozenset[str]]]
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.formations: list[tuple[Quorum, frozenset[str]]] = []
 
     def _try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
         live = frozenset(rs.member_ids)
         q = super()._try_form(rs, now, wall)
         if q is not None:
-            self.__dict__.setdefault("formations", []).append((q, live))
+            self.formations.append((q, live))
         return q
 
 
 class ControllerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self._dir = tempfile.TemporaryDirectory()
+        self._dir = tempfile.TemporaryDirectory(dir=SCRATCH)
         self.journal = Journal(Path(self._dir.name) / "journal.sqlite")
         self.now = 0.0
         self.state = RecordingState(CFG)
@@ -67,7 +73,6 @@ class ControllerMachine(RuleBasedStateMachine):
         self.journal.write(self.state.drain())
         self.incarnation = 0
         self.request_seq = 0
-        self.restarts = 0
         # Run-wide records, kept across controller restarts.
         self.membership: dict[tuple[str, int], frozenset[str]] = {}
         self.last_formed: dict[str, Quorum | None] = dict.fromkeys(ROLES)
@@ -98,7 +103,7 @@ class ControllerMachine(RuleBasedStateMachine):
         """Journal the call's changes, as the server does before answering, then
         check every quorum the call formed."""
         self.journal.write(self.state.drain())
-        recorded = self.state.__dict__.pop("formations", [])
+        recorded, self.state.formations = self.state.formations, []
         assert [q for q, _ in recorded] == tick.formed
         evicted_now = set(tick.evicted)
         for q, live_at_formation in recorded:
@@ -139,6 +144,8 @@ class ControllerMachine(RuleBasedStateMachine):
             assert q.quorum_id == prev.quorum_id
         assert q.round == (prev.round if prev else 0) + 1
         assert q.max_step == max(m.step for m in q.members)
+        assert q.job_step == max(self.seen_step[role], q.max_step)
+        self.seen_step[role] = q.job_step
         fresh = {m.replica_id for m in q.members if m.step == q.max_step}
         lagging = {m.replica_id for m in q.members if m.step < q.max_step}
         assert set(q.heal) == lagging
@@ -161,7 +168,9 @@ class ControllerMachine(RuleBasedStateMachine):
         for role, n in (("policy", policy), ("rollout", rollout)):
             self.join(role, list(NAMES[:n]))
 
-    @rule(role=st.sampled_from(ROLES), names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=4))
+    @rule(
+        role=st.sampled_from(ROLES), names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=4)
+    )
     def join(self, role: str, names: list[str]) -> None:
         """Replicas register; a name already live is a restarted process (new incarnation)."""
         for name in names:
@@ -203,9 +212,7 @@ class ControllerMachine(RuleBasedStateMachine):
             req = f"r{self.request_seq}"
         self.last_request[rid] = req
         earlier = self.answers.get((rid, req))
-        q, tick = self.state.request_quorum(
-            rid, step, req, timeout, now=self.now, wall=self.now
-        )
+        q, tick = self.state.request_quorum(rid, step, req, timeout, now=self.now, wall=self.now)
         if earlier is not None and not tick.formed:
             # An idempotent retry returns the very quorum it was given.
             assert q == earlier
@@ -239,7 +246,7 @@ class ControllerMachine(RuleBasedStateMachine):
         named = [self.pick(j) for j in suspects]
         named = [s for s in named if s != reporter]
         if ghost:
-            named.append(next(iter(self.evicted), "ghost:0"))
+            named.append(min(self.evicted, default="ghost:0"))
         unknown, tick = self.state.report_failure(
             reporter, named, now=self.now, wall=self.now, failed_commit=failed_commit
         )
@@ -249,7 +256,9 @@ class ControllerMachine(RuleBasedStateMachine):
             self.failed_commit[role] = True
         self.settle(tick)
 
-    @rule(dt=CLOCK_STEPS, beat=st.sampled_from(["none", "all", "all but one"]), i=st.integers(0, 99))
+    @rule(
+        dt=CLOCK_STEPS, beat=st.sampled_from(["none", "all", "all but one"]), i=st.integers(0, 99)
+    )
     def tick(self, dt: float, beat: str, i: int) -> None:
         """Time passes (a little, or far past every timeout); replicas that keep
         running heartbeat at the new time before the controller ticks."""
@@ -264,6 +273,23 @@ class ControllerMachine(RuleBasedStateMachine):
         assert set(tick.evicted) <= before
         self.settle(tick)
 
+    @precondition(lambda self: self.state.members)
+    @rule(i=st.integers(0, 99), to_role=st.booleans(), ack=st.integers(0, 3))
+    def command(self, i: int, to_role: bool, ack: int) -> None:
+        """Queue a command (for one replica or a whole role), then a replica acks
+        its oldest ``ack`` pending commands plus one id that is not pending."""
+        rid = self.pick(i)
+        target = self.state.members[rid].role if to_role else rid
+        cmds, tick = self.state.enqueue(target, "sync", {"i": i}, now=self.now, wall=self.now)
+        assert {c.replica_id for c in cmds} == tick.commands_for
+        assert rid in tick.commands_for
+        pending = self.state.pending_commands(rid)
+        assert [c.id for c in pending] == sorted(c.id for c in pending)
+        ids = [c.id for c in pending[:ack]]
+        assert self.state.ack(rid, [*ids, 10**9]) == [10**9]
+        assert self.state.pending_commands(rid) == pending[ack:]
+        self.settle(Tick())
+
     @rule(dt=CLOCK_STEPS)
     def restart(self, dt: float) -> None:
         old = self.state
@@ -276,13 +302,15 @@ class ControllerMachine(RuleBasedStateMachine):
         assert {r: m.record() for r, m in new.members.items()} == {
             r: m.record() for r, m in old.members.items()
         }
-        assert new.commands.keys() <= old.commands.keys()
+        assert new.command_seq == old.command_seq
+        assert {r: q for r, q in new.commands.items() if q} == {
+            r: q for r, q in old.commands.items() if q
+        }
         for name in ROLES:
             a, b = old.roles[name], new.roles[name]
             assert (a.meta(), a.last_quorum) == (b.meta(), b.last_quorum)
         assert new.epoch == old.epoch + 1
         self.state = new
-        self.restarts += 1
         # Pending requests are not durable: clients re-ask (with a fresh request id).
         self.last_request.clear()
 

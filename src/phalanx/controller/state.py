@@ -93,6 +93,9 @@ class Quorum:
     heal: dict[str, str]
     """Lagging replica id -> the up-to-date replica id that heals it."""
     formed_at: float
+    job_step: int = 0
+    """Highest step the role ever committed (survives restarts). A quorum whose
+    ``max_step`` is below it means no live replica holds the job's latest state."""
 
     @property
     def replica_ids(self) -> list[str]:
@@ -247,7 +250,7 @@ class ControllerState:
         for name, role in st.roles.items():
             m = meta.get(f"role/{name}")
             if m:
-                role.round = m["round"]
+                role.quorum_id, role.round = m["quorum_id"], m["round"]
                 role.step, role.force_bump = m["step"], m["force_bump"]
         for key in sorted(tables.get("quorums", {})):
             q = Quorum.from_record(tables["quorums"][key])
@@ -515,7 +518,9 @@ class ControllerState:
             )
             for rank, rid in enumerate(ids)
         )
-        q = Quorum(rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall)
+        q = Quorum(
+            rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall, max(rs.step, max_step)
+        )
         for rid in ids:
             m = self.members[rid]
             m.last_request_id = rs.pending[rid].request_id
