@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,9 +33,7 @@ FAST_TIMEOUTS = {
 }
 
 
-def wait_for(
-    predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02
-) -> T:
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
     """Poll ``predicate`` until it returns something truthy; return that. Fails the
     test with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -147,13 +146,14 @@ class Controller:
     def start(self, timeout: float = 20.0) -> Controller:
         """Start the controller and wait until it listens. Works for a restart too:
         it waits for this process's own announcement, not for a stale url file."""
-        self.proc, out, self.err = self.launch()
+        self.proc, out, err = self.launch()
+        self.err = err
         proc = self.proc
 
         def announced() -> str | None:
             if proc.poll() is not None:
                 raise AssertionError(
-                    f"controller exited with {proc.returncode}:\n{self.err.read_text()}"  # type: ignore[union-attr]
+                    f"controller exited with {proc.returncode}:\n{err.read_text()}"
                 )
             m = re.search(r" at (http://\S+)", out.read_text())
             return m.group(1) if m else None
@@ -214,9 +214,9 @@ class Replica:
         return self.proc.pid
 
     def lines(self) -> list[dict[str, Any]]:
-        text = self.out.read_text()
-        # The last line may be half written.
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        # Only newline-terminated lines: the last one may be half written.
+        complete = self.out.read_text().split("\n")[:-1]
+        return [json.loads(line) for line in complete if line.startswith("{")]
 
     def last(self) -> dict[str, Any] | None:
         lines = self.lines()
@@ -250,7 +250,7 @@ def check_history(lines: list[dict[str, Any]]) -> None:
     backwards, the replica is in every quorum it reports, and no step is lost
     or repeated: every round of the job trains exactly the next step, so the
     step is always ``round - 1`` (a joiner heals to it)."""
-    for prev, cur in zip(lines, lines[1:], strict=False):
+    for prev, cur in pairwise(lines):
         assert cur["round"] > prev["round"], (prev, cur)
         assert cur["quorum_id"] >= prev["quorum_id"], (prev, cur)
     for line in lines:
@@ -270,7 +270,7 @@ def check_rounds(histories: list[list[dict[str, Any]]]) -> dict[int, dict[str, A
             for key in ("quorum_id", "step", "members"):
                 assert seen[key] == line[key], (seen, line)
     ordered = [rounds[r] for r in sorted(rounds)]
-    for prev, cur in zip(ordered, ordered[1:], strict=False):
+    for prev, cur in pairwise(ordered):
         assert cur["quorum_id"] >= prev["quorum_id"], (prev, cur)
         if cur["members"] == prev["members"] and cur["round"] == prev["round"] + 1:
             assert cur["quorum_id"] == prev["quorum_id"], (prev, cur)

@@ -83,8 +83,18 @@ BAD_INPUT = [
     ("/v1/register", {"role": "policy", "name": "x", "colour": "red"}, 422, "colour"),
     ("/v1/register", {"role": "reward", "name": "x"}, 400, "role"),
     ("/v1/register", {"role": "policy", "name": "x", "capabilities": [1]}, 422, "capabilities"),
-    ("/v1/register", {"role": "policy", "name": "x", "capabilities": {"g": {}}}, 422, "capabilities.g"),
-    ('/v1/register', '{"role": "policy", "name": "x", "capabilities": {"g": NaN}}', 422, "capabilities.g"),
+    (
+        "/v1/register",
+        {"role": "policy", "name": "x", "capabilities": {"g": {}}},
+        422,
+        "capabilities.g",
+    ),
+    (
+        "/v1/register",
+        '{"role": "policy", "name": "x", "capabilities": {"g": NaN}}',
+        422,
+        "capabilities.g",
+    ),
     ("/v1/heartbeat", {"replica_id": RID, "step": -1}, 422, "step"),
     ("/v1/heartbeat", {"replica_id": RID, "step": 2**63}, 422, "step"),
     ("/v1/heartbeat", {"replica_id": RID, "wait_s": 31}, 422, "wait_s"),
@@ -94,7 +104,12 @@ BAD_INPUT = [
     ("/v1/heartbeat", {"replica_id": ["x"]}, 422, "replica_id"),
     ("/v1/heartbeat", {"replica_id": "ghost:0"}, 410, "replica_id"),
     ("/v1/quorum", {"replica_id": RID, "step": 0}, 422, "request_id"),
-    ("/v1/quorum", {"replica_id": RID, "step": 0, "request_id": "r", "timeout_s": 0}, 422, "timeout_s"),
+    (
+        "/v1/quorum",
+        {"replica_id": RID, "step": 0, "request_id": "r", "timeout_s": 0},
+        422,
+        "timeout_s",
+    ),
     ("/v1/quorum", {"replica_id": RID, "step": 0, "request_id": "r", "wait_s": -1}, 422, "wait_s"),
     ("/v1/quorum", {"replica_id": RID, "step": 1.5, "request_id": "r"}, 422, "step"),
     ("/v1/quorum", {"replica_id": "ghost:0", "step": 0, "request_id": "r"}, 410, "replica_id"),
@@ -107,7 +122,12 @@ BAD_INPUT = [
     ("/v1/commands", {"target": RID, "kind": "k", "payload": []}, 422, "payload"),
     ("/v1/commands", {"target": RID, "kind": "k", "payload": _deep(40)}, 422, "payload"),
     ("/v1/commands", '{"target": "<RID>", "kind": "k", "payload": {"x": NaN}}', 422, "payload"),
-    ("/v1/commands", '{"target": "<RID>", "kind": "k", "payload": {"x": ["\\ud800"]}}', 422, "payload"),
+    (
+        "/v1/commands",
+        '{"target": "<RID>", "kind": "k", "payload": {"x": ["\\ud800"]}}',
+        422,
+        "payload",
+    ),
     ("/v1/commands", {"target": "ghost:0", "kind": "k"}, 410, "target"),
     ("/v1/report-failure", {"reporter": RID, "suspects": RID}, 422, "suspects"),
     ("/v1/report-failure", {"reporter": RID, "suspects": [RID]}, 400, "suspects"),
@@ -146,7 +166,9 @@ def test_bad_input_gets_4xx_naming_the_field_and_changes_nothing(api):
     for path, body, status, field in BAD_INPUT:
         text = body if isinstance(body, str) else json.dumps(body)
         text = text.replace(RID, rid)
-        r = ctl.post(path, content=text.encode(), headers={**ctl.auth(), "Content-Type": "application/json"})
+        r = ctl.post(
+            path, content=text.encode(), headers={**ctl.auth(), "Content-Type": "application/json"}
+        )
         where = f"POST {path} {text[:120]!r}"
         assert r.status_code == status, f"{where}: {r.status_code} {r.text[:300]}"
         err = r.json()

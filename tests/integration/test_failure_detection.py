@@ -54,11 +54,12 @@ def test_sigkilled_replica_is_evicted_fast_by_a_failure_report(
 
     c.signal(signal.SIGKILL)
     c.proc.wait(timeout=10)
-    killed_at = marks_at = time.monotonic()
+    killed_at = time.monotonic()
     marks = {n: len(reps[n].lines()) for n in "ab"}
+    reported_at = time.monotonic()
     assert reporter.report_failure([c_id], reason="all-reduce: connection reset by peer") == []
     wait_for(lambda: c_id not in ctl.members(), hb / 2, "the reported replica to be evicted")
-    latency = time.monotonic() - marks_at
+    latency = time.monotonic() - reported_at
     record_property("eviction_latency_s", latency)
     print(f"eviction latency after a failure report: {latency * 1000:.0f} ms (heartbeat_s={hb})")
     assert latency < hb / 2
@@ -73,10 +74,8 @@ def test_sigkilled_replica_is_evicted_fast_by_a_failure_report(
     check_rounds([r.lines() for r in reps.values()])
 
 
-def test_sigkilled_replica_is_evicted_by_heartbeat_timeout_alone(
-    start_controller, start_replica
-):
-    hb = 2.0
+def test_sigkilled_replica_is_evicted_by_heartbeat_timeout_alone(start_controller, start_replica):
+    hb = 3.0
     ctl = start_controller(n_init=3, join_timeout_s=30.0, heartbeat_s=hb)
     reps = _three_in_quorum(ctl, start_replica)
     c = reps["c"]
@@ -106,8 +105,13 @@ def test_false_failure_report_does_not_evict_a_live_replica(
     grace = 1.0
     # The heartbeat interval is longer than the grace, so a suspect survives only
     # by answering the probe (its held heartbeat returns at once, and it re-beats).
+    # (A long join timeout too: no partial quorum of a slow moment bumps quorum_id.)
     ctl = start_controller(
-        n_init=2, heartbeat_interval_s=2.0, heartbeat_s=8.0, suspect_grace_s=grace
+        n_init=2,
+        join_timeout_s=30.0,
+        heartbeat_interval_s=2.0,
+        heartbeat_s=8.0,
+        suspect_grace_s=grace,
     )
     reporter = _detector(detector, ctl)
     reps = {n: start_replica(ctl, n) for n in "ab"}
@@ -126,9 +130,11 @@ def test_false_failure_report_does_not_evict_a_live_replica(
     assert a_id in ctl.members()
     assert ctl.evictions(a_id) == []
     wait_for(
-        lambda: not next(
-            m for m in ctl.status()["roles"]["policy"]["replicas"] if m["replica_id"] == a_id
-        )["suspect"],
+        lambda: (
+            not next(
+                m for m in ctl.status()["roles"]["policy"]["replicas"] if m["replica_id"] == a_id
+            )["suspect"]
+        ),
         grace,
         "the suspicion to be cleared",
     )

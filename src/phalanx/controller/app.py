@@ -17,6 +17,7 @@ import hmac
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx.controller.service import ControllerService
@@ -41,6 +42,7 @@ Scalar = str | int | float | bool | None
 
 
 _bearer = HTTPBearer(auto_error=False)
+_JSON = TypeAdapter(dict[str, Any])
 
 
 MAX_PAYLOAD_DEPTH = 32
@@ -173,6 +175,43 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
+class AuthAndEpoch:
+    """ASGI middleware: refuse a request without the job token (401) before FastAPI
+    parses its body, so that an anonymous request with a malformed body gets 401,
+    not 422; and stamp every reply with ``X-Phalanx-Epoch``.
+
+    A plain ASGI class on purpose: each ``@app.middleware("http")`` costs a task
+    group and memory streams per request, which was most of the controller's
+    per-request CPU (see docs/benchmarks.md)."""
+
+    def __init__(
+        self,
+        app: Any,
+        token: bytes,
+        epoch: Callable[[], int],
+        unauthorized: Callable[[Request], Awaitable[Response]],
+    ):
+        self.app, self.token, self.epoch, self.unauthorized = app, token, epoch, unauthorized
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_epoch(msg: MutableMapping[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                headers = [*msg.get("headers", []), (b"x-phalanx-epoch", b"%d" % self.epoch())]
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        if scope["path"] != "/healthz":
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, given = get_authorization_scheme_param(header.decode("latin-1"))
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
+                response = await self.unauthorized(Request(scope))
+                return await response(scope, receive, send_with_epoch)
+        return await self.app(scope, receive, send_with_epoch)
+
+
 def create_app(service: ControllerService, token: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -238,40 +277,32 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
         return _error(exc.status, str(exc), fields)
 
-    @app.middleware("http")
-    async def _auth_first(request: Request, call_next: Any) -> Response:
-        # FastAPI parses the body before it runs dependencies, so without this an
-        # anonymous request with a malformed body would get 422 instead of 401.
-        if request.url.path != "/healthz":
-            scheme, given = get_authorization_scheme_param(request.headers.get("authorization"))
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
-                return await _unauth(request, _Unauthorized())
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def _epoch_header(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        response.headers["X-Phalanx-Epoch"] = str(service.epoch)
-        return response
+    app.add_middleware(
+        AuthAndEpoch,
+        token=expected,
+        epoch=lambda: service.epoch,
+        unauthorized=lambda request: _unauth(request, _Unauthorized()),
+    )
 
     st = service.state
 
     def reply(**body: Any) -> dict[str, Any]:
         return {"epoch": service.epoch, "job_id": st.cfg.job.id, **body}
 
-    records: dict[tuple[str, int, int], dict[str, Any]] = {}
+    ok_replies: dict[tuple[str, int, int], bytes] = {}
 
-    def quorum_record(q: Quorum) -> dict[str, Any]:
-        # Every member of a quorum gets the same record: build it once per quorum,
-        # not once per member (dataclasses.asdict of N members, N times a round,
-        # was the controller's top cost from N = 100 on). Read-only once built.
+    def quorum_ok(q: Quorum) -> Response:
+        # Every member of a quorum gets the same reply: encode it once per quorum
+        # (with the serializer FastAPI would use), not once per member. Building
+        # and serializing the N-member record N times a round was O(N^2) and the
+        # controller's top cost from N = 100 on (see docs/benchmarks.md).
         key = (q.role, q.round, q.quorum_id)
-        rec = records.get(key)
-        if rec is None:
-            rec = records[key] = q.record()
-            while len(records) > 4 * QUORUM_HISTORY:
-                del records[next(iter(records))]
-        return rec
+        body = ok_replies.get(key)
+        if body is None:
+            body = ok_replies[key] = _JSON.dump_json(reply(status="ok", quorum=q.record()))
+            while len(ok_replies) > 4 * QUORUM_HISTORY:
+                del ok_replies[next(iter(ok_replies))]
+        return Response(body, media_type="application/json")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -320,8 +351,8 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
             st.member(req.replica_id)  # raises 410: evicted while we waited
         return reply(probe=woken and m is not None and m.suspect_since is not None)
 
-    @app.post(f"/{API_VERSION}/quorum", dependencies=[authorized])
-    async def quorum(req: QuorumReq) -> dict[str, Any]:
+    @app.post(f"/{API_VERSION}/quorum", dependencies=[authorized], response_model=dict[str, Any])
+    async def quorum(req: QuorumReq) -> dict[str, Any] | Response:
         t0 = time.monotonic()
         q = service.apply(
             st.request_quorum, req.replica_id, req.step, req.request_id, req.timeout_s
@@ -336,7 +367,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         if q is None:
             return reply(status="pending", quorum=None)
         service.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
-        return reply(status="ok", quorum=quorum_record(q))
+        return quorum_ok(q)
 
     @app.post(f"/{API_VERSION}/commands/poll", dependencies=[authorized])
     async def poll(req: PollReq) -> dict[str, Any]:
