@@ -1,11 +1,12 @@
 """Controller benchmark: quorum latency and heartbeat load at N replicas, next to
 torchft's lighthouse on the same N.
 
-    python bench/controller.py [--json] [--n 10,100,1000] [--rounds 12]
+    python bench/controller.py [--json] [--n 10,100,1000] [--rounds R]
 
 For each N it starts a real controller (``python -m phalanx.cli controller``)
-in a temp state dir, with a job whose first quorum waits for all N
-(``n_init_replicas = N``), and drives it from a few worker processes that
+in a temp state dir, with a job whose every round waits for all N
+(``n_init_replicas = N``, ``join_timeout_s = 60``), and drives it from a few
+worker processes that
 simulate the replicas over raw HTTP/1.1 keep-alive connections (asyncio,
 uvloop where installed), so that the load generator costs little next to
 the controller. Each simulated replica:
@@ -30,7 +31,8 @@ Figures (over the rounds after ``--warmup`` warm-up rounds):
 The torchft side runs the same N, rounds, schedule and 1 Hz heartbeats
 against a ``LighthouseServer`` (its Python binding's defaults for the
 timing knobs, ``min_replicas = N``) in its own process, from worker
-processes with one thread and one ``LighthouseClient`` per replica.
+processes with one thread and one ``LighthouseClient`` per replica (plus a
+few heartbeat threads).
 
 Last, fast failure detection: 3 replica processes form a quorum, one is
 SIGKILLed, a survivor reports it (``POST /v1/report-failure``) and asks for
@@ -67,6 +69,9 @@ ROLE = "policy"
 QUORUM_WAIT_S = 30.0
 CONNECT_BATCH = 100
 READY_TIMEOUT_S = 300.0
+JOIN_TIMEOUT_S = 60.0
+DRIVE_TIMEOUT_S = 600.0
+HEARTBEAT_THREADS = 8
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------
@@ -131,7 +136,10 @@ async def _quorum(conn: Conn, rid: str, step: int) -> dict[str, Any]:
             return reply["quorum"]
 
 
-async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int]) -> None:
+async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float = 0.0) -> None:
+    # Real replicas start at unrelated times: spread the heartbeats over the second
+    # instead of sending all N at once.
+    await asyncio.sleep(phase)
     while True:
         await conn.post("/v1/heartbeat", {"replica_id": rid, "wait_s": 1.0})
         counter[0] += 1
@@ -194,8 +202,8 @@ async def _phalanx_worker_async(
     q_conns = await _open_all(url, token, len(rids))
     beats = [0]
     hb_tasks = [
-        loop.create_task(_heartbeat_loop(c, rid, beats))
-        for c, rid in zip(hb_conns, rids, strict=True)
+        loop.create_task(_heartbeat_loop(c, rid, beats, i / len(rids)))
+        for i, (c, rid) in enumerate(zip(hb_conns, rids, strict=True))
     ]
     pipe.send(("ready",))
     _, t0 = await loop.run_in_executor(None, pipe.recv)
@@ -245,23 +253,30 @@ def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
     for c, rid in zip(clients, names, strict=True):
         c.heartbeat(rid)
     stop = threading.Event()
-    beats = [0]
+    beats = [0] * HEARTBEAT_THREADS
 
-    def heartbeats() -> None:
-        # Every replica once a second, spread over the second.
-        while not stop.is_set():
+    def heartbeats(k: int) -> None:
+        # This thread's share of the replicas, each once a second, spread over the
+        # second. Several threads, so that one slow call (GIL contention with the
+        # quorum threads) does not hold up the rest.
+        mine = list(zip(clients, names, strict=True))[k::HEARTBEAT_THREADS]
+        while mine and not stop.is_set():
             start = time.monotonic()
-            for i, (c, rid) in enumerate(zip(clients, names, strict=True)):
+            for i, (c, rid) in enumerate(mine):
                 if stop.is_set():
                     return
                 c.heartbeat(rid)
-                beats[0] += 1
-                lag = start + (i + 1) / len(names) - time.monotonic()
+                beats[k] += 1
+                lag = start + (i + 1) / len(mine) - time.monotonic()
                 if lag > 0:
                     time.sleep(lag)
 
-    hb = threading.Thread(target=heartbeats, daemon=True)
-    hb.start()
+    hbs = [
+        threading.Thread(target=heartbeats, args=(k,), daemon=True)
+        for k in range(HEARTBEAT_THREADS)
+    ]
+    for hb in hbs:
+        hb.start()
     pipe.send(("ready",))
     _, t0 = pipe.recv()
     samples: list[tuple[int, float, float]] = []
@@ -285,7 +300,7 @@ def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
                     with lock:
                         warm_left[0] -= 1
                         if warm_left[0] == 0:
-                            pipe.send(("warm", _cpu_s(), beats[0]))
+                            pipe.send(("warm", _cpu_s(), sum(beats)))
         except BaseException as e:
             errors.append(e)
 
@@ -299,11 +314,12 @@ def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
         t.join()
     cpu = _cpu_s()
     stop.set()
-    hb.join(timeout=5)
+    for hb in hbs:
+        hb.join(timeout=5)
     if errors:
         pipe.send(("error", repr(errors[0])))
         return
-    pipe.send(("done", samples, beats[0], cpu))
+    pipe.send(("done", samples, sum(beats), cpu))
 
 
 def _expect(pipe: Any, kind: str, timeout: float) -> tuple[Any, ...]:
@@ -416,6 +432,12 @@ class Controller:
                 return float(line.split()[1])
         raise RuntimeError("controller /metrics must expose phalanx_heartbeats_total")
 
+    def evictions_total(self) -> int:
+        lines = self.get("/metrics").text.splitlines()
+        return int(
+            sum(float(x.split()[-1]) for x in lines if x.startswith("phalanx_evictions_total"))
+        )
+
 
 @contextlib.contextmanager
 def controller(
@@ -425,8 +447,12 @@ def controller(
     state = tmp / name
     state.mkdir()
     cfg = state / "job.toml"
+    # join_timeout_s: a round waits for every live replica (all N here) unless one
+    # is this late. The default 1 s would cut a round at N = 1000 short on a busy
+    # 2-core machine; 60 s is also torchft's documented lighthouse join timeout.
     cfg.write_text(
-        f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\nn_init_replicas = {n_init}\n'
+        f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\n'
+        f"n_init_replicas = {n_init}\njoin_timeout_s = {JOIN_TIMEOUT_S}\n"
     )
     log = (state / "controller.log").open("wb")
     cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
@@ -488,14 +514,16 @@ def bench_phalanx(
             [(ctl.url, ctl.token, chunk, plan) for chunk in _split(names, workers)],
             mark("warm"),
             mark("done"),
-            timeout_s=max(120.0, plan.rounds * plan.interval_s * 4),
+            timeout_s=DRIVE_TIMEOUT_S,
         )
+        evictions = ctl.evictions_total()
     (t_a, c_a, h_a), (t_b, c_b, h_b) = marks["warm"], marks["done"]
     return {
         **_summarize(load, plan.warmup),
         "heartbeats_per_s": round((h_b - h_a) / (t_b - t_a), 1),
         "controller_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
         "loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),
+        "evictions": evictions,
     }
 
 
@@ -551,7 +579,7 @@ def bench_torchft(tmp: Path, plan: Plan, workers: int) -> dict[str, Any]:
             [(addr, chunk, plan) for chunk in _split(names, workers)],
             mark("warm"),
             mark("done"),
-            timeout_s=max(120.0, plan.rounds * plan.interval_s * 4),
+            timeout_s=DRIVE_TIMEOUT_S,
         )
         mine.send("stop")
         server.join(timeout=10)
@@ -679,7 +707,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--n", default="10,100,1000", help="replica counts (comma separated)")
-    p.add_argument("--rounds", type=int, default=12, help="quorum rounds per N, warm-up included")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="quorum rounds per N, warm-up included (default: 12, and 6 at N = 1000)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds left out of the figures")
     p.add_argument("--interval-s", type=float, default=0.5, help="round period (a training step)")
     p.add_argument("--workers", type=int, default=2, help="load worker processes (N >= 100)")
@@ -689,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-dir", type=Path, help="run the controller under cProfile, stats into this dir"
     )
     args = p.parse_args(argv)
-    if not 0 < args.warmup < args.rounds:
+    if args.rounds is not None and not 0 < args.warmup < args.rounds:
         p.error(f"--warmup must be in [1, --rounds): got {args.warmup} with --rounds {args.rounds}")
     tf_version = None if args.no_torchft else torchft_version()
     out = sys.stdout
@@ -697,14 +729,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as d:
         tmp = Path(d)
         for n in (int(x) for x in args.n.split(",")):
-            plan = Plan(n, args.rounds, args.warmup, args.interval_s)
+            rounds = args.rounds or max(args.warmup + 4, min(12, 6000 // n))
+            plan = Plan(n, rounds, args.warmup, args.interval_s)
             workers = 1 if n < 100 else args.workers
             row: dict[str, Any] = {
                 "n": n,
-                "rounds": args.rounds - args.warmup,
+                "rounds": rounds - args.warmup,
                 "warmup_rounds": args.warmup,
                 "interval_s": args.interval_s,
                 "load_workers": workers,
+                # Other tenants' load on this (shared) machine when this N started.
+                "loadavg_1m": round(os.getloadavg()[0], 2),
             }
             row.update(bench_phalanx(tmp, plan, workers, args.profile_dir))
             row.update(torchft_fields(tmp, plan, workers, tf_version))
@@ -739,7 +774,7 @@ def torchft_fields(tmp: Path, plan: Plan, workers: int, version: str | None) -> 
         "torchft_version": version,
     }
     if version is None:
-        return {**empty, "torchft_reason": "torchft is not installed (pip install torchft)"}
+        return {**empty, "torchft_reason": "skipped, or torchft is not installed"}
     try:
         return {**bench_torchft(tmp, plan, workers), "torchft_version": version}
     except Exception as e:
