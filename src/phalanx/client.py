@@ -280,6 +280,11 @@ class ControllerClient:
             return
         self._leaving = True
         try:
+            if self.step is not None:
+                # The heartbeat may not have carried the last commits yet: report them,
+                # or the job's step stays behind and a replica started after the job
+                # ended does not see it finished (it would train it again from scratch).
+                self._call("/v1/heartbeat", {"replica_id": self.replica_id, "step": self.step})
             self._call("/v1/deregister", {"replica_id": self.replica_id, "reason": reason})
         except Evicted:
             pass

@@ -194,6 +194,12 @@ class Manager:
                 q.max_step,
             )
         me = self.client.replica_id
+        if me not in q.replica_ids:
+            # Evicted (e.g. SIGSTOPped past the timeouts) while the request was in
+            # flight: the client re-registered, and this quorum was formed for the
+            # previous incarnation. Vote no; the retry asks as the new one and heals.
+            self._ok, self._error = False, f"quorum {q.quorum_id} is a previous incarnation's"
+            return q
         self.rank, self.world_size = q.replica_ids.index(me), len(q.members)
         self.client.who.quorum_id = q.quorum_id
         key = (q.quorum_id, self.client.incarnations)

@@ -1,0 +1,439 @@
+"""Harness for the FT data-parallel integration tests: a real controller and real
+``phalanx replica`` processes of the built-in job, each in its own session (so
+that SIGKILL/SIGSTOP reach the whole process group), with stdout read line by
+line on a thread per process.
+
+Every process is started through :class:`FTJob`, which kills each one's
+process group (by pid, never by name) in :meth:`FTJob.cleanup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx import env
+
+WAIT_S = 60.0
+"""Generous bound on any single wait; a healthy run hits none of them."""
+
+TIMEOUTS = {
+    "collective_s": 1.0,
+    "heartbeat_s": 2.0,
+    "heartbeat_interval_s": 0.2,
+    "suspect_grace_s": 0.25,
+    "quorum_s": 30.0,
+}
+
+TRAIN = {
+    "steps": 40,
+    "dtype": "float64",
+    "in_dim": 8,
+    "hidden": [32],
+    "out_dim": 2,
+    "dataset_size": 512,
+    "global_batch_size": 24,
+    "micro_batch_size": 4,
+    "optimizer": "adamw",
+    "lr": 0.01,
+    "weight_decay": 0.01,
+    "log_samples": True,
+}
+"""Small float64 MLP; 24 samples split over 1..4 replicas in micro-batches of 4,
+so that accumulation runs and AdamW carries optimizer state. ``step_delay_s``
+(per micro-batch) is set per test: it paces training so that a test can act
+between steps; it does not change the numbers."""
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def write_job(
+    path: Path,
+    *,
+    train: dict[str, Any] | None = None,
+    policy: dict[str, Any] | None = None,
+    timeouts: dict[str, Any] | None = None,
+    job_id: str = "ftddp",
+) -> Path:
+    """Write a job TOML: :data:`TRAIN` and :data:`TIMEOUTS` with overrides."""
+    sections = {
+        "job": {"id": job_id, "seed": 7},
+        "timeouts": {**TIMEOUTS, **(timeouts or {})},
+        "controller": {"tick_s": 0.02},
+        "roles.policy": {"min_replicas": 1, "n_init_replicas": 1, "join_timeout_s": 0.5}
+        | (policy or {}),
+        "train": {**TRAIN, **(train or {})},
+    }
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def child_env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.pop(env.TOKEN, None)  # the token comes from the state dir
+    e.pop(env.CONTROLLER, None)
+    e["PYTHONUNBUFFERED"] = "1"
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+class Proc:
+    """One child process. JSON lines on stdout are collected in :attr:`events`
+    (with the arrival time under ``"_at"``); other lines in :attr:`text`. Stdout is
+    also copied to ``LABEL.out`` and stderr goes to ``LABEL.err``, for post-mortems."""
+
+    def __init__(self, args: list[str], label: str, workdir: Path, stdin: int = subprocess.DEVNULL):
+        self.label = label
+        self.err_path = workdir / f"{label}.err"
+        self.out_path = workdir / f"{label}.out"
+        with self.err_path.open("wb") as err:
+            self.popen = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=stdin,
+                env=child_env(),
+                start_new_session=True,
+            )
+        self.events: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        self._reader = threading.Thread(target=self._read, name=f"read-{label}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with self.out_path.open("wb") as copy:
+            for raw in self.popen.stdout:
+                copy.write(raw)
+                copy.flush()
+                self._parse(raw.decode(errors="replace").rstrip("\n"))
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def _parse(self, line: str) -> None:
+        with self._cond:
+            if line.startswith("{"):
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    self.text.append(line)
+                else:
+                    ev["_at"] = time.monotonic()
+                    self.events.append(ev)
+            else:
+                self.text.append(line)
+            self._cond.notify_all()
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        try:
+            return self.err_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_for(self, pred: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+        """Wait until ``pred()`` (called under this process's lock, re-run at each
+        new stdout line) is truthy; return its value. Fails on timeout or EOF."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = pred()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    why = "it exited" if self._eof else f"{timeout} s passed"
+                    raise AssertionError(
+                        f"{self.label}: waiting for {what}, but {why} "
+                        f"(rc={self.popen.poll()})\n--- stderr tail ---\n{self.stderr_tail()}"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def wait_event(
+        self, pred: Callable[[dict[str, Any]], bool], what: str, timeout: float = WAIT_S
+    ) -> dict[str, Any]:
+        """Wait for a JSON event satisfying ``pred``; return it."""
+        return self.wait_for(lambda: next((e for e in self.events if pred(e)), None), what, timeout)
+
+    def wait_step(self, step: int, timeout: float = WAIT_S) -> dict[str, Any]:
+        return self.wait_event(
+            lambda e: e["event"] == "step" and e["step"] >= step, f"step {step}", timeout
+        )
+
+    def steps(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [e for e in self.events if e["event"] == "step"]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to this process's group (it leads its own session)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+        self._reader.join(timeout=10)
+
+
+SPARE = (
+    "import runpy, sys, torch, torch._dynamo, phalanx.train.job; "
+    "sys.stdin.readline(); "
+    "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)"
+)
+"""A warm spare: pays the imports (torch, and the torch._dynamo import that the
+first optimizer triggers: seconds on a loaded 2-core machine) up front, then
+waits for a line on stdin and runs ``phalanx.cli`` exactly as ``python -m
+phalanx.cli ARGS`` would. It touches neither the network nor the controller
+before it is released."""
+
+
+class Replica(Proc):
+    """A ``phalanx replica`` process (or a warm spare that will become one)."""
+
+    def __init__(
+        self, args: list[str], label: str, workdir: Path, name: str, out: Path, spare: bool
+    ):
+        super().__init__(args, label, workdir, subprocess.PIPE if spare else subprocess.DEVNULL)
+        self.name = name
+        self.out = out
+        self.waiting = spare
+
+    def release(self) -> None:
+        """Start a warm spare's replica (see :data:`SPARE`)."""
+        assert self.waiting and self.popen.stdin is not None, f"{self.label} is not a spare"
+        self.popen.stdin.write(b"go\n")
+        self.popen.stdin.close()
+        self.waiting = False
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return any(e["event"] == "done" for e in self.events)
+
+    def finish(self, timeout: float = WAIT_S) -> dict[str, Any]:
+        """Wait for the ``done`` line and return the final state, which is written
+        just before it. The exit itself (seconds of interpreter teardown after
+        torch._dynamo was imported) is not waited for here; :meth:`FTJob.cleanup`
+        checks the exit status."""
+        self.wait_event(lambda e: e["event"] == "done", "the done line", timeout)
+        return load_state(self.out)
+
+
+class FTJob:
+    """A controller on a fresh state dir under ``workdir``, plus replicas."""
+
+    def __init__(self, workdir: Path, config: Path):
+        self.workdir = workdir
+        self.config = config
+        self.state_dir = workdir / "state"
+        self.procs: list[Proc] = []
+        self.controller: Proc | None = None
+        self._n = 0
+
+    def _label(self, what: str) -> str:
+        self._n += 1
+        return f"{self._n:02d}-{what}"
+
+    def start_controller(self) -> Proc:
+        """Start (or restart, on the same state dir) the controller on port 0 and
+        wait until it announces its URL."""
+        args = [sys.executable, "-m", "phalanx.cli", "controller", "--config", str(self.config)]
+        args += ["--state-dir", str(self.state_dir), "--port", "0"]
+        p = Proc(args, self._label("controller"), self.workdir)
+        self.procs.append(p)
+        p.wait_for(
+            lambda: any(re.search(r" at http://\S+", t) for t in p.text),
+            "the controller to announce its URL",
+        )
+        self.controller = p
+        return p
+
+    def status(self) -> dict[str, Any]:
+        """The controller's ``/v1/status``."""
+        import httpx
+
+        url = (self.state_dir / "url").read_text().strip()
+        token = (self.state_dir / "token").read_text().strip()
+        r = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def start_replica(self, name: str, *overrides: str, spare: bool = False) -> Replica:
+        """Start ``python -m phalanx.cli replica --name NAME`` (extra args are dotted
+        config overrides); its final state goes to ``LABEL.safetensors``. With
+        ``spare=True`` the process starts as a warm spare and the replica runs
+        only at :meth:`Replica.release`."""
+        label = self._label(f"replica-{name}")
+        out = self.workdir / f"{label}.safetensors"
+        cli = ["replica", "--config", str(self.config), "--controller", str(self.state_dir)]
+        cli += ["--name", name, "--out", str(out), *overrides]
+        head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
+        r = Replica([sys.executable, *head, *cli], label, self.workdir, name, out, spare)
+        self.procs.append(r)
+        return r
+
+    def cleanup(self, exit_grace_s: float = 0.0) -> None:
+        """Kill every process's group. Replicas that printed ``done`` must not have
+        exited with an error: they get ``exit_grace_s`` to finish exiting, and those
+        that have exited by then are judged."""
+        deadline = time.monotonic() + exit_grace_s
+        bad = []
+        for p in self.procs:
+            if isinstance(p, Replica) and p.done:
+                try:
+                    p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                if p.popen.poll() not in (None, 0):
+                    bad.append(f"{p.label} exited with {p.popen.poll()}:\n{p.stderr_tail()}")
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.signal(signal.SIGKILL)  # reaches a SIGSTOPped group too
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            p._reader.join(timeout=5)
+            for f in (p.popen.stdin, p.popen.stdout):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+        assert not bad, "\n".join(bad)
+
+
+# -- checks -----------------------------------------------------------------
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """A replica's final ``--out`` file: tensors plus ``__meta__`` (step, cursor)."""
+    from safetensors import safe_open
+
+    out: dict[str, Any] = {}
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            out[k] = f.get_tensor(k)
+        out["__meta__"] = dict(f.metadata() or {})
+    return out
+
+
+def assert_identical(states: list[dict[str, Any]]) -> None:
+    """Every state has the same keys, metadata and bit-identical tensors."""
+    first = states[0]
+    for i, st in enumerate(states[1:], 1):
+        assert st.keys() == first.keys(), (i, sorted(st.keys() ^ first.keys()))
+        assert st["__meta__"] == first["__meta__"], (i, st["__meta__"], first["__meta__"])
+        for k, v in first.items():
+            if k == "__meta__":
+                continue
+            assert st[k].dtype == v.dtype and st[k].shape == v.shape, (i, k)
+            assert torch.equal(st[k], v), f"state {i} differs at {k}: {max_diff(st[k], v)}"
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def assert_close(got: dict[str, Any], want: dict[str, Any], atol: float = 1e-9) -> float:
+    """Same keys and metadata; every tensor within ``atol``. Returns the largest difference."""
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    assert got["__meta__"] == want["__meta__"], (got["__meta__"], want["__meta__"])
+    worst = 0.0
+    for k, v in want.items():
+        if k == "__meta__":
+            continue
+        d = max_diff(got[k], v)
+        assert d <= atol, f"{k} differs from the reference by {d:.3g} > {atol}"
+        worst = max(worst, d)
+    return worst
+
+
+def step_lines(replicas: list[Proc]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Committed-step lines of every replica process, by step, then by replica id
+    (``name:incarnation``: a restarted or re-registered replica is another key).
+    A replica id that printed one step twice is a bug: refused here."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in replicas:
+        for e in r.steps():
+            by_id = out.setdefault(e["step"], {})
+            assert e["replica"] not in by_id, f"step {e['step']} printed twice by {e['replica']}"
+            by_id[e["replica"]] = e
+    return out
+
+
+def check_steps(lines: dict[int, dict[str, dict[str, Any]]], steps: int, batch: int) -> None:
+    """Every step 1..steps committed, and the replicas that printed a step agree
+    on it: same quorum, as many of them as there were participants, the same
+    cursor (``step * batch``) and the same mean loss."""
+    assert sorted(lines) == list(range(1, steps + 1)), sorted(lines)
+    for step, by_id in lines.items():
+        evs = list(by_id.values())
+        first = evs[0]
+        for e in evs:
+            assert e["quorum_id"] == first["quorum_id"], (step, evs)
+            assert e["participants"] == first["participants"], (step, evs)
+            assert e["cursor"] == step * batch, (step, e)
+            assert e["loss"] == first["loss"], (step, evs)
+        assert len(evs) == first["participants"], (
+            f"step {step}: {first['participants']} participants but {len(evs)} printed it: "
+            f"{sorted(by_id)}"
+        )
+
+
+def check_samples(
+    lines: dict[int, dict[str, dict[str, Any]]], dataset_size: int, seed: int, batch: int
+) -> None:
+    """Exactly-once data: for each committed step, the shares of the replicas that
+    committed it, in rank order (the quorum sorts members by replica id), are
+    disjoint and concatenate to that step's global batch; over steps 1..N that is
+    exactly the sampler's stream ``positions(0, N * batch)``: no duplicate, no gap."""
+    from phalanx.data.sampler import ElasticSampler
+
+    sampler = ElasticSampler(dataset_size, seed=seed)
+    stream: list[int] = []
+    for step in sorted(lines):
+        by_id = lines[step]
+        shares = [by_id[rid]["samples"] for rid in sorted(by_id)]
+        # Shares that add up to the batch and concatenate to it in rank order are
+        # disjoint slices of it (the indices alone may repeat where a batch
+        # straddles an epoch boundary).
+        assert sum(len(s) for s in shares) == batch, (step, [len(s) for s in shares])
+        got = [i for s in shares for i in s]
+        assert got == sampler.positions((step - 1) * batch, batch), (step, sorted(by_id), shares)
+        stream += got
+    assert stream == sampler.positions(0, len(lines) * batch), "stream differs from the sampler's"
+    for start in range(0, len(stream), dataset_size):
+        epoch = stream[start : start + dataset_size]
+        assert len(set(epoch)) == len(epoch), (
+            f"a sample repeats within epoch {start // dataset_size}"
+        )
