@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ class TorchCommunicator(Communicator):
     def __init__(self, timeout_s: float, device: torch.device | None = None):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
-        self.pg: dist.ProcessGroup | None = None
+        # Any: the torch stubs lack send/recv/abort on the backend classes.
+        self.pg: Any = None
         self.rank, self.world_size = 0, 1
 
     def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None:
@@ -61,7 +63,7 @@ class TorchCommunicator(Communicator):
             raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e
         self.rank, self.world_size = rank, world_size
 
-    def _group(self) -> dist.ProcessGroup:
+    def _group(self) -> Any:
         if self.pg is None:
             raise CommError("no process group: configure() has not succeeded for this quorum")
         return self.pg
@@ -103,6 +105,30 @@ class TorchCommunicator(Communicator):
         except Exception as e:
             raise CommError(f"recv from rank {src} failed to start: {e}") from e
         self._wait(work, f"recv from rank {src}")
+
+    def send_many(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """Send ``tensors`` to ``dst`` in order, as :meth:`send` one by one would, but
+        with every send in flight at once. Gloo moves a message only once the peer
+        has posted its receive (one round trip each), so a many-tensor transfer
+        sent one blocking call at a time pays that round trip per tensor."""
+        pg = self._group()
+        try:
+            works = [pg.send([t], dst, tag) for t in tensors]
+        except Exception as e:
+            raise CommError(f"send to rank {dst} failed to start: {e}") from e
+        for w in works:
+            self._wait(w, f"send to rank {dst}")
+
+    def recv_many(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> None:
+        """Receive into ``tensors`` in order (matching :meth:`send_many` or a series of
+        :meth:`send`), with every receive posted at once."""
+        pg = self._group()
+        try:
+            works = [pg.recv([t], src, tag) for t in tensors]
+        except Exception as e:
+            raise CommError(f"recv from rank {src} failed to start: {e}") from e
+        for w in works:
+            self._wait(w, f"recv from rank {src}")
 
     def abort(self) -> None:
         pg, self.pg = self.pg, None

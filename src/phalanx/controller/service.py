@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx.config import JobConfig
 from phalanx.controller.journal import Journal
-from phalanx.controller.state import ControllerState, Tick
+from phalanx.controller.state import ControllerState, RoleState, Tick
 
-T = TypeVar("T")
+
+def _count(role: RoleState) -> int:
+    return len(role.member_ids)
 
 
 class Metrics:
@@ -48,11 +51,10 @@ class Metrics:
         step = Gauge("phalanx_step", "Highest committed step seen.", ["role"], registry=r)
         epoch = Gauge("phalanx_controller_epoch", "Controller epoch.", registry=r)
         epoch.set_function(lambda: service.state.epoch)
-        rs = service.state.roles
-        for role in rs:
-            replicas.labels(role).set_function(lambda role=role: len(rs[role].member_ids))
-            quorum_id.labels(role).set_function(lambda role=role: rs[role].quorum_id)
-            step.labels(role).set_function(lambda role=role: rs[role].step)
+        for role in service.state.roles.values():
+            replicas.labels(role.name).set_function(partial(_count, role))
+            quorum_id.labels(role.name).set_function(partial(getattr, role, "quorum_id"))
+            step.labels(role.name).set_function(partial(getattr, role, "step"))
 
 
 class ControllerService:
@@ -80,19 +82,19 @@ class ControllerService:
     def epoch(self) -> int:
         return self.state.epoch
 
-    def apply(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one state-machine call with the current clocks, journal its changes,
         then wake whoever it answered. The call's own return value is passed
         through (with the :class:`Tick` peeled off where it returns one)."""
-        result = fn(*args, now=self.clock(), wall=self.wall(), **kwargs)
-        tick = None
+        result: Any = fn(*args, now=self.clock(), wall=self.wall(), **kwargs)
+        tick: Tick | None = None
         if isinstance(result, Tick):
             tick, result = result, None
         elif isinstance(result, tuple) and result and isinstance(result[-1], Tick):
             tick = result[-1]
             result = result[0] if len(result) == 2 else result[:-1]
         self.commit(tick)
-        return result  # type: ignore[return-value]
+        return result
 
     def commit(self, tick: Tick | None = None) -> None:
         changes = self.state.drain()
@@ -106,7 +108,9 @@ class ControllerService:
             for rid in q.replica_ids:
                 self._wake(self._quorum_waiters, rid)
         for rid in tick.evicted:
-            ev = next((e for e in reversed(self.state.events) if e.get("replica_id") == rid), {})
+            ev: dict[str, Any] = next(
+                (e for e in reversed(self.state.events) if e.get("replica_id") == rid), {}
+            )
             self.metrics.evictions.labels(ev.get("role", "?"), ev.get("reason", "?")).inc()
             for waiters in (self._quorum_waiters, self._heartbeat_waiters, self._command_waiters):
                 self._wake(waiters, rid)

@@ -259,10 +259,10 @@ class ControllerState:
         for rec in tables.get("members", {}).values():
             if rec["role"] not in st.roles:
                 continue  # role removed from the config: the member cannot take part
-            m = Member(**rec, last_seen=now)
-            st.members[m.replica_id] = m
-            st._by_name[(m.role, m.name)] = m.replica_id
-            st.roles[m.role].member_ids.add(m.replica_id)
+            mem = Member(**rec, last_seen=now)
+            st.members[mem.replica_id] = mem
+            st._by_name[(mem.role, mem.name)] = mem.replica_id
+            st.roles[mem.role].member_ids.add(mem.replica_id)
         for rec in tables.get("commands", {}).values():
             c = Command(**rec)
             if c.replica_id in st.members:

@@ -240,8 +240,8 @@ class Manager:
                 dt,
                 nbytes,
             )
-        for lag, src in sorted(q.heal.items()):
-            if src == me:
+        for lag, healer in sorted(q.heal.items()):
+            if healer == me:
                 send_state(self.comm, self.state_dict(), ranks[lag], tag=1)
 
     # -- gradients and commit --------------------------------------------
