@@ -6,8 +6,13 @@ Wire format, over any :class:`Communicator` send/recv pair:
 1. an int64 header ``[json_len, buffer_len]``;
 2. the JSON skeleton (uint8), where each tensor is a placeholder
    ``{"t": index, "dtype": "float32", "shape": [...], "offset": bytes}``;
-3. one uint8 buffer holding every tensor's bytes back to back (each offset
-   aligned to 64 bytes), sent in chunks.
+3. the bytes of one uint8 buffer holding every tensor back to back (each
+   offset aligned to 64 bytes), in segments that both sides derive from the
+   header (:func:`segments`): a tensor of at least ``DIRECT_BYTES`` is its own
+   segment and is sent straight from its storage, with no packing copy; runs
+   of smaller tensors are packed into one segment. Segments over
+   ``CHUNK_BYTES`` go in chunks. The receiver gets the same buffer as
+   :func:`pack` would build (alignment padding aside) and unpacks it.
 
 Dict keys keep their type (optimizer state is keyed by int), and tuples
 come back as tuples.
@@ -24,6 +29,9 @@ from phalanx.comm.base import Communicator
 
 ALIGN = 64
 CHUNK_BYTES = 64 << 20
+DIRECT_BYTES = 1 << 20
+"""Tensors at least this big are sent from their own storage (no copy); smaller
+ones are packed together so that a state with many tiny tensors costs few sends."""
 _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -92,8 +100,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return walk(skeleton)
 
 
-def pack(tree: Any) -> tuple[bytes, torch.Tensor]:
-    """Serialise a state tree into (JSON header bytes, one uint8 buffer)."""
+def _layout(tree: Any) -> tuple[bytes, list[torch.Tensor], list[dict[str, Any]], int]:
+    """(JSON header, the tree's tensors, their metas, buffer length) of a state tree."""
     skeleton, tensors = flatten(tree)
     metas, offset = [], 0
     for t in tensors:
@@ -102,27 +110,82 @@ def pack(tree: Any) -> tuple[bytes, torch.Tensor]:
             {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
         )
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    buf = torch.empty(offset, dtype=torch.uint8)
-    for t, m in zip(tensors, metas, strict=True):
-        src = (
-            t.contiguous().reshape(-1).view(torch.uint8)
-            if t.numel()
-            else t.reshape(0).to(torch.uint8)
-        )
-        buf[m["offset"] : m["offset"] + src.numel()].copy_(src.cpu())
     header = json.dumps({"skeleton": skeleton, "tensors": metas}, separators=(",", ":")).encode()
+    return header, tensors, metas, offset
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t`` (a copy only if it is not contiguous)."""
+    if not t.numel():
+        return t.reshape(0).to(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _copy_into(
+    buf: torch.Tensor, base: int, tensors: list[torch.Tensor], metas: list[dict[str, Any]]
+) -> None:
+    """Copy ``tensors`` into ``buf``, which holds the packed bytes from offset ``base``."""
+    for t, m in zip(tensors, metas, strict=True):
+        src = _as_bytes(t)
+        start = m["offset"] - base
+        buf[start : start + src.numel()].copy_(src.cpu())
+
+
+def pack(tree: Any) -> tuple[bytes, torch.Tensor]:
+    """Serialise a state tree into (JSON header bytes, one uint8 buffer)."""
+    header, tensors, metas, length = _layout(tree)
+    buf = torch.empty(length, dtype=torch.uint8)
+    _copy_into(buf, 0, tensors, metas)
     return header, buf
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"state tensor dtype must be one of {sorted(_DTYPES)}: got {name}")
+    return dtype
+
+
+def _nbytes(m: dict[str, Any]) -> int:
+    n = 1
+    for s in m["shape"]:
+        n *= s
+    return n * torch.empty(0, dtype=_dtype(m["dtype"])).element_size()
+
+
+def segments(metas: list[dict[str, Any]]) -> list[tuple[int, int, list[int]]]:
+    """Split the buffer described by ``metas`` into the byte ranges sent one by one:
+    ``(start, end, tensor indices)``. A tensor of at least ``DIRECT_BYTES`` is a
+    range of its own; consecutive smaller ones share one (empty ranges are left
+    out). Sender and receiver both derive the ranges from the header, so they
+    always agree."""
+    out: list[tuple[int, int, list[int]]] = []
+    run: list[int] = []
+
+    def close_run() -> None:
+        if run:
+            start = metas[run[0]]["offset"]
+            end = metas[run[-1]]["offset"] + _nbytes(metas[run[-1]])
+            if end > start:
+                out.append((start, end, list(run)))
+            run.clear()
+
+    for i, m in enumerate(metas):
+        n = _nbytes(m)
+        if n >= DIRECT_BYTES:
+            close_run()
+            out.append((m["offset"], m["offset"] + n, [i]))
+        else:
+            run.append(i)
+    close_run()
+    return out
 
 
 def unpack(header: bytes, buf: torch.Tensor) -> Any:
     meta = json.loads(header)
     tensors = []
     for m in meta["tensors"]:
-        dtype = _DTYPES.get(m["dtype"])
-        if dtype is None:
-            raise ValueError(
-                f"state tensor dtype must be one of {sorted(_DTYPES)}: got {m['dtype']}"
-            )
+        dtype = _dtype(m["dtype"])
         shape = m["shape"]
         n = 1
         for s in shape:
@@ -137,13 +200,26 @@ def unpack(header: bytes, buf: torch.Tensor) -> Any:
 
 
 def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
-    """Send a state tree to ``dst``; returns the bytes sent. Matched by :func:`recv_state`."""
-    header, buf = pack(tree)
-    comm.send(torch.tensor([len(header), buf.numel()], dtype=torch.int64), dst, tag)
-    comm.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, tag)
-    for i in range(0, buf.numel(), CHUNK_BYTES):
-        comm.send(buf[i : i + CHUNK_BYTES], dst, tag)
-    return len(header) + buf.numel()
+    """Send a state tree to ``dst``; returns the bytes sent. Matched by :func:`recv_state`.
+
+    The tree's tensors must not change until this returns: large ones are sent
+    from their own storage."""
+    header, tensors, metas, length = _layout(tree)
+    segs = segments(metas)  # refuses an unsupported dtype before anything is sent
+    out = [
+        torch.tensor([len(header), length], dtype=torch.int64),
+        torch.frombuffer(bytearray(header), dtype=torch.uint8),
+    ]
+    for start, end, idx in segs:
+        t = tensors[idx[0]]
+        if len(idx) == 1 and t.device.type == "cpu":
+            seg = _as_bytes(t)  # no copy for a contiguous CPU tensor
+        else:
+            seg = torch.empty(end - start, dtype=torch.uint8)
+            _copy_into(seg, start, [tensors[i] for i in idx], [metas[i] for i in idx])
+        out += [seg[i : i + CHUNK_BYTES] for i in range(0, seg.numel(), CHUNK_BYTES)]
+    _send_all(comm, out, dst, tag)
+    return sum(t.numel() for t in out[1:])
 
 
 def recv_state(comm: Communicator, src: int, tag: int = 0) -> Any:
@@ -152,7 +228,32 @@ def recv_state(comm: Communicator, src: int, tag: int = 0) -> Any:
     hlen, blen = int(sizes[0]), int(sizes[1])
     header = torch.empty(hlen, dtype=torch.uint8)
     comm.recv(header, src, tag)
+    head = header.numpy().tobytes()
     buf = torch.empty(blen, dtype=torch.uint8)
-    for i in range(0, blen, CHUNK_BYTES):
-        comm.recv(buf[i : i + CHUNK_BYTES], src, tag)
-    return unpack(header.numpy().tobytes(), buf)
+    parts = []
+    for start, end, _ in segments(json.loads(head)["tensors"]):
+        if end > blen:
+            raise ValueError("state buffer is shorter than its header says: transfer truncated")
+        parts += [buf[i : min(i + CHUNK_BYTES, end)] for i in range(start, end, CHUNK_BYTES)]
+    _recv_all(comm, parts, src, tag)
+    return unpack(head, buf)
+
+
+def _send_all(comm: Communicator, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+    # A communicator that can keep many sends in flight (TorchCommunicator) saves
+    # a round trip per segment; any other gets them one by one, in the same order.
+    many = getattr(comm, "send_many", None)
+    if many is not None:
+        many(tensors, dst, tag)
+    else:
+        for t in tensors:
+            comm.send(t, dst, tag)
+
+
+def _recv_all(comm: Communicator, tensors: list[torch.Tensor], src: int, tag: int) -> None:
+    many = getattr(comm, "recv_many", None)
+    if many is not None:
+        many(tensors, src, tag)
+    else:
+        for t in tensors:
+            comm.recv(t, src, tag)
