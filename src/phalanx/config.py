@@ -68,6 +68,10 @@ class TimeoutsSection(_Section):
     """How often a replica heartbeats (each heartbeat is held open this long)."""
     suspect_grace_s: float = Field(0.25, gt=0, le=60)
     """A replica reported by a peer is evicted unless it heartbeats within this grace."""
+    suspect_on_disconnect: bool = True
+    """Suspect a replica whose held heartbeat (or quorum) connection drops, as if a
+    peer had reported it: a SIGKILLed process is then evicted after the grace,
+    with no collective in flight and no heartbeat timeout to wait for."""
 
     @model_validator(mode="after")
     def _ordered(self) -> TimeoutsSection:

@@ -30,7 +30,7 @@ def start_controller(tmp_path: Path, procs: Procs) -> Callable[..., Controller]:
         n_init: int = 1,
         join_timeout_s: float = 0.5,
         max_body_bytes: int = 1 << 20,
-        **timeouts: float,
+        **timeouts: float | bool,
     ) -> Controller:
         nonlocal made
         made += 1

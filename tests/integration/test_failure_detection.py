@@ -46,7 +46,10 @@ def test_sigkilled_replica_is_evicted_fast_by_a_failure_report(
     hb = 20.0
     # A long join timeout: the survivors cannot re-form before c is evicted, and
     # a long heartbeat timeout: only the failure report can evict it in time.
-    ctl = start_controller(n_init=3, join_timeout_s=60.0, heartbeat_s=hb, quorum_s=60.0)
+    # No suspicion on a dropped connection either: this test isolates the report.
+    ctl = start_controller(
+        n_init=3, join_timeout_s=60.0, heartbeat_s=hb, quorum_s=60.0, suspect_on_disconnect=False
+    )
     reporter = _detector(detector, ctl)
     reps = _three_in_quorum(ctl, start_replica)
     c = reps["c"]
@@ -76,7 +79,9 @@ def test_sigkilled_replica_is_evicted_fast_by_a_failure_report(
 
 def test_sigkilled_replica_is_evicted_by_heartbeat_timeout_alone(start_controller, start_replica):
     hb = 3.0
-    ctl = start_controller(n_init=3, join_timeout_s=30.0, heartbeat_s=hb)
+    ctl = start_controller(
+        n_init=3, join_timeout_s=30.0, heartbeat_s=hb, suspect_on_disconnect=False
+    )
     reps = _three_in_quorum(ctl, start_replica)
     c = reps["c"]
     c_id = c.replica_id()
@@ -94,6 +99,33 @@ def test_sigkilled_replica_is_evicted_by_heartbeat_timeout_alone(start_controlle
     for n in "ab":
         line = reps[n].wait_line(
             lambda x: c_id not in x["members"], 10, "a quorum without c", after=marks[n]
+        )
+        assert names(line["members"]) == {"a", "b"}
+    check_rounds([r.lines() for r in reps.values()])
+
+
+def test_sigkilled_replica_is_evicted_fast_by_its_dropped_connection(
+    start_controller, start_replica
+):
+    """No peer report, no collective: the killed process's held heartbeat drops,
+    the controller suspects it and evicts it after the grace."""
+    hb = 20.0
+    ctl = start_controller(n_init=3, join_timeout_s=60.0, heartbeat_s=hb, quorum_s=60.0)
+    reps = _three_in_quorum(ctl, start_replica)
+    c = reps["c"]
+    c_id = c.replica_id()
+    marks = {n: len(reps[n].lines()) for n in "ab"}
+
+    c.signal(signal.SIGKILL)
+    c.proc.wait(timeout=10)
+    t0 = time.monotonic()
+    wait_for(lambda: c_id not in ctl.members(), hb / 2, "the killed replica to be evicted")
+    latency = time.monotonic() - t0
+    print(f"eviction after a dropped connection: {latency * 1000:.0f} ms (heartbeat_s={hb})")
+    assert ctl.evictions(c_id)[-1]["reason"] == "held connection dropped, no heartbeat in grace"
+    for n in "ab":
+        line = reps[n].wait_line(
+            lambda x: c_id not in x["members"], hb / 2, "a quorum without c", after=marks[n]
         )
         assert names(line["members"]) == {"a", "b"}
     check_rounds([r.lines() for r in reps.values()])

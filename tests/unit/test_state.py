@@ -773,3 +773,23 @@ def test_restore_from_empty_journal(journal):
     st = ControllerState.restore(make_cfg(), journal.load(), now=0)
     st.start(0, 0)
     assert (st.epoch, st.members, st.command_seq) == (1, {}, 0)
+
+
+def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
+    from phalanx.config import JobConfig
+    from phalanx.controller.state import ControllerState
+
+    st = ControllerState(JobConfig())
+    a, _ = st.register("policy", "a", "1", now=0.0, wall=0.0)
+    b, _ = st.register("policy", "b", "1", now=0.0, wall=0.0)
+    assert st.suspect(a.replica_id, "held connection dropped", now=1.0, wall=1.0).probe == [
+        a.replica_id
+    ]
+    assert st.suspect(a.replica_id, "again", now=1.01, wall=1.0).probe == []  # already suspect
+    st.heartbeat(b.replica_id, now=1.0)
+    st.suspect(b.replica_id, "held connection dropped", now=1.0, wall=1.0)
+    st.heartbeat(b.replica_id, now=1.1)  # alive: answered in the grace
+    tick = st.tick(now=1.3, wall=1.3)
+    assert tick.evicted == [a.replica_id]
+    assert st.events[-1]["reason"] == "held connection dropped, no heartbeat in grace"
+    assert b.replica_id in st.members

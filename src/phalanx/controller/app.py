@@ -13,6 +13,7 @@ Long-polls (heartbeat, quorum, commands) hold the request open for at most
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 import time
@@ -241,6 +242,7 @@ class AuthAndEpoch:
 
 
 Handler = Callable[[Any], Awaitable[dict[str, Any] | Response]]
+OnDisconnect = Callable[[Any], None]
 
 
 class FastPath:
@@ -253,7 +255,11 @@ class FastPath:
     stamped). Per request this halves the controller's CPU, which is what a
     quorum round of N replicas waits on (see docs/benchmarks.md)."""
 
-    def __init__(self, app: Any, routes: dict[str, tuple[type[BaseModel], Handler]]):
+    def __init__(
+        self,
+        app: Any,
+        routes: dict[str, tuple[type[BaseModel], Handler, OnDisconnect | None]],
+    ):
         self.app, self.routes = app, routes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -263,7 +269,7 @@ class FastPath:
         if route is None:
             return await self.app(scope, receive, send)
         msg = await receive()
-        model, handler = route
+        model, handler, on_disconnect = route
         try:
             req = model.model_validate_json(msg.get("body", b""))
         except ValueError:
@@ -277,11 +283,28 @@ class FastPath:
                 return await receive()
 
             return await self.app(scope, replay, send)
+        # While a long-poll is held, the only thing the client can send is its
+        # disconnect: a replica that died (SIGKILL) drops its held heartbeat.
+        watch = None
+        if on_disconnect is not None:
+            watch = asyncio.ensure_future(receive())
+            watch.add_done_callback(
+                lambda w: (
+                    on_disconnect(req)
+                    if not w.cancelled()
+                    and w.exception() is None
+                    and w.result()["type"] == "http.disconnect"
+                    else None
+                )
+            )
         try:
             out = await handler(req)
         except StateError as exc:
             fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
             return await _error(exc.status, str(exc), fields)(scope, receive, send)
+        finally:
+            if watch is not None and not watch.done():
+                watch.cancel()
         body = out.body if isinstance(out, Response) else _JSON.dump_json(out)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -477,9 +500,13 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         service.apply(st.deregister, req.replica_id, req.reason)
         return reply(ok=True)
 
-    fast: dict[str, tuple[type[BaseModel], Handler]] = {
-        f"/{API_VERSION}/heartbeat": (HeartbeatReq, heartbeat),
-        f"/{API_VERSION}/quorum": (QuorumReq, quorum),
+    def dropped(req: HeartbeatReq | QuorumReq) -> None:
+        service.apply(st.suspect, req.replica_id, "held connection dropped")
+
+    on_drop = dropped if st.cfg.timeouts.suspect_on_disconnect else None
+    fast: dict[str, tuple[type[BaseModel], Handler, OnDisconnect | None]] = {
+        f"/{API_VERSION}/heartbeat": (HeartbeatReq, heartbeat, on_drop),
+        f"/{API_VERSION}/quorum": (QuorumReq, quorum, on_drop),
     }
     # Added last = outermost: BodyLimit -> AuthAndEpoch -> FastPath -> FastAPI.
     app.add_middleware(FastPath, routes=fast)

@@ -63,10 +63,11 @@ class Member:
     # Liveness: not durable, reset on restore.
     last_seen: float = field(default=0.0, compare=False)
     suspect_since: float | None = field(default=None, compare=False)
+    suspect_reason: str = field(default="", compare=False)
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["last_seen"], d["suspect_since"]
+        del d["last_seen"], d["suspect_since"], d["suspect_reason"]
         return d
 
 
@@ -398,7 +399,7 @@ class ControllerState:
                 unknown.append(sid)
                 continue
             if m.suspect_since is None:
-                m.suspect_since = now
+                m.suspect_since, m.suspect_reason = now, "failure report"
                 tick.probe.append(sid)
         rs = self.roles[rep.role]
         if failed_commit and not rs.force_bump:
@@ -414,6 +415,17 @@ class ControllerState:
         )
         return unknown, tick
 
+    def suspect(self, replica_id: str, reason: str, *, now: float, wall: float) -> Tick:
+        """Suspect a member on the controller's own evidence (its held connection
+        dropped). Like a peer's report: evicted unless it heartbeats within
+        ``suspect_grace_s``. Unknown or already suspect members are left alone."""
+        m = self.members.get(replica_id)
+        if m is None or m.suspect_since is not None:
+            return Tick()
+        m.suspect_since, m.suspect_reason = now, reason
+        self._event("suspect", wall, replica_id=replica_id, reason=reason)
+        return Tick(probe=[replica_id])
+
     def tick(self, *, now: float, wall: float) -> Tick:
         """Apply deadlines: heartbeat timeouts, suspect graces, stale quorum requests,
         join timeouts. Call it often (every ``controller.tick_s``)."""
@@ -427,9 +439,8 @@ class ControllerState:
                 rs.drop_pending(rid)
         for m in list(self.members.values()):
             if m.suspect_since is not None and now - m.suspect_since >= t.suspect_grace_s:
-                tick.merge(
-                    self._evict(m.replica_id, "failure report, no heartbeat in grace", now, wall)
-                )
+                reason = f"{m.suspect_reason}, no heartbeat in grace"
+                tick.merge(self._evict(m.replica_id, reason, now, wall))
             elif now - m.last_seen >= t.heartbeat_s:
                 tick.merge(self._evict(m.replica_id, "heartbeat timeout", now, wall))
         for rs in self.roles.values():

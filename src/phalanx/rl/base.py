@@ -1,0 +1,71 @@
+"""Interfaces of the RL core: a tokenizer and a task.
+
+Generation engines have their own interface in ``engine/base.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids, with the special ids generation and training need.
+
+    ``eos_id`` ends a completion: the engine stops a sequence when it samples it,
+    and the EOS token is part of the completion (it is trained on and scored).
+    ``pad_id`` only fills batch slots; it is never attended to nor trained on, so
+    it may equal ``eos_id`` (as for many HF tokenizers).
+    """
+
+    vocab_size: int
+    """Number of token ids; the model's vocabulary must be at least this large."""
+    pad_id: int
+    eos_id: int
+    bos_id: int | None
+    """Prepended by :meth:`encode` when not None."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with BOS first when the tokenizer has one; no EOS."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens (PAD, BOS, EOS) left out."""
+
+
+class Task(ABC):
+    """Prompts and the reward that scores completions to them.
+
+    Prompts are addressed by index so that any process (a rollout replica, a
+    controller handing out prompt leases) gets the same prompt for the same
+    index: ``prompt(i)`` must be a pure function of the task's config and ``i``.
+    """
+
+    name: str
+
+    @property
+    @abstractmethod
+    def num_prompts(self) -> int | None:
+        """How many distinct prompts there are, or None for an unbounded stream."""
+
+    @abstractmethod
+    def prompt(self, index: int) -> str:
+        """The prompt text with this index (``index >= 0``); deterministic."""
+
+    @abstractmethod
+    def reward(self, prompt: str, completion: str, finished: bool) -> float:
+        """Score of ``completion`` (decoded text, without EOS) for ``prompt``.
+
+        ``finished`` is True when the completion ended with EOS and False when
+        it was cut off by ``max_new_tokens``.
+        """
+
+    @abstractmethod
+    def exact_match(self, prompt: str, completion: str, finished: bool) -> bool:
+        """Whether the completion is exactly right (reported next to the reward)."""
+
+    def prompts(self, start: int, count: int) -> list[str]:
+        """``count`` consecutive prompts from ``start``, wrapping around a finite task."""
+        n = self.num_prompts
+        return [self.prompt((start + i) % n if n else start + i) for i in range(count)]

@@ -1,0 +1,169 @@
+"""Typed config of RL post-training (GRPO), one section per concern.
+
+Standalone TOML files for ``python -m phalanx.rl.single`` hold these sections at
+the top level (or under an ``[rl]`` table, the shape a job file will use)::
+
+    [model]
+    hidden_size = 64
+    num_layers = 2
+
+    [task]
+    name = "sort4"
+
+    [grpo]
+    prompts_per_step = 16
+    group_size = 16
+    lr = 1e-3
+
+Dotted CLI overrides (``--grpo.lr 3e-3``) apply on top, as for job files.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phalanx.config import ConfigError, apply_overrides
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """The policy model: a tiny random causal LM from config, or a local checkpoint."""
+
+    path: str | None = None
+    """Local directory of a saved HF model (``save_pretrained``). None: build from the fields below."""
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """Architecture of a model built from config. gpt2's learned absolute positions let a
+    2-layer model place EOS after exactly N tokens early in RL; llama (RoPE only) must
+    learn to count first and, on the sort task, tends to suppress EOS for good."""
+    hidden_size: int = Field(64, ge=8, le=1 << 16)
+    num_layers: int = Field(2, ge=1, le=256)
+    num_heads: int = Field(4, ge=1, le=256)
+    intermediate_size: int = Field(192, ge=8, le=1 << 18)
+    """MLP width (llama); gpt2 uses 4 x hidden_size."""
+    max_positions: int = Field(64, ge=8, le=1 << 20)
+    """Longest prompt + completion, in tokens."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    attn_implementation: Literal["eager", "sdpa"] = "eager"
+    """HF attention kernel. eager is the quickest for tiny models on CPU."""
+    seed: int = Field(0, ge=0)
+    """Seed of the random init: the same seed gives the same weights."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSection:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size must be divisible by model.num_heads: got hidden_size="
+                f"{self.hidden_size}, num_heads={self.num_heads}. Pick num_heads among the "
+                f"divisors of hidden_size."
+            )
+        return self
+
+
+class TaskSection(_Section):
+    """Where prompts and rewards come from."""
+
+    name: Literal["sort4", "jsonl"] = "sort4"
+    """``sort4``: the built-in digit-sorting task. ``jsonl``: prompts from ``path``, scored by ``reward``."""
+    seed: int = Field(0, ge=0)
+    """Seed of the built-in task's prompts (and of the order in which prompts are used)."""
+    path: str | None = None
+    """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (jsonl only)."""
+    reward: str | None = None
+    """Reward function as ``module:function`` (jsonl only)."""
+    tokenizer_path: str | None = None
+    """Local HF tokenizer directory. None: the built-in character tokenizer (digits and '>')."""
+
+    @model_validator(mode="after")
+    def _jsonl_complete(self) -> TaskSection:
+        if self.name == "jsonl" and (self.path is None or self.reward is None):
+            raise ValueError(
+                f"task.path and task.reward must both be set when task.name is 'jsonl': got "
+                f"path={self.path!r}, reward={self.reward!r}. Name the JSONL prompt file and "
+                f"the reward function as module:function."
+            )
+        return self
+
+
+class GRPOSection(_Section):
+    """Sampling and optimisation of GRPO (Shao et al. 2024, arXiv:2402.03300)."""
+
+    steps: int = Field(500, ge=1, le=10_000_000)
+    """Rollout rounds to run (each one does ``inner_epochs`` optimizer steps)."""
+    prompts_per_step: int = Field(16, ge=1, le=1 << 20)
+    """Distinct prompts per round."""
+    group_size: int = Field(16, ge=1, le=4096)
+    """G: completions sampled per prompt; advantages are normalised within a group."""
+    max_new_tokens: int = Field(5, ge=1, le=1 << 16)
+    """Longest completion, EOS included."""
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    """Sampling temperature; the loss evaluates the policy at the same temperature."""
+    lr: float = Field(1e-3, gt=0, le=1)
+    """AdamW peak learning rate."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup."""
+    lr_decay: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warmup (cosine decays to 10% over all optimizer steps)."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global grad norm; 0 disables clipping."""
+    inner_epochs: int = Field(1, ge=1, le=64)
+    """Optimizer steps per rollout batch. Above 1, the ratio departs from 1 and the clip acts."""
+    clip_eps: float = Field(0.2, gt=0, le=10)
+    """epsilon of the clipped ratio, lower side (and upper unless clip_eps_high is set)."""
+    clip_eps_high: float | None = Field(None, gt=0, le=10)
+    """Upper epsilon (DAPO's clip-higher); None: same as clip_eps."""
+    adv_eps: float = Field(1e-4, gt=0)
+    """Added to the group std: a group whose rewards are all equal gets zero advantages."""
+    kl_coef: float = Field(0.0, ge=0)
+    """beta of the KL penalty to the initial (reference) policy; 0 disables it."""
+    seed: int = Field(0, ge=0)
+    """Seed of sampling."""
+    threads: int = Field(1, ge=0, le=256)
+    """torch intra-op threads; 0 leaves torch's default. The tiny model runs fastest on one:
+    more threads only add synchronisation (and collapse on a loaded machine)."""
+    device: str = "cpu"
+    """torch device of the policy and the engine (``cpu``, ``cuda``, ``cuda:1``)."""
+
+
+class RLConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+    """Load an RL config from TOML (defaults when ``path`` is None), then apply dotted overrides."""
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"rl config {p} must be an existing TOML file: not found.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"rl config {p} is not valid TOML: {e}.") from e
+        data = data.get("rl", data)
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"invalid rl config {source}:"]
+        for err in e.errors():
+            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg'].removeprefix('Value error, ')}")
+        raise ConfigError("\n".join(lines)) from e

@@ -1,0 +1,1 @@
+"""Generation engines: the interface in ``base.py``, one module per mechanism."""

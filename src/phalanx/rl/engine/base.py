@@ -1,0 +1,108 @@
+"""The generation-engine interface: sample completions and record behaviour log-probs.
+
+What "behaviour log-probs" means
+--------------------------------
+GRPO's clipped objective weighs each sampled token by the importance ratio
+``pi_theta(a|s) / mu(a|s)``, where ``mu`` is the distribution the token was
+*actually drawn from* (the behaviour policy: the weights of ``version`` at the
+sampling temperature T). So ``Completion.logprobs[t]`` is
+``log_softmax(logits / T)[token_t]`` computed by the engine at draw time, and
+the trainer must evaluate ``pi_theta`` the same way (``grpo_loss(...,
+temperature=T)``). Then, on the first optimizer step after a weight sync, the
+ratio is exactly 1 up to kernel noise, and any departure measures genuine
+staleness or an engine/trainer mismatch, never a temperature artefact. Mixing
+a T != 1 sampler with T = 1 log-probs (or the reverse) would bias every ratio
+and let the clip silently discard gradient.
+
+Greedy decoding (``temperature == 0``) has a point-mass behaviour policy; the
+engine then records ``log_softmax(logits)`` (T = 1) of the argmax for
+diagnostics, and such rollouts are for evaluation, not for importance-weighted
+training.
+
+Engines
+-------
+- ``hf.py``: :class:`~phalanx.rl.engine.hf.HFEngine`, a KV-cached sampling loop
+  over any ``transformers`` causal LM. CPU and GPU.
+- vLLM: not implemented. A ``vllm.py`` engine belongs next to ``hf.py`` and must
+  implement this same interface: ``generate`` maps to ``LLM.generate`` with
+  ``SamplingParams(n=n, temperature=T, max_tokens=max_new_tokens, logprobs=0)``.
+  vLLM's default ``logprobs_mode="raw_logprobs"`` reports log-probs *before*
+  temperature, which is not the behaviour policy when T != 1: the engine must
+  be built with ``logprobs_mode="processed_logprobs"`` (check the option in the
+  vLLM version in use). ``load_weights`` maps to
+  ``model.load_weights(iterable of (name, tensor))`` on the worker, which is why
+  this interface accepts named tensors as well as a state dict.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""A full state dict, or a stream of (name, tensor) pairs that may cover part of the model."""
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt.
+
+    ``token_ids`` holds the generated tokens only (not the prompt), EOS
+    included when it was sampled, and nothing after it. ``logprobs[t]`` is the
+    behaviour log-prob of ``token_ids[t]`` (see the module docstring), so the
+    two have the same length.
+    """
+
+    prompt_index: int
+    """Position of the prompt in the list given to ``generate``."""
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    """True when the completion ended with EOS; False when cut off by max_new_tokens."""
+    version: int
+    """Weights version that produced it."""
+    reward: float | None = None
+    advantage: float | None = None
+    info: dict = field(default_factory=dict)
+
+
+class GenerationEngine(ABC):
+    """Samples completions with the weights of ``version``.
+
+    Single-caller: an engine is driven by one thread of one process (a rollout
+    replica); ``generate`` and ``load_weights`` must not overlap.
+    """
+
+    version: int
+    """Weights version currently loaded (the policy step that produced them); -1 before any load."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+    ) -> list[Completion]:
+        """Sample ``n`` completions for each prompt (token ids, BOS included where used).
+
+        Returns ``len(prompts) * n`` completions, prompt-major: the ``j``-th
+        sample of prompt ``i`` is at ``i * n + j``. Each completion stops at its
+        own EOS or after ``max_new_tokens`` tokens. ``temperature == 0`` is
+        greedy. Raises ValueError on empty prompts or arguments out of range.
+        """
+
+    @abstractmethod
+    def load_weights(self, weights: Weights, version: int) -> None:
+        """Copy ``weights`` into the engine's model and set ``self.version = version``.
+
+        A Mapping must be a full state dict (every parameter present); an
+        iterable of pairs may cover part of the model (streamed in chunks).
+        Unknown names and shape mismatches raise ValueError before anything is
+        copied from a Mapping; for a stream, the version is only advanced once
+        the whole stream was applied.
+        """

@@ -1,0 +1,178 @@
+"""A generation engine over any ``transformers`` causal LM, with its own KV-cached sampling loop.
+
+``HFEngine.generate`` batches every prompt x sample into one batch of
+``len(prompts) * n`` rows, left-padded to the longest prompt, runs one prefill
+forward and then one single-token forward per new token, reusing the model's
+``past_key_values``. Position ids are counted from each row's first real token,
+so a left-padded row sees exactly the positions it would see alone; the padding
+is masked out of attention. A row that samples EOS is finished: it keeps
+feeding PAD (masked, discarded) until every row is finished or
+``max_new_tokens`` is reached.
+
+We write the loop ourselves rather than call ``model.generate`` because the
+trainer's importance ratio needs the exact log-prob of each sampled token under
+the distribution it was drawn from (see ``engine/base.py``), and because it is
+the reference a faster engine (vLLM) is checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from phalanx.rl.engine.base import Completion, GenerationEngine, Weights
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of shape ``[len(prompts), longest]``, real tokens right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class HFEngine(GenerationEngine):
+    """Samples from ``model`` (a ``transformers`` causal LM) with a KV cache.
+
+    The engine owns its RNG (``seed``), so the same weights, prompts and seed
+    give the same completions. The model is put in eval mode and used under
+    ``torch.no_grad``; pass a copy when the trainer keeps training the original
+    (the single-process loop does, and syncs it with :meth:`load_weights`).
+    """
+
+    def __init__(self, model: Any, eos_id: int, pad_id: int, seed: int = 0, version: int = -1):
+        self.model = model.eval()
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.device = next(model.parameters()).device
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(seed)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+    ) -> list[Completion]:
+        _check_args(prompts, n, max_new_tokens, temperature)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        ids, mask = left_pad(rows, self.pad_id, self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        b = ids.shape[0]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        toks, lps = [], []
+        for t in range(max_new_tokens):
+            tok, lp = self._sample(logits.float(), temperature)
+            # Finished rows emit PAD with log-prob 0; both are dropped below.
+            tok = tok.masked_fill(done, self.pad_id)
+            toks.append(tok)
+            lps.append(lp.masked_fill(done, 0.0))
+            done = done | (tok == self.eos_id)
+            if t == max_new_tokens - 1 or bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past, logits = out.past_key_values, out.logits[:, -1, :]
+        return self._completions(rows, n, torch.stack(toks, 1), torch.stack(lps, 1))
+
+    def _sample(
+        self, logits: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if temperature == 0:
+            tok = logits.argmax(-1)
+            logp = torch.log_softmax(logits, -1)
+        else:
+            logp = torch.log_softmax(logits / temperature, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+    def _completions(
+        self, rows: list[list[int]], n: int, toks: torch.Tensor, lps: torch.Tensor
+    ) -> list[Completion]:
+        toks_l, lps_l = toks.tolist(), lps.tolist()
+        result = []
+        for i, row in enumerate(rows):
+            seq = toks_l[i]
+            end = seq.index(self.eos_id) + 1 if self.eos_id in seq else len(seq)
+            result.append(
+                Completion(
+                    prompt_index=i // n,
+                    prompt_ids=row,
+                    token_ids=seq[:end],
+                    logprobs=lps_l[i][:end],
+                    finished=self.eos_id in seq,
+                    version=self.version,
+                )
+            )
+        return result
+
+    @torch.no_grad()
+    def load_weights(self, weights: Weights, version: int) -> None:
+        own = self.model.state_dict()
+        if isinstance(weights, Mapping):
+            _check_names(own, weights.items())
+            missing = sorted(set(own) - set(weights))
+            if missing:
+                raise ValueError(
+                    f"weights must be a full state dict when given as a mapping: got "
+                    f"{len(weights)} tensors, missing {missing[:5]}. Send every tensor, or "
+                    f"stream a partial update as (name, tensor) pairs."
+                )
+            pairs: Any = weights.items()
+        else:
+            pairs = weights
+        for name, tensor in pairs:
+            _check_names(own, [(name, tensor)])
+            own[name].copy_(tensor)
+        self.version = int(version)
+
+
+def _check_names(own: Mapping[str, torch.Tensor], pairs: Any) -> None:
+    for name, tensor in pairs:
+        if name not in own:
+            raise ValueError(
+                f"weight name must be one of the engine model's: got {name!r}, which it does "
+                f"not have. The sender's model must have the engine's architecture."
+            )
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"weight {name} must have the engine's shape: got {tuple(tensor.shape)}, "
+                f"expected {tuple(own[name].shape)}. The sender's model config differs."
+            )
+
+
+def _check_args(
+    prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float
+) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(
+            f"prompts must be a non-empty list of non-empty token lists: got "
+            f"{len(prompts)} prompts, lengths {[len(p) for p in prompts][:8]}. Encode each "
+            f"prompt with the tokenizer (which adds BOS) before generating."
+        )
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"n and max_new_tokens must be >= 1: got n={n}, max_new_tokens={max_new_tokens}."
+        )
+    if not 0 <= temperature <= 100:
+        raise ValueError(
+            f"temperature must be in [0, 100]: got {temperature}. Use 0 for greedy decoding."
+        )

@@ -1,0 +1,107 @@
+"""The policy model: a tiny causal LM built with ``transformers`` from config, or a local one.
+
+Nothing is downloaded: :func:`build_model` uses ``AutoModelForCausalLM.from_config``
+(random init, deterministic in ``spec.seed``) and a ``spec.path`` is loaded with
+``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.rl.base import Tokenizer
+from phalanx.rl.config import ModelSection
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
+    """The HF config of a model built from ``spec``, sized to the tokenizer's vocabulary."""
+    from transformers import GPT2Config, LlamaConfig
+
+    special = {"pad_token_id": tok.pad_id, "eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
+    # No dropout anywhere: the importance ratio compares the trainer's forward
+    # with the engine's (eval-mode) forward, and dropout would make it != 1 on
+    # the very first step after a sync and let the clip eat real gradient.
+    if spec.arch == "llama":
+        return LlamaConfig(
+            vocab_size=tok.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_heads,
+            max_position_embeddings=spec.max_positions,
+            tie_word_embeddings=spec.tie_embeddings,
+            attention_dropout=0.0,
+            **special,
+        )
+    return GPT2Config(
+        vocab_size=tok.vocab_size,
+        n_embd=spec.hidden_size,
+        n_layer=spec.num_layers,
+        n_head=spec.num_heads,
+        n_positions=spec.max_positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=spec.tie_embeddings,
+        **special,
+    )
+
+
+def build_model(spec: ModelSection, tok: Tokenizer, device: str | torch.device = "cpu") -> Any:
+    """The policy model of ``spec``: loaded from ``spec.path``, else randomly initialised.
+
+    A random init draws from a private RNG seeded with ``spec.seed``: the same
+    seed gives bit-identical weights, and the global torch RNG is left untouched.
+    Raises ValueError when the model's vocabulary cannot hold the tokenizer's ids.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if spec.path is not None:
+        model = load_model(spec.path, spec.attn_implementation)
+    else:
+        cfg = model_config(spec, tok)
+        devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(spec.seed)
+            model = AutoModelForCausalLM.from_config(
+                cfg, attn_implementation=spec.attn_implementation
+            )
+    check_vocab(model, tok)
+    return model.to(device)
+
+
+def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrainedModel:
+    """A causal LM from a local directory written by ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"model.path must be an existing local directory: got {str(p)!r}. Save a model "
+            f"there with model.save_pretrained(dir); hub names are not fetched at run time."
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        str(p), local_files_only=True, attn_implementation=attn_implementation
+    )
+
+
+def check_vocab(model: Any, tok: Tokenizer) -> None:
+    """Raise when the model's embedding has fewer rows than the tokenizer has ids."""
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < tok.vocab_size:
+        raise ValueError(
+            f"model vocabulary must cover the tokenizer's: got {rows} embedding rows, "
+            f"expected at least {tok.vocab_size}. Use the tokenizer the model was trained with."
+        )
+
+
+def num_params(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
