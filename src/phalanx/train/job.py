@@ -10,6 +10,7 @@ committed step on stdout (``phalanx run`` reads them for its progress view).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import logging
@@ -98,8 +99,26 @@ def emit(event: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of handing it back to the OS.
+
+    Every step, the optimizer's temporaries (two of the model's size for AdamW)
+    are freed and allocated again; with glibc's defaults they are unmapped and
+    faulted back in each time, which costs more than the all-reduce on a small
+    CPU replica (docs/benchmarks.md). With these thresholds they stay in the
+    heap. Returns False where the C library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
 def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
     tc = cfg.train
+    keep_freed_memory()
     torch.set_num_threads(tc.threads)
     store, address = serve_store()
     client = ControllerClient(controller, "policy", name, address=address)
