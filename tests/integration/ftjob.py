@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import procs
 import torch
-
-from phalanx import env
+from procs import write_job_toml
 
 WAIT_S = 60.0
 """Generous bound on any single wait; a healthy run hits none of them."""
@@ -56,16 +56,6 @@ so that accumulation runs and AdamW carries optimizer state. ``step_delay_s``
 between steps; it does not change the numbers."""
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
 def write_job(
     path: Path,
     *,
@@ -83,20 +73,11 @@ def write_job(
         | (policy or {}),
         "train": {**TRAIN, **(train or {})},
     }
-    lines = []
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
+    return write_job_toml(path, sections)
 
 
 def child_env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.pop(env.TOKEN, None)  # the token comes from the state dir
-    e.pop(env.CONTROLLER, None)
-    e["PYTHONUNBUFFERED"] = "1"
+    e = procs.child_env()
     e["OMP_NUM_THREADS"] = "1"
     return e
 
