@@ -49,7 +49,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     r = rewards.float().view(-1, group_size)
     centred = r - r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True, correction=0)
-    return (centred / (std + eps)).view(-1)
+    adv = centred / (std + eps)
+    # Summation rounding can leave a constant group with a mean 1 ulp off its
+    # values; make its advantages exactly 0 so callers may drop those rows.
+    flat = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return adv.masked_fill(flat, 0.0).view(-1)
 
 
 @dataclass

@@ -23,7 +23,6 @@ def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
     """The HF config of a model built from ``spec``, sized to the tokenizer's vocabulary."""
     from transformers import GPT2Config, LlamaConfig
 
-    special = {"pad_token_id": tok.pad_id, "eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
     # No dropout anywhere: the importance ratio compares the trainer's forward
     # with the engine's (eval-mode) forward, and dropout would make it != 1 on
     # the very first step after a sync and let the clip eat real gradient.
@@ -38,7 +37,9 @@ def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
             max_position_embeddings=spec.max_positions,
             tie_word_embeddings=spec.tie_embeddings,
             attention_dropout=0.0,
-            **special,
+            pad_token_id=tok.pad_id,
+            eos_token_id=tok.eos_id,
+            bos_token_id=tok.bos_id,
         )
     return GPT2Config(
         vocab_size=tok.vocab_size,
@@ -50,7 +51,9 @@ def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=spec.tie_embeddings,
-        **special,
+        pad_token_id=tok.pad_id,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.bos_id,
     )
 
 
@@ -63,6 +66,7 @@ def build_model(spec: ModelSection, tok: Tokenizer, device: str | torch.device =
     """
     from transformers import AutoModelForCausalLM
 
+    model: Any
     if spec.path is not None:
         model = load_model(spec.path, spec.attn_implementation)
     else:

@@ -1,8 +1,9 @@
 """Single-process GRPO: the baseline the elastic policy/rollout split is measured against.
 
-Each round: sync the engine to the policy's weights (version = rounds done),
-sample G completions for each of P fresh prompts, score them, compute group
-advantages, then take ``inner_epochs`` optimizer steps on the clipped GRPO loss.
+Each round (a ``step`` in the printed lines): sync the engine to the policy's
+weights (version = optimizer steps taken so far), sample G completions for each
+of P fresh prompts, score them, compute group advantages, then take
+``inner_epochs`` optimizer steps on the clipped GRPO loss over that batch.
 Every round prints one JSON line (step, mean reward, exact match, seconds);
 the run ends with a ``summary`` line giving the first step at which the
 trailing mean reward and exact match reached 0.9.
@@ -48,6 +49,22 @@ def lr_lambda(g: GRPOSection, total_steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
+
+
+def _rows_to_train(adv: torch.Tensor, kl_coef: float) -> list[int]:
+    """Rows whose loss can have a non-zero gradient.
+
+    A zero advantage makes every term of the clipped surrogate zero whatever
+    the ratio, so without a KL term such rows (whole groups with equal
+    rewards, e.g. solved prompts) only cost a forward and backward. Dropping
+    them while keeping the batch's full token count as the normaliser leaves
+    the gradient unchanged. One row is always kept so that the optimizer still
+    steps (AdamW's moments decay on a zero gradient exactly as without the drop).
+    """
+    if kl_coef > 0:
+        return list(range(len(adv)))
+    keep = adv.nonzero().squeeze(1).tolist()
+    return keep or [0]
 
 
 def train(
@@ -97,11 +114,12 @@ def _train(
     records: list[dict[str, Any]] = []
     recent_r: deque[float] = deque(maxlen=window)
     recent_em: deque[float] = deque(maxlen=window)
-    reached: dict[str, dict[str, float]] = {}
+    reached: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     for step in range(g.steps):
         t0 = time.perf_counter()
-        engine.load_weights(policy.state_dict(), version=step)
+        # The weights version is the policy's optimizer-step count (DESIGN.md).
+        engine.load_weights(policy.state_dict(), version=step * g.inner_epochs)
         prompts = task.prompts(step * g.prompts_per_step, g.prompts_per_step)
         comps = engine.generate(
             [tok.encode(p) for p in prompts], g.group_size, g.max_new_tokens, g.temperature
@@ -113,7 +131,9 @@ def _train(
             em.append(float(task.exact_match(prompt, text, c.finished)))
         t_gen = time.perf_counter() - t0
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
-        batch = collate(comps, adv, tok.pad_id, device)
+        n_tokens = sum(len(c.token_ids) for c in comps)
+        keep = _rows_to_train(adv, g.kl_coef)
+        batch = collate([comps[i] for i in keep], adv[keep], tok.pad_id, device)
         ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
         for _ in range(g.inner_epochs):
             loss, stats = grpo_loss(
@@ -122,6 +142,7 @@ def _train(
                 clip_eps=g.clip_eps,
                 clip_eps_high=g.clip_eps_high,
                 temperature=g.temperature,
+                num_tokens=n_tokens,
                 kl_coef=g.kl_coef,
                 ref_logprobs=ref_lp,
             )
@@ -135,13 +156,19 @@ def _train(
         mean_r, mean_em = sum(rewards) / len(rewards), sum(em) / len(em)
         recent_r.append(mean_r)
         recent_em.append(mean_em)
-        rec = {
+        # reward / exact_match: this round's sampled completions (at the sampling
+        # temperature); *_avg: trailing means over `window` rounds; loss,
+        # clip_frac, kl_behaviour: the round's last inner epoch; trained: rows
+        # with a non-zero advantage that went through the backward pass.
+        rec: dict[str, Any] = {
             "step": step + 1,
+            "opt_steps": (step + 1) * g.inner_epochs,
             "reward": round(mean_r, 4),
             "exact_match": round(mean_em, 4),
             "reward_avg": round(sum(recent_r) / len(recent_r), 4),
             "exact_match_avg": round(sum(recent_em) / len(recent_em), 4),
-            "len": round(sum(len(c.token_ids) for c in comps) / len(comps), 3),
+            "len": round(n_tokens / len(comps), 3),
+            "trained": len(keep),
             "loss": round(stats["loss"], 5),
             "clip_frac": round(stats["clip_frac"], 4),
             "kl_behaviour": round(stats["kl_behaviour"], 6),
