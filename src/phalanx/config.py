@@ -234,8 +234,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _explain(err: ValidationError, source: str) -> str:
-    lines = [f"invalid job config {source}:"]
+def explain(err: ValidationError, what: str, source: str) -> str:
+    """A validation error as one line per field: ``invalid <what> <source>: ...``."""
+    lines = [f"invalid {what} {source}:"]
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
@@ -245,21 +246,24 @@ def _explain(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def read_toml(path: str | Path | None, what: str) -> tuple[dict[str, Any], str]:
+    """Parse a TOML file (``{}`` when ``path`` is None). Returns (data, source name)."""
+    if path is None:
+        return {}, "(defaults)"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} must be an existing TOML file: not found.")
+    try:
+        return tomllib.loads(p.read_text()), str(p)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {p} is not valid TOML: {e}.") from e
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Load a job config from TOML (or defaults when ``path`` is None), then apply overrides."""
-    data: dict[str, Any] = {}
-    source = "(defaults)"
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"job config {p} must be an existing TOML file: not found.")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"job config {p} is not valid TOML: {e}.") from e
+    data, source = read_toml(path, "job config")
     data = apply_overrides(data, list(overrides or []))
     try:
         return JobConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(e, source)) from e
+        raise ConfigError(explain(e, "job config", source)) from e

@@ -20,13 +20,12 @@ Dotted CLI overrides (``--grpo.lr 3e-3``) apply on top, as for job files.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from phalanx.config import ConfigError, apply_overrides
+from phalanx.config import ConfigError, apply_overrides, explain, read_toml
 
 
 class _Section(BaseModel):
@@ -148,24 +147,9 @@ class RLConfig(_Section):
 
 def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
     """Load an RL config from TOML (defaults when ``path`` is None), then apply dotted overrides."""
-    data: dict[str, Any] = {}
-    source = "(defaults)"
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"rl config {p} must be an existing TOML file: not found.")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"rl config {p} is not valid TOML: {e}.") from e
-        data = data.get("rl", data)
-    data = apply_overrides(data, list(overrides or []))
+    data, source = read_toml(path, "rl config")
+    data = apply_overrides(data.get("rl", data), list(overrides or []))
     try:
         return RLConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"invalid rl config {source}:"]
-        for err in e.errors():
-            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {where}: {err['msg'].removeprefix('Value error, ')}")
-        raise ConfigError("\n".join(lines)) from e
+        raise ConfigError(explain(e, "rl config", source)) from e
