@@ -42,6 +42,16 @@ class Communicator(ABC):
     @abstractmethod
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None: ...
 
+    def send_many(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """Send ``tensors`` to ``dst`` in order (a backend may keep them all in flight)."""
+        for t in tensors:
+            self.send(t, dst, tag)
+
+    def recv_many(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> None:
+        """Receive into ``tensors`` in order, matching :meth:`send_many` or sends."""
+        for t in tensors:
+            self.recv(t, src, tag)
+
     @abstractmethod
     def abort(self) -> None:
         """Tear down the group; pending and later operations fail fast."""

@@ -93,18 +93,10 @@ class TorchCommunicator(Communicator):
         self._wait(work, "broadcast")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        try:
-            work = self._group().send([tensor], dst, tag)
-        except Exception as e:
-            raise CommError(f"send to rank {dst} failed to start: {e}") from e
-        self._wait(work, f"send to rank {dst}")
+        self.send_many([tensor], dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        try:
-            work = self._group().recv([tensor], src, tag)
-        except Exception as e:
-            raise CommError(f"recv from rank {src} failed to start: {e}") from e
-        self._wait(work, f"recv from rank {src}")
+        self.recv_many([tensor], src, tag)
 
     def send_many(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> None:
         """Send ``tensors`` to ``dst`` in order, as :meth:`send` one by one would, but

@@ -218,7 +218,7 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
             seg = torch.empty(end - start, dtype=torch.uint8)
             _copy_into(seg, start, [tensors[i] for i in idx], [metas[i] for i in idx])
         out += [seg[i : i + CHUNK_BYTES] for i in range(0, seg.numel(), CHUNK_BYTES)]
-    _send_all(comm, out, dst, tag)
+    comm.send_many(out, dst, tag)
     return sum(t.numel() for t in out[1:])
 
 
@@ -235,25 +235,5 @@ def recv_state(comm: Communicator, src: int, tag: int = 0) -> Any:
         if end > blen:
             raise ValueError("state buffer is shorter than its header says: transfer truncated")
         parts += [buf[i : min(i + CHUNK_BYTES, end)] for i in range(start, end, CHUNK_BYTES)]
-    _recv_all(comm, parts, src, tag)
+    comm.recv_many(parts, src, tag)
     return unpack(head, buf)
-
-
-def _send_all(comm: Communicator, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
-    # A communicator that can keep many sends in flight (TorchCommunicator) saves
-    # a round trip per segment; any other gets them one by one, in the same order.
-    many = getattr(comm, "send_many", None)
-    if many is not None:
-        many(tensors, dst, tag)
-    else:
-        for t in tensors:
-            comm.send(t, dst, tag)
-
-
-def _recv_all(comm: Communicator, tensors: list[torch.Tensor], src: int, tag: int) -> None:
-    many = getattr(comm, "recv_many", None)
-    if many is not None:
-        many(tensors, src, tag)
-    else:
-        for t in tensors:
-            comm.recv(t, src, tag)
