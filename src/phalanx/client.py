@@ -395,3 +395,66 @@ class ControllerClient:
 
     def status(self) -> dict[str, Any]:
         return self._call("/v1/status")
+
+    # -- RL ledger -------------------------------------------------------
+
+    def lease_prompts(self, version: int, max_prompts: int, wait_s: float = 10.0) -> dict:
+        """Rollout replicas: lease up to ``max_prompts`` prompts while holding weights
+        ``version`` (-1: none yet). Long-polls up to ``wait_s``. The reply's ``sync``
+        (when set) is a weight-sync order to join *before* generating."""
+        return self._as_member(
+            lambda rid: self._call(
+                "/v1/prompts/lease",
+                {
+                    "replica_id": rid,
+                    "version": version,
+                    "max_prompts": max_prompts,
+                    "wait_s": wait_s,
+                },
+                timeout=wait_s + 10,
+            )
+        )
+
+    def submit_rollouts(self, lease_id: str, rollouts: list[dict[str, Any]]) -> dict:
+        """Rollout replicas: submit a lease's rollouts (safe to retry: ids dedupe)."""
+        return self._as_member(
+            lambda rid: self._call(
+                "/v1/rollouts/submit",
+                {"replica_id": rid, "lease_id": lease_id, "rollouts": rollouts},
+            )
+        )
+
+    def lease_batch(self, step: int, wait_s: float = 10.0) -> dict:
+        """Policy replicas: the rollout batch of ``step`` (same for every replica)."""
+        return self._as_member(
+            lambda rid: self._call(
+                "/v1/rollouts/lease",
+                {"replica_id": rid, "step": step, "wait_s": wait_s},
+                timeout=wait_s + 10,
+            )
+        )
+
+    def ack_batch(self, step: int) -> dict:
+        """Policy replicas: committed up to ``step``; the batches it covers are trained."""
+        return self._as_member(
+            lambda rid: self._call("/v1/rollouts/ack", {"replica_id": rid, "step": step})
+        )
+
+    def sync_done(self, seq: int, version: int, ok: bool, error: str = "") -> dict:
+        """Report the end of weight sync ``seq`` (every mesh member, leader included)."""
+        return self._as_member(
+            lambda rid: self._call(
+                "/v1/weights/done",
+                {
+                    "replica_id": rid,
+                    "seq": seq,
+                    "version": version,
+                    "ok": ok,
+                    "error": error[:1000],
+                },
+            )
+        )
+
+    def scale(self, role: str, replicas: int) -> dict[str, int]:
+        """Ask the job's launcher for ``replicas`` replicas of ``role``."""
+        return self._call("/v1/scale", {"role": role, "replicas": replicas})["desired"]

@@ -21,18 +21,17 @@ at load, so that a bad combination never reaches a running job.
 
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from phalanx.configfile import ConfigError, apply_overrides, explain, read_toml
+from phalanx.rl.config import RLConfig
+
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "explain", "load_config", "read_toml"]
+
 ROLE_NAMES = ("policy", "rollout")
-
-
-class ConfigError(ValueError):
-    """A job config that cannot be used. The message says what to change."""
 
 
 class _Section(BaseModel):
@@ -176,6 +175,8 @@ class JobConfig(_Section):
     roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
     """Roles of the job, by name: `policy` and/or `rollout`."""
     train: TrainSection = Field(default_factory=TrainSection)
+    rl: RLConfig | None = None
+    """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
 
     @model_validator(mode="after")
     def _known_roles(self) -> JobConfig:
@@ -187,76 +188,15 @@ class JobConfig(_Section):
             )
         if not self.roles:
             raise ValueError("roles must name at least one role: add a [roles.policy] section.")
+        if self.rl is not None and set(self.roles) != set(ROLE_NAMES):
+            raise ValueError(
+                f"roles must be exactly {list(ROLE_NAMES)} for an RL job (one with an [rl] "
+                f"section): got {sorted(self.roles)}. Add [roles.policy] and [roles.rollout]."
+            )
         return self
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def _coerce(text: str) -> Any:
-    """Parse a CLI override value as JSON where it is JSON, else keep the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--a.b.c VALUE`` / ``a.b.c=VALUE`` overrides onto a raw config dict."""
-    items: list[tuple[str, str]] = []
-    i = 0
-    while i < len(overrides):
-        token = overrides[i]
-        if not token.startswith("--") and "=" not in token:
-            raise ConfigError(
-                f"config override must look like --section.key VALUE or section.key=VALUE: "
-                f"got {token!r}."
-            )
-        token = token.removeprefix("--")
-        if "=" in token:
-            key, value = token.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(overrides):
-                raise ConfigError(f"config override --{token} needs a value: got none.")
-            key, value = token, overrides[i + 1]
-            i += 2
-        items.append((key, value))
-    for key, value in items:
-        parts = key.split(".")
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"config override {key}: {part} is a value, not a section.")
-            node = child
-        node[parts[-1]] = _coerce(value)
-    return data
-
-
-def explain(err: ValidationError, what: str, source: str) -> str:
-    """A validation error as one line per field: ``invalid <what> <source>: ...``."""
-    lines = [f"invalid {what} {source}:"]
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key; check its spelling against the documented fields"
-        lines.append(f"  {where}: {msg}")
-    return "\n".join(lines)
-
-
-def read_toml(path: str | Path | None, what: str) -> tuple[dict[str, Any], str]:
-    """Parse a TOML file (``{}`` when ``path`` is None). Returns (data, source name)."""
-    if path is None:
-        return {}, "(defaults)"
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} {p} must be an existing TOML file: not found.")
-    try:
-        return tomllib.loads(p.read_text()), str(p)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{what} {p} is not valid TOML: {e}.") from e
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:

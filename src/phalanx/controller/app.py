@@ -135,6 +135,67 @@ class DeregisterReq(_Req):
     reason: str = Field("", max_length=1000)
 
 
+class PromptLeaseReq(_Req):
+    replica_id: ReplicaId
+    version: int = Field(ge=-1, le=2**62)
+    """Weights version the replica holds; -1 before it has any."""
+    max_prompts: int = Field(4, ge=1, le=4096)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=1 << 16)]
+
+
+class CompletionIn(_Req):
+    prompt_ids: TokenIds
+    token_ids: TokenIds
+    logprobs: Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=1 << 16)]
+    finished: bool
+    reward: float
+
+
+class RolloutIn(_Req):
+    rollout_id: Annotated[str, Field(min_length=3, max_length=40)]
+    version: int = Field(ge=0, le=2**62)
+    reward: float
+    """Mean reward of the group."""
+    exact_match: float = Field(ge=0, le=1)
+    """Fraction of the group that is exactly right."""
+    completions: list[CompletionIn] = Field(min_length=1, max_length=4096)
+
+
+class SubmitReq(_Req):
+    replica_id: ReplicaId
+    lease_id: Annotated[str, Field(min_length=1, max_length=40)]
+    rollouts: list[RolloutIn] = Field(min_length=1, max_length=4096)
+
+
+class BatchLeaseReq(_Req):
+    replica_id: ReplicaId
+    step: int = Field(ge=0, le=2**62)
+    """The replica's committed step count: the batch asked for is the one it trains next."""
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+
+
+class BatchAckReq(_Req):
+    replica_id: ReplicaId
+    step: int = Field(ge=1, le=2**62)
+    """Committed step count after the commit."""
+
+
+class SyncDoneReq(_Req):
+    replica_id: ReplicaId
+    seq: int = Field(ge=1, le=2**62)
+    version: int = Field(ge=-1, le=2**62)
+    ok: bool
+    error: str = Field("", max_length=1000)
+
+
+class ScaleReq(_Req):
+    role: Annotated[str, Field(min_length=1, max_length=32)]
+    replicas: int = Field(ge=0, le=100_000)
+
+
 class FieldError(BaseModel):
     field: str
     message: str
@@ -499,6 +560,65 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
     async def deregister(req: DeregisterReq) -> dict[str, Any]:
         service.apply(st.deregister, req.replica_id, req.reason)
         return reply(ok=True)
+
+    async def _ledger_poll(rid: str, wait_s: float, call: Callable[[], dict[str, Any]]):
+        deadline = time.monotonic() + wait_s
+        out = call()
+        while (
+            out.get("batch", out.get("lease")) is None and not out["sync"] and not out["finished"]
+        ):
+            left = deadline - time.monotonic()
+            if left <= 0 or not await service.wait("ledger", rid, left):
+                break
+            out = call()
+        return out
+
+    @app.post(f"/{API_VERSION}/prompts/lease", dependencies=[authorized])
+    async def lease_prompts(req: PromptLeaseReq) -> dict[str, Any]:
+        """Lease prompts (rollout replicas). Long-polls up to ``wait_s`` for a lease,
+        a weight-sync order this replica must join, or the end of the job."""
+        out = await _ledger_poll(
+            req.replica_id,
+            req.wait_s,
+            lambda: service.apply(st.lease_prompts, req.replica_id, req.version, req.max_prompts),
+        )
+        return reply(**out)
+
+    @app.post(f"/{API_VERSION}/rollouts/submit", dependencies=[authorized])
+    async def submit_rollouts(req: SubmitReq) -> dict[str, Any]:
+        """Submit a lease's rollouts. Each rollout id is recorded once: copies are
+        dropped (``duplicate``), rollouts from too old weights are discarded (``stale``)."""
+        rollouts = [r.model_dump() for r in req.rollouts]
+        out = service.apply(st.submit_rollouts, req.replica_id, req.lease_id, rollouts)
+        return reply(**out)
+
+    @app.post(f"/{API_VERSION}/rollouts/lease", dependencies=[authorized])
+    async def lease_batch(req: BatchLeaseReq) -> dict[str, Any]:
+        """The frozen batch of rollouts for the policy step ``step`` (the same for every
+        replica that asks for that step). Long-polls up to ``wait_s`` until it can be
+        frozen, a sync order names this replica, or the job ends."""
+        out = await _ledger_poll(
+            req.replica_id,
+            req.wait_s,
+            lambda: service.apply(st.lease_batch, req.replica_id, req.step),
+        )
+        return reply(**out)
+
+    @app.post(f"/{API_VERSION}/rollouts/ack", dependencies=[authorized])
+    async def ack_batch(req: BatchAckReq) -> dict[str, Any]:
+        """The policy committed up to ``step``: its batches are trained. Idempotent."""
+        return reply(**service.apply(st.ack_batch, req.replica_id, req.step))
+
+    @app.post(f"/{API_VERSION}/weights/done", dependencies=[authorized])
+    async def sync_done(req: SyncDoneReq) -> dict[str, Any]:
+        """A mesh member finished (or failed) weight sync ``seq``."""
+        out = service.apply(st.sync_done, req.replica_id, req.seq, req.version, req.ok, req.error)
+        return reply(**out)
+
+    @app.post(f"/{API_VERSION}/scale", dependencies=[authorized])
+    async def scale(req: ScaleReq) -> dict[str, Any]:
+        """Ask for ``replicas`` replicas of ``role``; a local launcher follows it."""
+        return reply(desired=service.apply(st.set_desired, req.role, req.replicas))
 
     def dropped(req: HeartbeatReq | QuorumReq) -> None:
         service.apply(st.suspect, req.replica_id, "held connection dropped")

@@ -76,6 +76,7 @@ class ControllerService:
         self._quorum_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._ledger_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._ticker: asyncio.Task[None] | None = None
 
     @property
@@ -112,12 +113,19 @@ class ControllerService:
                 (e for e in reversed(self.state.events) if e.get("replica_id") == rid), {}
             )
             self.metrics.evictions.labels(ev.get("role", "?"), ev.get("reason", "?")).inc()
-            for waiters in (self._quorum_waiters, self._heartbeat_waiters, self._command_waiters):
+            for waiters in (
+                self._quorum_waiters,
+                self._heartbeat_waiters,
+                self._command_waiters,
+                self._ledger_waiters,
+            ):
                 self._wake(waiters, rid)
         for rid in tick.probe:
             self._wake(self._heartbeat_waiters, rid)
         for rid in tick.commands_for:
             self._wake(self._command_waiters, rid)
+        for rid in tick.ledger_for:
+            self._wake(self._ledger_waiters, rid)
 
     @staticmethod
     def _wake(waiters: dict[str, list[asyncio.Future[None]]], rid: str) -> None:
@@ -132,6 +140,7 @@ class ControllerService:
             "quorum": self._quorum_waiters,
             "heartbeat": self._heartbeat_waiters,
             "commands": self._command_waiters,
+            "ledger": self._ledger_waiters,
         }[kind]
         if timeout <= 0:
             return False

@@ -22,29 +22,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phalanx.config import JobConfig, RoleSection
+from phalanx.controller.ledger import Ledger
+from phalanx.controller.rl_requests import RLRequests
+from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
+
+__all__ = ["Conflict", "ControllerState", "Quorum", "StateError", "Tick", "UnknownReplica"]
 
 QUORUM_HISTORY = 8
 """Formed quorums kept per role, so that a retried request finds its answer."""
-
-
-class StateError(Exception):
-    """A request the state machine refuses. ``status`` is the HTTP status to use."""
-
-    status = 400
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-class UnknownReplica(StateError):
-    """The replica id is not a member: never registered, or evicted (gone for good)."""
-
-    status = 410
-
-
-class Conflict(StateError):
-    status = 409
 
 
 @dataclass
@@ -177,24 +162,7 @@ class RoleState:
         }
 
 
-@dataclass
-class Tick:
-    """What a call changed that the server must act on (wake waiters)."""
-
-    formed: list[Quorum] = field(default_factory=list)
-    evicted: list[str] = field(default_factory=list)
-    probe: list[str] = field(default_factory=list)
-    commands_for: set[str] = field(default_factory=set)
-
-    def merge(self, other: Tick) -> Tick:
-        self.formed += other.formed
-        self.evicted += other.evicted
-        self.probe += other.probe
-        self.commands_for |= other.commands_for
-        return self
-
-
-class ControllerState:
+class ControllerState(RLRequests):
     """Membership, quorums and command queues of one job."""
 
     def __init__(self, cfg: JobConfig):
@@ -208,6 +176,14 @@ class ControllerState:
         self.events: list[dict[str, Any]] = []
         self.changes: list[tuple[str, str, dict[str, Any] | None]] = []
         self._by_name: dict[tuple[str, str], str] = {}
+        self.desired: dict[str, int] = {}
+        """Replica count per role that an operator asked for (``phalanx scale``); a
+        launcher that can start and stop replicas follows it."""
+        self.ledger = (
+            Ledger(cfg.rl, self._put, self._event, sync_timeout_s=cfg.timeouts.quorum_s)
+            if cfg.rl is not None
+            else None
+        )
 
     # -- durable records -------------------------------------------------
 
@@ -269,6 +245,13 @@ class ControllerState:
             if c.replica_id in st.members:
                 st.commands.setdefault(c.replica_id, {})[c.id] = c
         st.events = [tables["events"][k] for k in sorted(tables.get("events", {}))]
+        st.desired = {
+            k.removeprefix("desired/"): v["value"]
+            for k, v in meta.items()
+            if k.startswith("desired/") and k.removeprefix("desired/") in st.roles
+        }
+        if st.ledger is not None:
+            st.ledger.restore(tables, now)
         return st
 
     # -- lookups ---------------------------------------------------------
@@ -362,6 +345,8 @@ class ControllerState:
         rs.drop_pending(replica_id)
         self._event("evict", wall, role=m.role, replica_id=replica_id, reason=reason)
         tick = Tick(evicted=[replica_id])
+        if self.ledger is not None and self.ledger.drop_replica(replica_id, wall):
+            tick.ledger_for |= self.roles["rollout"].member_ids
         # One fewer live member can complete a waiting quorum.
         q = self._try_form(rs, now, wall)
         if q is not None:
@@ -447,6 +432,10 @@ class ControllerState:
             q = self._try_form(rs, now, wall)
             if q is not None:
                 tick.formed.append(q)
+        if self.ledger is not None:
+            if self.ledger.expire(now, wall):
+                tick.ledger_for |= self.roles["rollout"].member_ids
+            tick.merge(self._maybe_sync(now, wall))
         return tick
 
     # -- quorum ----------------------------------------------------------
@@ -594,6 +583,16 @@ class ControllerState:
                 self._put("commands", f"{cid:012d}", None)
         return missing
 
+    # -- scale -----------------------------------------------------------
+
+    def set_desired(self, role: str, replicas: int, *, now: float, wall: float) -> dict[str, int]:
+        """Record the replica count an operator wants for ``role``."""
+        self._role(role)
+        self.desired[role] = replicas
+        self._put("meta", f"desired/{role}", {"value": replicas})
+        self._event("scale", wall, role=role, replicas=replicas)
+        return dict(self.desired)
+
     # -- status ----------------------------------------------------------
 
     def status(self, now: float) -> dict[str, Any]:
@@ -615,9 +614,14 @@ class ControllerState:
                     for m in sorted(self.alive(name), key=lambda m: m.replica_id)
                 ],
             }
-        return {
+        for name in roles:
+            roles[name]["desired"] = self.desired.get(name)
+        out = {
             "job_id": self.cfg.job.id,
             "epoch": self.epoch,
             "roles": roles,
             "events": self.events[-100:],
         }
+        if self.ledger is not None:
+            out["rl"] = self.ledger.status()
+        return out

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from phalanx.config import ConfigError, apply_overrides, explain, read_toml
+from phalanx.configfile import ConfigError, apply_overrides, explain, read_toml
 
 
 class _Section(BaseModel):
@@ -136,10 +136,49 @@ class GRPOSection(_Section):
     """torch device of the policy and the engine (``cpu``, ``cuda``, ``cuda:1``)."""
 
 
+class LoopSection(_Section):
+    """The elastic loop of an RL job run by ``phalanx run``: prompt leases, the rollout
+    ledger and weight sync. Versions count policy optimizer steps (commits), so with
+    ``grpo.inner_epochs = 2`` a rollout batch spans two versions."""
+
+    prompts_per_lease: int = Field(4, ge=1, le=1 << 16)
+    """Prompts a rollout replica leases at a time (each yields ``group_size`` completions)."""
+    lease_s: float = Field(30.0, gt=0, le=86400)
+    """Deadline of a prompt lease: a lease not submitted by then is dispatched again."""
+    sync_every: int = Field(2, ge=1, le=1 << 20)
+    """Policy commits between weight syncs to the rollout replicas."""
+    max_staleness: int = Field(4, ge=0, le=1 << 20)
+    """A rollout made with weights more than this many versions older than the batch
+    it would train in is discarded (reason ``stale``) and its prompt dispatched again."""
+    max_ahead: int = Field(2, ge=1, le=1024)
+    """Rollout batches that may be leased or waiting ahead of the policy (backpressure:
+    generating further ahead would only make stale rollouts)."""
+    target_exact_match: float | None = Field(0.9, gt=0, le=1)
+    """Stop once the trailing mean exact match of trained batches reaches this (None: run
+    all ``grpo.steps`` batches)."""
+    window: int = Field(10, ge=1, le=10_000)
+    """Batches in the trailing means."""
+    weights: Literal["collective"] = "collective"
+    """How weights reach rollout replicas: ``collective`` broadcasts from the policy leader."""
+    history: int = Field(2000, ge=10, le=1_000_000)
+    """Trained batches whose metrics the controller keeps for status and charts."""
+
+
 class RLConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
+    loop: LoopSection = Field(default_factory=LoopSection)
+
+    @model_validator(mode="after")
+    def _sync_within_staleness(self) -> RLConfig:
+        if self.loop.sync_every > self.loop.max_staleness + 1:
+            raise ValueError(
+                f"loop.sync_every must be <= loop.max_staleness + 1: got sync_every="
+                f"{self.loop.sync_every}, max_staleness={self.loop.max_staleness}. Between two "
+                f"syncs every rollout would turn stale; sync more often or allow more staleness."
+            )
+        return self
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

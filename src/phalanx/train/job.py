@@ -88,7 +88,8 @@ def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
 def save_final(path: Path, manager: Manager) -> None:
     from safetensors.torch import save_file
 
-    meta = {"step": str(manager.step), "cursor": str(manager.sampler.cursor)}
+    cursor = manager.sampler.cursor if manager.sampler is not None else 0
+    meta = {"step": str(manager.step), "cursor": str(cursor)}
     tmp = path.with_suffix(".tmp")
     save_file(flat_state(manager), str(tmp), metadata=meta)
     tmp.replace(path)
@@ -173,7 +174,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "participants": r.participants,
                         "quorum_id": r.quorum_id,
                         "healed": r.healed,
-                        "cursor": manager.sampler.cursor,
+                        "cursor": sampler.cursor,
                         "t": time.time(),
                     }
                 )

@@ -89,7 +89,7 @@ class Manager:
         comm: Communicator,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: ElasticSampler,
+        sampler: ElasticSampler | None,
         *,
         global_batch_size: int,
         micro_batch_size: int | None = None,
@@ -136,7 +136,7 @@ class Manager:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict() if self.sampler is not None else {},
             "rng": rng_state(),
             "extra": {k: get() for k, (get, _) in self.extra.items()},
         }
@@ -145,7 +145,8 @@ class Manager:
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
         self.step = int(sd["step"])
-        self.sampler.load_state_dict(sd["sampler"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(sd["sampler"])
         set_rng_state(sd["rng"])
         for k, v in sd["extra"].items():
             if k in self.extra:
@@ -248,11 +249,13 @@ class Manager:
 
     def share(self) -> list[int]:
         """This replica's sample indices of the current (uncommitted) global batch."""
+        assert self.sampler is not None, "share() needs the manager's sampler"
         off, count = split(self.global_batch_size, self.world_size, self.rank)
         return self.sampler.positions(self.sampler.cursor + off, count)
 
     def compute(self, fn: Compute, rank: int, world_size: int) -> float:
         """Run ``fn`` over this replica's share as micro-batches; returns the summed loss."""
+        assert self.sampler is not None, "compute() needs the manager's sampler"
         off, count = split(self.global_batch_size, world_size, rank)
         idx = self.sampler.positions(self.sampler.cursor + off, count)
         self.last_indices = idx
@@ -282,7 +285,8 @@ class Manager:
         ok = self._ok and self.grads.vote_ok
         if ok:
             self.step += 1
-            self.sampler.commit(self.global_batch_size)
+            if self.sampler is not None:
+                self.sampler.commit(self.global_batch_size)
             self.client.step = self.step
             self.client.who.step = self.step
         return ok

@@ -1,0 +1,81 @@
+"""Reading config files: TOML, dotted CLI overrides, and validation errors
+explained one line per field. Shared by the job config and the RL config."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message says what to change."""
+
+
+def _coerce(text: str) -> Any:
+    """Parse a CLI override value as JSON where it is JSON, else keep the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--a.b.c VALUE`` / ``a.b.c=VALUE`` overrides onto a raw config dict."""
+    items: list[tuple[str, str]] = []
+    i = 0
+    while i < len(overrides):
+        token = overrides[i]
+        if not token.startswith("--") and "=" not in token:
+            raise ConfigError(
+                f"config override must look like --section.key VALUE or section.key=VALUE: "
+                f"got {token!r}."
+            )
+        token = token.removeprefix("--")
+        if "=" in token:
+            key, value = token.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"config override --{token} needs a value: got none.")
+            key, value = token, overrides[i + 1]
+            i += 2
+        items.append((key, value))
+    for key, value in items:
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config override {key}: {part} is a value, not a section.")
+            node = child
+        node[parts[-1]] = _coerce(value)
+    return data
+
+
+def explain(err: ValidationError, what: str, source: str) -> str:
+    """A validation error as one line per field: ``invalid <what> <source>: ...``."""
+    lines = [f"invalid {what} {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; check its spelling against the documented fields"
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def read_toml(path: str | Path | None, what: str) -> tuple[dict[str, Any], str]:
+    """Parse a TOML file (``{}`` when ``path`` is None). Returns (data, source name)."""
+    if path is None:
+        return {}, "(defaults)"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} must be an existing TOML file: not found.")
+    try:
+        return tomllib.loads(p.read_text()), str(p)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {p} is not valid TOML: {e}.") from e

@@ -1,0 +1,172 @@
+"""A rollout replica of an RL job: lease prompts, generate, score, submit.
+
+The loop, between two generation batches:
+
+1. ask the controller for a prompt lease, declaring the weights version held
+   (long-poll; the reply may carry a weight-sync order instead of, or with,
+   a lease);
+2. if a sync order names this replica, join it first and swap the weights
+   (:class:`WeightChannel`), then report the version now held;
+3. generate ``group_size`` completions per leased prompt with the engine,
+   score them with the task, and submit them against the lease. Every
+   rollout carries the version that made it.
+
+A replica that joins a running job holds no weights (version -1) and gets
+no prompts until a sync has brought it to the current version; at the very
+start (nothing trained yet) it builds version 0 itself from the model
+config, exactly as the policy did. A replica killed mid-lease loses
+nothing: the controller dispatches its prompts again once it is evicted or
+the lease's deadline passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any
+
+import torch
+
+from phalanx.client import ControllerClient
+from phalanx.comm.base import CommError
+from phalanx.config import JobConfig
+from phalanx.log import ReplicaLogger
+from phalanx.rl.base import Task, Tokenizer
+from phalanx.rl.config import RLConfig
+from phalanx.rl.engine.base import GenerationEngine
+from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.model import build_model
+from phalanx.rl.tasks import build_task
+from phalanx.rl.tokenizer import load_tokenizer
+from phalanx.train.job import emit, keep_freed_memory
+from phalanx.transport.base import SyncOrder
+from phalanx.transport.collective import CollectiveWeightChannel
+
+log = logging.getLogger("phalanx.rl.rollout")
+
+
+def make_rollouts(
+    rl: RLConfig,
+    engine: GenerationEngine,
+    tok: Tokenizer,
+    task: Task,
+    prompts: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Generate and score one group per leased prompt, as the submit API takes them."""
+    g = rl.grpo
+    texts = [task.prompt(p["index"]) for p in prompts]
+    comps = engine.generate(
+        [tok.encode(t) for t in texts], g.group_size, g.max_new_tokens, g.temperature
+    )
+    out = []
+    for i, p in enumerate(prompts):
+        group = comps[i * g.group_size : (i + 1) * g.group_size]
+        rows, rewards, exact = [], [], []
+        for c in group:
+            text = tok.decode(c.token_ids)
+            r = float(task.reward(texts[i], text, c.finished))
+            rewards.append(r)
+            exact.append(float(task.exact_match(texts[i], text, c.finished)))
+            rows.append(
+                {
+                    "prompt_ids": list(c.prompt_ids),
+                    "token_ids": list(c.token_ids),
+                    # log_softmax can round a sure token to a hair above 0.
+                    "logprobs": [min(lp, 0.0) for lp in c.logprobs],
+                    "finished": c.finished,
+                    "reward": r,
+                }
+            )
+        out.append(
+            {
+                "rollout_id": p["rollout_id"],
+                "version": engine.version,
+                "reward": sum(rewards) / len(rewards),
+                "exact_match": sum(exact) / len(exact),
+                "completions": rows,
+            }
+        )
+    return out
+
+
+def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
+    assert cfg.rl is not None, "run_rollout needs a job config with an [rl] section"
+    rl, g = cfg.rl, cfg.rl.grpo
+    keep_freed_memory()
+    if g.threads:
+        torch.set_num_threads(g.threads)
+    client = ControllerClient(controller, "rollout", name)
+    client.register()
+    client.start_heartbeat()
+    rlog = ReplicaLogger(log, client.who)
+    device = torch.device(g.device)
+    tok = load_tokenizer(rl.task.tokenizer_path)
+    task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
+    model = build_model(rl.model, tok, device)
+    # Every replica (and every incarnation) samples its own stream.
+    seed = g.seed * 1_000_003 + zlib.crc32(str(client.replica_id).encode())
+    engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=seed, version=-1)
+    weights = CollectiveWeightChannel(cfg.timeouts.collective_s, device)
+    synced = 0
+    emit({"event": "start", "role": "rollout", "replica": client.replica_id})
+    try:
+        while True:
+            r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
+            if r["finished"]:
+                break
+            order = r["sync"]
+            if order is not None and order["seq"] > synced:
+                synced = order["seq"]
+                t0 = time.perf_counter()
+                try:
+                    version, w = weights.fetch(SyncOrder.from_reply(order), model.state_dict())
+                    engine.load_weights(w, version)
+                    ok, err = True, ""
+                except CommError as e:
+                    ok, err = False, str(e)
+                    rlog.warning("weight sync %d failed: %s", order["seq"], err[:200])
+                ms = 1e3 * (time.perf_counter() - t0)
+                client.sync_done(order["seq"], engine.version, ok, err)
+                emit(
+                    {
+                        "event": "sync",
+                        "role": "rollout",
+                        "replica": client.replica_id,
+                        "seq": order["seq"],
+                        "version": engine.version,
+                        "ms": round(ms, 3),
+                        "ok": ok,
+                    }
+                )
+            if engine.version < 0 and r["init_weights"]:
+                engine.version = 0  # the model was built from config: the policy's step 0
+            lease = r["lease"]
+            if lease is None or engine.version < 0:
+                continue
+            t0 = time.perf_counter()
+            rollouts = make_rollouts(rl, engine, tok, task, lease["prompts"])
+            gen_s = time.perf_counter() - t0
+            res = client.submit_rollouts(lease["lease_id"], rollouts)
+            n = len(rollouts)
+            emit(
+                {
+                    "event": "rollout",
+                    "role": "rollout",
+                    "replica": client.replica_id,
+                    "version": engine.version,
+                    "prompts": n,
+                    "accepted": len(res["accepted"]),
+                    "duplicate": len(res["duplicate"]),
+                    "stale": len(res["stale"]),
+                    "reward": round(sum(x["reward"] for x in rollouts) / n, 4),
+                    "exact_match": round(sum(x["exact_match"] for x in rollouts) / n, 4),
+                    "gen_s": round(gen_s, 4),
+                    "t": time.time(),
+                }
+            )
+        emit({"event": "done", "role": "rollout", "replica": client.replica_id})
+    finally:
+        weights.close()
+        client.close("finished")
+    return 0

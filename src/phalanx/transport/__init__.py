@@ -1,0 +1,1 @@
+"""How rollouts and weights move between the policy and rollout replicas."""

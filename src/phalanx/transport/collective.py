@@ -1,0 +1,128 @@
+"""Weight sync by collective broadcast over a policy-to-rollout process group.
+
+The group (the *mesh*) is the policy leader (rank 0) and the rollout
+replicas of the controller's sync order. It is built once per ``mesh_id``
+under its own store prefix, and rebuilt whenever the controller changes the
+mesh (a join, an eviction, a new leader): Cosmos-RL's BuildMesh.
+
+One sync is two broadcasts from rank 0: a header ``[version, layout
+fingerprint, nbytes]`` and every tensor packed into one flat byte buffer.
+The fingerprint (names, shapes, dtypes) makes a receiver with another model
+fail loudly instead of loading garbage. The leader sends from its own thread,
+from a snapshot taken at the step boundary, so training goes on while the
+rollout replicas join between their generation batches.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from phalanx.comm.base import CommError
+from phalanx.comm.torch_pg import TorchCommunicator
+from phalanx.transport.base import Report, SyncOrder, SyncResult, WeightChannel
+
+
+def fingerprint(weights: Mapping[str, torch.Tensor]) -> int:
+    """A 31-bit digest of the names, shapes and dtypes (sorted by name)."""
+    text = ";".join(f"{k}:{tuple(t.shape)}:{t.dtype}" for k, t in sorted(weights.items()))
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def pack(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Every tensor (sorted by name) as one flat uint8 buffer: a copy, safe to send
+    while the source keeps training."""
+    parts = [
+        t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in sorted(weights.items())
+    ]
+    return torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Split a :func:`pack` buffer back into tensors shaped like ``like`` (views of ``flat``)."""
+    out, off = {}, 0
+    for k, t in sorted(like.items()):
+        n = t.numel() * t.element_size()
+        out[k] = flat[off : off + n].view(t.dtype).view(t.shape)
+        off += n
+    return out
+
+
+class CollectiveWeightChannel(WeightChannel):
+    def __init__(self, timeout_s: float, device: torch.device | None = None):
+        self.comm = TorchCommunicator(timeout_s, device)
+        self._mesh: tuple[int, int, int] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-weights")
+        self.pending: Future[SyncResult] | None = None
+        """The leader's last send (tests and benchmarks wait on it)."""
+
+    def _configure(self, order: SyncOrder) -> None:
+        key = (order.mesh_id, order.rank, len(order.members))
+        if self._mesh != key:
+            self._mesh = None
+            self.comm.configure(order.store, f"weights/m{order.mesh_id}", *key[1:])
+            self._mesh = key
+
+    def _fail(self) -> None:
+        # A failed collective leaves the group unusable: rebuild it on the next order.
+        self._mesh = None
+        self.comm.abort()
+
+    def publish(
+        self, version: int, weights: Mapping[str, torch.Tensor], order: SyncOrder, report: Report
+    ) -> None:
+        if order.rank != 0:
+            raise ValueError(f"publish must be called by the mesh's rank 0: got rank {order.rank}.")
+        flat, fp = pack(weights), fingerprint(weights)
+        self.pending = self._pool.submit(self._send, version, flat, fp, order, report)
+
+    def _send(
+        self, version: int, flat: torch.Tensor, fp: int, order: SyncOrder, report: Report
+    ) -> SyncResult:
+        t0 = time.perf_counter()
+        try:
+            self._configure(order)
+            header = torch.tensor([version, fp, flat.numel()], dtype=torch.int64)
+            self.comm.broadcast(header, 0)
+            self.comm.broadcast(flat, 0)
+            res = SyncResult(
+                order.seq, version, True, time.perf_counter() - t0, flat.numel(), len(order.members)
+            )
+        except CommError as e:
+            self._fail()
+            res = SyncResult(
+                order.seq, version, False, time.perf_counter() - t0, 0, len(order.members), str(e)
+            )
+        report(res)
+        return res
+
+    def fetch(
+        self, order: SyncOrder, like: Mapping[str, torch.Tensor]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        try:
+            self._configure(order)
+            header = torch.zeros(3, dtype=torch.int64)
+            self.comm.broadcast(header, 0)
+            version, fp, nbytes = (int(x) for x in header.tolist())
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            self.comm.broadcast(flat, 0)
+        except CommError:
+            self._fail()
+            raise
+        want = fingerprint(like)
+        expected = sum(t.numel() * t.element_size() for t in like.values())
+        if fp != want or nbytes != expected:
+            raise CommError(
+                f"weights from the policy leader must match this replica's model: got layout "
+                f"{fp:#x} ({nbytes} bytes), expected {want:#x} ({expected} bytes). Start every "
+                f"replica with the same [rl.model] config."
+            )
+        return version, unpack(flat, like)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fail()
