@@ -18,59 +18,130 @@ def _controller(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+ROLES = ("policy", "rollout")
+"""Replica roles (as in :data:`phalanx.config.ROLE_NAMES`; not imported, to keep ``--help`` fast)."""
+
+
+def _controller_of(args: argparse.Namespace, command: str) -> str:
+    import os
+
+    from phalanx import env
+
+    controller = args.controller or os.environ.get(env.CONTROLLER)
+    if not controller:
+        raise SystemExit(
+            f"phalanx {command}: --controller must name the controller (URL or state dir): got "
+            f"none. Pass --controller or set ${env.CONTROLLER}."
+        )
+    return str(controller)
+
+
 def _status(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.launch.poll import fetch_status
+    from phalanx.launch.view import status_text
+
+    st = fetch_status(_controller_of(args, "status"))
+    print(json.dumps(st, indent=2) if args.json else status_text(st))
+    return 0
+
+
+def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
     import httpx
 
-    from phalanx.client import find_token, resolve
+    from phalanx.client import ControllerError, find_token, resolve
+    from phalanx.launch.options import parse_scale
+    from phalanx.launch.poll import fetch_status
 
-    url, state_dir = resolve(args.controller)
-    token = find_token(state_dir)
-    r = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10)
-    r.raise_for_status()
-    print(json.dumps(r.json(), indent=2))
+    try:
+        want = parse_scale(args.counts)
+    except ValueError as e:
+        raise SystemExit(f"phalanx scale: {e}") from None
+    controller = _controller_of(args, "scale")
+    roles = sorted(fetch_status(controller)["roles"])
+    unknown = sorted(set(want) - set(roles))
+    if unknown:
+        raise SystemExit(
+            f"phalanx scale: role must be one of this job's roles {roles}: got {unknown}."
+        )
+    url, state_dir = resolve(controller)
+    headers = {"Authorization": f"Bearer {find_token(state_dir)}"}
+    desired: dict[str, int] = {}
+    for role, n in want.items():
+        r = httpx.post(
+            f"{url}/v1/scale", json={"role": role, "replicas": n}, headers=headers, timeout=10
+        )
+        if r.status_code >= 400:
+            raise ControllerError(
+                f"controller refused scale {role}={n} ({r.status_code}): {r.text[:300]}"
+            )
+        desired = r.json()["desired"]
+    if args.json:
+        print(json.dumps({"desired": desired}))
+    else:
+        print("desired replicas: " + ", ".join(f"{k}={v}" for k, v in sorted(desired.items())))
     return 0
 
 
 def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
-    from phalanx import env
     from phalanx.config import load_config
     from phalanx.log import setup
 
     setup()
     cfg = load_config(args.config, overrides)
-    controller = args.controller or os.environ.get(env.CONTROLLER)
-    if not controller:
-        raise SystemExit(
-            f"phalanx replica: --controller must name the controller (URL or state dir): got "
-            f"none. Pass --controller or set ${env.CONTROLLER}."
-        )
+    controller = _controller_of(args, "replica")
     name = args.name or f"{args.role}-{os.getpid()}"
-    if args.role != "policy":
-        raise SystemExit(
-            f"phalanx replica: --role must be 'policy' for the FT-DDP job: got {args.role!r}."
-        )
-    from phalanx.train.job import run_replica
+    out = Path(args.out) if args.out else None
+    state = Path(args.state) if args.state else None
+    if cfg.rl is None:
+        if args.role != "policy":
+            raise SystemExit(
+                f"phalanx replica: --role must be 'policy' for an FT-DDP job: got {args.role!r}. "
+                f"Rollout replicas need an RL job: pass a job config with an [rl] section."
+            )
+        if state is not None:
+            raise SystemExit(
+                "phalanx replica: --state is only for policy replicas of an RL job: got "
+                f"--state {args.state} with an FT-DDP job config. Drop --state (FT replicas "
+                "heal from their peers)."
+            )
+        from phalanx.train.job import run_replica
 
-    return run_replica(cfg, controller, name, Path(args.out) if args.out else None)
+        return run_replica(cfg, controller, name, out)
+    if args.role == "policy":
+        from phalanx.rl.policy import run_policy
+
+        return run_policy(cfg, controller, name, out, state)
+    if out is not None or state is not None:
+        raise SystemExit(
+            "phalanx replica: --out and --state are only for policy replicas: got them with "
+            "--role rollout. Drop them (rollout replicas keep no state)."
+        )
+    from phalanx.rl.rollout import run_rollout
+
+    return run_rollout(cfg, controller, name)
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
     from phalanx.config import load_config
-    from phalanx.launch.local import Chaos, LocalJob
+    from phalanx.launch.local import LocalJob
+    from phalanx.launch.options import Chaos, launch_counts
 
     cfg = load_config(args.config, overrides)
     try:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
+        counts, extra = launch_counts(cfg, args.replicas)
     except ValueError as e:
         raise SystemExit(f"phalanx run: {e}") from None
-    replicas = args.replicas or cfg.roles["policy"].n_init_replicas
+    if extra:
+        overrides = [*overrides, *extra]
+        cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    job = LocalJob(args.config, cfg, run_dir, overrides, replicas, chaos)
-    return job.run(live=not args.plain)
+    job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos)
+    return job.run(live=not args.plain, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,9 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--config", help="job TOML file")
     r.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
-    r.add_argument("--role", default="policy", help="role to join (default policy)")
+    r.add_argument("--role", default="policy", choices=ROLES, help="role to join (default policy)")
     r.add_argument("--name", help="stable replica name (default ROLE-PID)")
     r.add_argument("--out", help="write the final model/optimizer state here (safetensors)")
+    r.add_argument(
+        "--state",
+        help="RL policy replicas: keep the latest committed state in this file and resume "
+        "from it on restart (safetensors)",
+    )
     r.set_defaults(fn=_replica)
 
     u = sub.add_parser(
@@ -111,15 +187,42 @@ def build_parser() -> argparse.ArgumentParser:
         "progress. Extra --section.key VALUE arguments override the job config.",
     )
     u.add_argument("config", help="job TOML file")
-    u.add_argument("--replicas", type=int, help="policy replicas (default: n_init_replicas)")
-    u.add_argument("--chaos", help="kill-every=SECONDS[,restart-after=SECONDS][,seed=N]")
+    u.add_argument(
+        "--replicas",
+        help="replicas to start: N policy replicas (FT-DDP), or ROLE=N[,ROLE=N] such as "
+        "policy=1,rollout=3 (default: each role's n_init_replicas)",
+    )
+    u.add_argument(
+        "--chaos",
+        help="kill-every=SECONDS[,restart-after=SECONDS][,seed=N]: SIGKILL a random replica "
+        "of any role on a period, once every replica is up and has made progress",
+    )
     u.add_argument("--run-dir", help="where logs and state go (default runs/JOB-TIME)")
     u.add_argument("--plain", action="store_true", help="plain log lines instead of a live table")
+    u.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
     u.set_defaults(fn=_run)
 
-    s = sub.add_parser("status", help="print a job's status as JSON")
-    s.add_argument("--controller", required=True, help="controller URL or state dir")
+    s = sub.add_parser(
+        "status",
+        help="print a job's status (a short summary, or JSON)",
+        description="Print a job's roles, replica counts and step; for an RL job also the "
+        "prompt/rollout ledger and the latest reward and exact match.",
+    )
+    s.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    s.add_argument("--json", action="store_true", help="the full status as JSON")
     s.set_defaults(fn=_status)
+
+    k = sub.add_parser(
+        "scale",
+        help="ask for a number of replicas per role (phalanx run follows it)",
+        description="Set the desired replica count of roles, e.g. `phalanx scale rollout=3`. "
+        "The controller records it; a launcher that can start and stop replicas (phalanx "
+        "run) starts new ones or stops the highest-numbered surplus ones.",
+    )
+    k.add_argument("counts", nargs="+", metavar="ROLE=N", help="desired replicas of ROLE")
+    k.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    k.add_argument("--json", action="store_true", help="print the desired counts as JSON")
+    k.set_defaults(fn=_scale)
     return p
 
 

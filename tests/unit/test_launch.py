@@ -1,6 +1,32 @@
+"""The local launcher's pure parts: option parsing, following desired counts,
+chaos eligibility, the target scan, and the status summary. No processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from phalanx.launch.local import Chaos
+from phalanx import cli
+from phalanx.config import JobConfig
+from phalanx.controller.state import ControllerState
+from phalanx.launch.local import LocalJob, Replica
+from phalanx.launch.options import Chaos, launch_counts, parse_scale
+from phalanx.launch.poll import StatusPoller
+from phalanx.launch.view import rl_line, status_text
+
+
+def rl_cfg(**roles: dict[str, Any]) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "rl": {},
+            "roles": {"policy": {}, "rollout": {"n_init_replicas": 2}, **roles},
+        }
+    )
+
+
+# -- --chaos ------------------------------------------------------------------
 
 
 def test_chaos_parses_its_options():
@@ -9,7 +35,264 @@ def test_chaos_parses_its_options():
     assert Chaos.parse("kill-every=2").restart_after_s == 2.0
 
 
-@pytest.mark.parametrize("text", ["kill-every", "every=3", "kill-every=x", "kill-every=0", "kill-every=1,foo=2"])
+@pytest.mark.parametrize(
+    "text", ["kill-every", "every=3", "kill-every=x", "kill-every=0", "kill-every=1,foo=2"]
+)
 def test_bad_chaos_is_refused_with_the_expected_form(text):
     with pytest.raises(ValueError, match="--chaos"):
         Chaos.parse(text)
+
+
+# -- --replicas ---------------------------------------------------------------
+
+
+def test_replicas_default_to_n_init():
+    assert launch_counts(rl_cfg(), None) == ({"policy": 1, "rollout": 2}, [])
+    assert launch_counts(JobConfig(), None) == ({"policy": 1}, [])
+
+
+def test_replicas_per_role_for_rl():
+    assert launch_counts(rl_cfg(), "policy=1,rollout=3") == ({"policy": 1, "rollout": 3}, [])
+    # A role left out keeps its n_init_replicas.
+    assert launch_counts(rl_cfg(), "rollout=4")[0] == {"policy": 1, "rollout": 4}
+
+
+def test_replicas_below_n_init_lower_it():
+    counts, overrides = launch_counts(rl_cfg(), "rollout=1")
+    assert counts == {"policy": 1, "rollout": 1}
+    assert overrides == ["--roles.rollout.n_init_replicas=1"]
+
+
+def test_replicas_as_a_number_for_ft():
+    assert launch_counts(JobConfig(), "3") == ({"policy": 3}, [])
+    assert launch_counts(JobConfig(), "policy=2") == ({"policy": 2}, [])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "text", "message"),
+    [
+        (rl_cfg(), "2", "ROLE=N"),
+        (rl_cfg(), "rollout=x", "whole number"),
+        (rl_cfg(), "rollout=-1", ">= 0"),
+        (rl_cfg(), "reward=1", "role must be one of"),
+        (rl_cfg(), "rollout=1,rollout=2", "each role once"),
+        (rl_cfg(), "rollout=0", "min_replicas"),
+        (JobConfig(), "rollout=1", "role must be one of ['policy']"),
+        (JobConfig(), "0", "min_replicas"),
+    ],
+)
+def test_bad_replicas_are_refused(cfg, text, message):
+    with pytest.raises(ValueError, match="--replicas") as e:
+        launch_counts(cfg, text)
+    assert message in str(e.value)
+
+
+def test_run_parses_role_counts_and_json():
+    args, extra = cli.build_parser().parse_known_args(
+        ["run", "job.toml", "--replicas", "policy=1,rollout=3", "--json", "--rl.grpo.steps", "6"]
+    )
+    assert (args.replicas, args.json, args.plain) == ("policy=1,rollout=3", True, False)
+    assert extra == ["--rl.grpo.steps", "6"]
+
+
+# -- phalanx scale ------------------------------------------------------------
+
+
+def test_scale_args():
+    assert parse_scale(["rollout=3"]) == {"rollout": 3}
+    assert parse_scale(["policy=2", "rollout=0"]) == {"policy": 2, "rollout": 0}
+    assert parse_scale(["policy=2,rollout=1"]) == {"policy": 2, "rollout": 1}
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["rollout=x"], "count must be a whole number: got rollout='x'"),
+        (["rollout=-2"], "count must be >= 0: got rollout=-2"),
+        (["learner=2"], "role must be one of ['policy', 'rollout']: got 'learner'"),
+        (["rollout"], "entries must look like ROLE=N"),
+        (["=3"], "entries must look like ROLE=N"),
+        (["rollout=1", "rollout=2"], "each role once"),
+        ([","], "at least one"),
+    ],
+)
+def test_bad_scale_args_are_refused(items, message):
+    with pytest.raises(ValueError, match="phalanx scale") as e:
+        parse_scale(items)
+    assert message in str(e.value)
+
+
+def test_scale_cli_refuses_bad_input_before_calling_the_controller():
+    with pytest.raises(SystemExit, match="whole number"):
+        cli.main(["scale", "rollout=x", "--controller", "/nonexistent"])
+
+
+def test_scale_cli_needs_a_controller(monkeypatch):
+    monkeypatch.delenv("PHALANX_CONTROLLER", raising=False)
+    with pytest.raises(SystemExit, match="--controller must name the controller"):
+        cli.main(["scale", "rollout=2"])
+
+
+def test_rollout_replica_needs_an_rl_job():
+    with pytest.raises(SystemExit, match="Rollout replicas need an RL job"):
+        cli.main(["replica", "--role", "rollout", "--controller", "/nonexistent"])
+    with pytest.raises(SystemExit, match="--state is only for policy replicas of an RL job"):
+        cli.main(["replica", "--state", "s.safetensors", "--controller", "/nonexistent"])
+
+
+# -- the launcher's decisions ---------------------------------------------------
+
+
+class Proc:
+    """Stands in for a running Popen: the decisions below only look at poll()/pid."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None
+
+
+def job_with(tmp_path: Path, counts: dict[str, int], status: dict[str, Any]) -> LocalJob:
+    job = LocalJob(None, rl_cfg(), tmp_path, [], counts)
+    started: list[str] = []
+
+    def start(r: Replica) -> None:
+        r.proc = Proc(1000 + len(started))  # type: ignore[assignment]
+        started.append(r.name)
+
+    job.start_replica = start  # type: ignore[method-assign]
+    job.poller = StatusPoller(tmp_path)
+    job.poller.latest = status
+    job.started_names = started  # type: ignore[attr-defined]
+    return job
+
+
+def desired(**roles: int) -> dict[str, Any]:
+    return {"roles": {role: {"desired": n} for role, n in roles.items()}}
+
+
+def test_follow_desired_starts_next_free_names(tmp_path: Path):
+    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, desired(rollout=3))
+    del job.replicas["rollout-0"]  # a free slot below the others is reused first
+    job._follow_desired(now=0.0)
+    assert job.started_names == ["rollout-0", "rollout-2"]  # type: ignore[attr-defined]
+    assert sorted(job.replicas) == ["policy-0", "rollout-0", "rollout-1", "rollout-2"]
+    job.replicas["rollout-2"].proc = None
+    job._follow_desired(now=0.0)  # a replica down (to be restarted) still counts
+    assert len(job.started_names) == 2  # type: ignore[attr-defined]
+
+
+def test_follow_desired_stops_the_highest_numbered(tmp_path: Path, monkeypatch):
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr("os.killpg", lambda pid, sig: signals.append((pid, sig)))
+    job = job_with(tmp_path, {"policy": 1, "rollout": 3}, desired(rollout=1, policy=None))
+    for r in job.replicas.values():
+        job.start_replica(r)
+    job._follow_desired(now=5.0)
+    retiring = sorted(r.name for r in job.replicas.values() if r.retiring_since is not None)
+    assert retiring == ["rollout-1", "rollout-2"]
+    assert [sig for _, sig in signals] == [15, 15]  # SIGTERM, by process group id
+    job._follow_desired(now=6.0)  # asked once: no second SIGTERM, no new replica
+    assert len(signals) == 2 and len(job.replicas) == 4
+    # Past the grace, a replica that is still up gets SIGKILL.
+    job._supervise(job.replicas["rollout-2"], now=5.0 + job.stop_grace_s + 1, finished=False)
+    assert signals[-1][1] == 9
+
+
+def test_chaos_waits_for_every_replica_to_progress(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("os.killpg", lambda pid, sig: None)
+    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, {})
+    job.chaos = Chaos(5.0)
+    for r in job.replicas.values():
+        job.start_replica(r)
+        r.proc.wait = lambda: 0  # type: ignore[union-attr]
+    job.replicas["policy-0"].progress = True
+    job.replicas["rollout-0"].progress = True
+    assert not job._kill_one()  # rollout-1 has not submitted since its start
+    job.replicas["rollout-1"].progress = True
+    assert job._kill_one()
+    victims = [r for r in job.replicas.values() if r.kills]
+    assert len(victims) == 1 and victims[0].proc is None and victims[0].restart_at is not None
+    assert not job._kill_one()  # one is down: wait for it to come back
+
+
+# -- time to target and the summaries -----------------------------------------
+
+
+def entry(batch: int, avg: float, at: float) -> dict[str, Any]:
+    return {"batch": batch, "step": 2 * (batch + 1), "exact_match_avg": avg, "at": at}
+
+
+def test_target_counts_only_with_a_full_window(tmp_path: Path):
+    p = StatusPoller(tmp_path, target=0.9, window=3)
+    p._scan({"rl": {"history": [entry(0, 1.0, 10.0), entry(1, 0.95, 11.0)]}})
+    assert p.target_hit is None  # lucky first batches: the window is not full yet
+    p._scan({"rl": {"history": [entry(1, 0.95, 11.0), entry(2, 0.8, 12.0)]}})
+    assert p.target_hit is None
+    p._scan({"rl": {"history": [entry(3, 0.91, 13.0), entry(4, 0.99, 14.0)]}})
+    assert p.target_hit == entry(3, 0.91, 13.0)
+    assert p.best == entry(0, 1.0, 10.0)
+
+
+def test_status_text_of_an_rl_job():
+    st = ControllerState(rl_cfg())
+    st.start(0.0, 0.0)
+    st.set_desired("rollout", 3, now=0.0, wall=0.0)
+    text = status_text(st.status(0.0))
+    assert "job job (controller epoch 1)" in text
+    assert "rollout: 0 replica(s) (desired 3), step 0" in text
+    assert "prompts: issued 0 = queued 0 + leased 0 + done 0 + trained 0" in text
+    assert "ledger balanced" in text
+
+
+def test_rl_summary_line():
+    s = {
+        "job": "sort-grpo",
+        "target": 0.9,
+        "reached": True,
+        "target_batch": 41,
+        "target_step": 84,
+        "seconds_to_target": 63.25,
+        "batches": 42,
+        "wall_s": 70.0,
+        "prompts": 700,
+        "trained": 672,
+        "discarded": {"stale": 5},
+        "kills": 2,
+        "heals": 1,
+        "syncs": 42,
+        "sync_ms_mean": 12.5,
+        "ledger_ok": True,
+        "error": None,
+        "run_dir": "runs/x",
+    }
+    assert rl_line(None, s) == (  # type: ignore[arg-type]
+        "job sort-grpo: exact match 0.9 reached at batch 41 (step 84) in 63.2 s; prompts 700, "
+        "rollouts trained 672, discarded 5 (stale: 5); 2 replica(s) killed, 1 heal(s), syncs 42 "
+        "(mean 12.5 ms). Logs: runs/x"
+    )
+
+
+def test_live_view_renders_an_rl_job(tmp_path: Path):
+    from rich.console import Console
+
+    from phalanx.launch.view import View
+
+    st = ControllerState(rl_cfg())
+    st.start(0.0, 0.0)
+    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, st.status(0.0))
+    for r in job.replicas.values():
+        job.start_replica(r)
+    job._on_event(job.replicas["rollout-1"], {"event": "rollout", "accepted": 4, "version": 2})
+    job._on_event(
+        job.replicas["policy-0"],
+        {"event": "step", "step": 3, "loss": 0.25, "participants": 1, "quorum_id": 1},
+    )
+    job.replicas["rollout-0"].proc = None
+    console = Console(record=True, width=80)
+    console.print(View(job, live=False)._render())
+    text = console.export_text()
+    assert "policy-0" in text and "step 3 loss 0.250" in text
+    assert "4 rollouts" in text and "v2" in text and "down" in text
+    assert "prompts: issued 0 = queued 0" in text and "rollout 1 running, 0 registered" in text

@@ -282,21 +282,25 @@ class Ledger:
         self.versions[replica_id] = version
         if self.finished or version < 0 or version < self._floor():
             return None
-        outstanding = sum(1 for p in self.prompts.values() if p.state != "done") + len(self.pending)
-        room = self.loop.max_ahead * self.grpo.prompts_per_step - outstanding
-        n = min(max_prompts, room)
-        if n <= 0:
-            return None
         idx: list[int] = []
-        while self.requeue and len(idx) < n:
+        popped = bool(self.requeue)
+        # Prompts dispatched again come first, whatever the backpressure: they are
+        # already counted as outstanding, so holding them back could only stall.
+        while self.requeue and len(idx) < max_prompts:
             i = self.requeue.popleft()
             p = self.prompts.get(i)
             if p is not None and p.state == "queued" and i not in idx:
                 idx.append(i)
-        while len(idx) < n:
+        outstanding = sum(1 for p in self.prompts.values() if p.state != "done") + len(self.pending)
+        room = self.loop.max_ahead * self.grpo.prompts_per_step - outstanding
+        for _ in range(min(max_prompts - len(idx), room)):
             idx.append(self.cursor)
             self.prompts[self.cursor] = Prompt(self.cursor)
             self.cursor += 1
+        if not idx:
+            if popped:  # dropped entries of prompts no longer queued: journal that
+                self._save_meta()
+            return None
         self.lease_seq += 1
         lease = Lease(f"L{self.lease_seq}", replica_id, idx, version, wall, now + self.loop.lease_s)
         self.leases[lease.lease_id] = lease
@@ -329,6 +333,7 @@ class Ledger:
                 lease_id=lease.lease_id,
                 replica_id=lease.replica_id,
                 prompts=len(back),
+                indices=back,
                 reason=reason,
             )
         self._save_meta()
@@ -539,6 +544,11 @@ class Ledger:
         target = self.loop.target_exact_match
         if not self.finished and (
             (target is not None and len(recent) == w and h["exact_match_avg"] >= target)
+            or (
+                self.loop.target_reward is not None
+                and len(recent) == w
+                and h["reward_avg"] >= self.loop.target_reward
+            )
             or batch["index"] + 1 >= self.grpo.steps
         ):
             self.finished = True
@@ -555,21 +565,28 @@ class Ledger:
     def maybe_sync(
         self, leader: tuple[str, str] | None, rollout_ids: Iterable[str], *, now: float, wall: float
     ) -> Sync | None:
-        """Order a sync if none is in flight and a rollout replica needs newer weights
-        (a commit reached ``want_version``, or a joiner has none). ``leader`` is the
-        policy leader's (replica id, rendezvous address). Returns the new order."""
+        """Order a sync if none is in flight and an idle rollout replica needs newer
+        weights (a commit reached ``want_version``, or a joiner has none). The mesh is
+        the leader and those replicas. ``leader`` is the policy leader's (replica id,
+        rendezvous address). Returns the new order."""
         if self.sync is not None:
             if now - self.sync.ordered_mono > self.sync_timeout_s:
                 self._fail_sync("timed out", wall)
             else:
                 return None
         rollouts = sorted(rollout_ids)
-        if leader is None or not rollouts or self.init_allowed():
+        if self.finished or leader is None or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
         target = max(self.want_version, self.synced_version)
-        if all(self.versions.get(r, -1) >= target for r in rollouts):
+        # Only replicas between two generation batches (holding no lease) take part:
+        # a broadcast waits for its slowest member, and one replica busy generating
+        # must not hold back the weights of all the others (nor the policy, which
+        # waits for fresh rollouts). A busy one joins the next sync.
+        busy = {le.replica_id for le in self.leases.values()}
+        behind = [r for r in rollouts if r not in busy and self.versions.get(r, -1) < target]
+        if not behind:
             return None
-        members = [leader[0], *rollouts]
+        members = [leader[0], *behind]
         if members != self.mesh:
             self.mesh_id += 1
             self.mesh = members
@@ -637,6 +654,10 @@ class Ledger:
             **self.balance(),
             "policy_step": self.policy_step,
             "next_batch": self.next_batch,
+            "leased_by": {
+                rid: sum(len(le.prompts) for le in self.leases.values() if le.replica_id == rid)
+                for rid in sorted({le.replica_id for le in self.leases.values()})
+            },
             "finished": self.finished,
             "last": last,
             "history": self.history[-200:],

@@ -1,10 +1,12 @@
 """``phalanx run``: a whole job on this machine. It starts the controller and the
-replicas as local processes, shows live progress, and can deliver chaos
-(SIGKILL a random replica on a period, restart it after a delay) so that
-anyone can watch the job survive.
+replicas (the policy replicas of an FT-DDP job; policy and rollout replicas of an
+RL job) as local processes, restarts replicas that crash, follows the replica
+counts an operator asks for with ``phalanx scale``, and can deliver chaos
+(SIGKILL a random replica on a period, restart it after a delay) so that anyone
+can watch the job survive. What it shows is in :mod:`phalanx.launch.view`.
 
-Every process is started in its own process group and stopped by its pid;
-nothing is ever killed by name.
+Every process is started in its own process group and signalled through its
+pid's group; nothing is ever killed by name.
 """
 
 from __future__ import annotations
@@ -17,117 +19,98 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from phalanx.config import JobConfig
+from phalanx.launch.options import Chaos
+from phalanx.launch.poll import StatusPoller
+from phalanx.launch.replica import Replica
+from phalanx.launch.view import View
+
+__all__ = ["Chaos", "LocalJob", "Replica"]
+
+RESTART_DELAY_S = 1.0
+"""Pause before restarting a replica that exited on its own."""
+MAX_FAILED_STARTS = 3
+"""A replica that exits this many times in a row without progress stops the job:
+it is broken (bad config, import error), and restarting it forever hides that."""
 
 
-@dataclass
-class Chaos:
-    kill_every_s: float
-    restart_after_s: float = 2.0
-    seed: int = 0
+def _spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("ab") as f:
+        return subprocess.Popen(
+            cmd,
+            stdout=stdout if stdout is not None else f,
+            stderr=f,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
 
-    @staticmethod
-    def parse(text: str) -> Chaos:
-        """``kill-every=SECONDS[,restart-after=SECONDS][,seed=N]``."""
-        opts: dict[str, str] = {}
-        for part in filter(None, text.split(",")):
-            k, sep, v = part.partition("=")
-            if not sep:
-                raise ValueError(f"--chaos entries must look like key=value: got {part!r}.")
-            opts[k.strip()] = v.strip()
-        unknown = set(opts) - {"kill-every", "restart-after", "seed"}
-        if unknown or "kill-every" not in opts:
-            raise ValueError(
-                f"--chaos must be kill-every=SECONDS[,restart-after=SECONDS][,seed=N]: got {text!r}."
-            )
+
+def _signal(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
+    if proc is not None and proc.poll() is None:
         try:
-            c = Chaos(
-                float(opts["kill-every"]),
-                float(opts.get("restart-after", 2.0)),
-                int(opts.get("seed", 0)),
-            )
-        except ValueError:
-            raise ValueError(f"--chaos values must be numbers: got {text!r}.") from None
-        if c.kill_every_s <= 0 or c.restart_after_s < 0:
-            raise ValueError(
-                f"--chaos kill-every must be > 0 and restart-after >= 0: got {text!r}."
-            )
-        return c
-
-
-@dataclass
-class Replica:
-    name: str
-    proc: subprocess.Popen | None = None
-    step: int = 0
-    loss: float | None = None
-    participants: int = 0
-    quorum_id: int = 0
-    replica_id: str = ""
-    starts: int = 0
-    kills: int = 0
-    heals: int = 0
-    done: bool = False
-    restart_at: float | None = None
-    last: dict[str, Any] = field(default_factory=dict)
-
-
-def _spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd,
-        stdout=stdout if stdout is not None else log.open("ab"),
-        stderr=log.open("ab"),
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(wait_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        proc.wait()
+
+
+def stop_all(procs: list[subprocess.Popen[bytes] | None], grace_s: float = 5.0) -> None:
+    """SIGTERM each process group, then SIGKILL those still alive after ``grace_s``."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait()
 
 
 class LocalJob:
+    finish_grace_s = 20.0
+    """After the job finished, how long replicas get to exit by themselves."""
+    stop_grace_s = 10.0
+    """After a scale-down's SIGTERM, how long a replica gets before SIGKILL."""
+
     def __init__(
         self,
         config_path: str | None,
         cfg: JobConfig,
         run_dir: Path,
         overrides: list[str],
-        replicas: int,
+        replicas: int | dict[str, int],
         chaos: Chaos | None = None,
     ):
         self.config_path = config_path
         self.cfg = cfg
+        self.rl = cfg.rl is not None
         self.run_dir = run_dir
         self.overrides = overrides
         self.chaos = chaos
-        self.replicas = {f"policy-{i}": Replica(f"policy-{i}") for i in range(replicas)}
-        self.controller: subprocess.Popen | None = None
+        counts = replicas if isinstance(replicas, dict) else {"policy": replicas}
+        self.replicas: dict[str, Replica] = {}
+        for role, n in counts.items():
+            for i in range(n):
+                self.replicas[f"{role}-{i}"] = Replica(f"{role}-{i}", role)
+        self.retired: list[Replica] = []
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.poller: StatusPoller | None = None
         self.lock = threading.Lock()
         self.events: list[str] = []
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.commit_times: list[float] = []
+        self.finished_at: float | None = None
+        self.error: str | None = None
         self._rng = random.Random(chaos.seed if chaos else 0)
 
     # -- processes -------------------------------------------------------
-
-    def _base(self) -> list[str]:
-        cmd = [sys.executable, "-m", "phalanx.cli"]
-        return cmd
 
     def _cfg_args(self) -> list[str]:
         return (["--config", self.config_path] if self.config_path else []) + self.overrides
@@ -136,8 +119,8 @@ class LocalJob:
         state = self.run_dir / "controller"
         url_file = state / "url"
         url_file.unlink(missing_ok=True)
-        cmd = [*self._base(), "controller", "--state-dir", str(state), *self._cfg_args()]
-        self.controller = _spawn(cmd, self.run_dir / "controller.log")
+        cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
+        self.controller = _spawn([*cmd, *self._cfg_args()], self.run_dir / "controller.log")
         deadline = time.monotonic() + 30
         while not url_file.exists():
             if self.controller.poll() is not None:
@@ -149,89 +132,163 @@ class LocalJob:
             time.sleep(0.05)
         return url_file.read_text().strip()
 
+    def replica_cmd(self, r: Replica) -> list[str]:
+        cmd = [sys.executable, "-m", "phalanx.cli", "replica", "--role", r.role, "--name", r.name]
+        cmd += ["--controller", str(self.run_dir / "controller")]
+        if r.role == "policy":
+            out = self.run_dir / "final" / f"{r.name}.safetensors"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd += ["--out", str(out)]
+            if self.rl:
+                state = self.run_dir / "state" / f"{r.name}.safetensors"
+                state.parent.mkdir(parents=True, exist_ok=True)
+                cmd += ["--state", str(state)]
+        return [*cmd, *self._cfg_args()]
+
     def start_replica(self, r: Replica) -> None:
-        out = self.run_dir / "final" / f"{r.name}.safetensors"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            *self._base(), "replica", "--role", "policy", "--name", r.name,
-            "--controller", str(self.run_dir / "controller"), "--out", str(out), *self._cfg_args(),
-        ]  # fmt: skip
-        r.proc = _spawn(cmd, self.run_dir / f"{r.name}.log", stdout=subprocess.PIPE)
-        r.starts += 1
-        r.done = False
-        r.restart_at = None
-        r.step, r.loss, r.participants = 0, None, 0
+        r.proc = _spawn(self.replica_cmd(r), self.run_dir / f"{r.name}.log", subprocess.PIPE)
+        r.started()
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()
 
-    def _read(self, r: Replica, proc: subprocess.Popen) -> None:
+    def _read(self, r: Replica, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            with self.lock:
-                if r.proc is not proc:
-                    return
-                r.last = ev
-                r.replica_id = ev.get("replica", r.replica_id)
-                if ev.get("event") == "step":
-                    r.step, r.loss = ev["step"], ev["loss"]
-                    r.participants, r.quorum_id = ev["participants"], ev["quorum_id"]
-                    if ev.get("healed"):
-                        r.heals += 1
-                        self.note(f"{r.name} healed to step {ev['step']}")
-                    if r.step > len(self.commit_times):
-                        self.commit_times.append(time.monotonic())
-                elif ev.get("event") == "done":
-                    r.done = True
+        with (self.run_dir / f"{r.name}.log").open("ab") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict):
+                    continue
+                with self.lock:
+                    if r.proc is not proc:
+                        return
+                    self._on_event(r, ev)
+
+    def _on_event(self, r: Replica, ev: dict[str, Any]) -> None:
+        note = r.apply(ev, quiet_sync_failures=self.finished_at is not None)
+        if note and (self.rl or ev.get("event") != "retry"):
+            self.note(note)
+        if ev.get("event") == "step" and r.step > len(self.commit_times):
+            self.commit_times.append(time.monotonic())
 
     def note(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self.started:7.1f}s  {text}")
 
     # -- main loop -------------------------------------------------------
 
-    def run(self, live: bool = True) -> int:
+    def status(self) -> dict[str, Any] | None:
+        return self.poller.latest if self.poller is not None else None
+
+    def finished(self) -> bool:
+        """The job is over: the controller says so (RL), or a replica trained all steps (FT)."""
+        if self.rl:
+            st = self.status()
+            return bool(st and st.get("rl", {}).get("finished"))
+        return any(r.done for r in self.replicas.values())
+
+    def run(self, live: bool = True, as_json: bool = False) -> int:
+        """Run the job to its end and print the summary. Returns the exit code: 0 when
+        the job finished, 1 when it failed, 130 when interrupted (SIGINT/SIGTERM);
+        in every case the children are stopped first."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.started, self.started_wall = time.monotonic(), time.time()
+        old_term = signal.signal(signal.SIGTERM, _interrupt)
+        view = View(self, live)
+        code = 0
+        try:
+            self._start()
+            with view:
+                self._loop(view)
+        except KeyboardInterrupt:
+            self.error, code = "interrupted", 130
+        except RuntimeError as e:  # the controller did not come up
+            self.error = str(e)
+        finally:
+            with self.lock:
+                procs = [r.proc for r in self.replicas.values()]
+            stop_all(procs)
+            if self.poller is not None:
+                self.poller.stop(final=self.controller is not None)
+            stop_all([self.controller])
+            signal.signal(signal.SIGTERM, old_term)
+        view.summary(as_json)
+        return code or (1 if self.error else 0)
+
+    def _start(self) -> None:
         url = self.start_controller()
         self.note(f"controller at {url}")
-        for r in self.replicas.values():
-            self.start_replica(r)
-        next_kill = time.monotonic() + self.chaos.kill_every_s if self.chaos else None
-        view = _View(self, live)
-        try:
-            with view:
-                while True:
-                    now = time.monotonic()
-                    with self.lock:
-                        for r in self.replicas.values():
-                            self._supervise(r, now)
-                        finished = any(r.done for r in self.replicas.values())
-                        if finished:
-                            # The job is over: a replica still starting (chaos restart)
-                            # has nothing left to train.
-                            for r in self.replicas.values():
-                                if not r.done:
-                                    _stop(r.proc)
-                        if finished and all(
-                            r.proc is None or r.proc.poll() is not None
-                            for r in self.replicas.values()
-                        ):
-                            break
-                        if next_kill is not None and now >= next_kill and not finished:
-                            self._kill_one()
-                            next_kill = now + self.chaos.kill_every_s  # type: ignore[union-attr]
-                    view.update()
-                    time.sleep(0.1)
-        finally:
+        loop = self.cfg.rl.loop if self.cfg.rl is not None else None
+        self.poller = StatusPoller(
+            self.run_dir / "controller",
+            loop.target_exact_match if loop else None,
+            loop.window if loop else 1,
+        )
+        self.poller.start()
+        with self.lock:
             for r in self.replicas.values():
-                _stop(r.proc)
-            _stop(self.controller)
-        view.summary()
-        return 0
+                self.start_replica(r)
 
-    def _supervise(self, r: Replica, now: float) -> None:
-        finished = any(x.done for x in self.replicas.values())
+    def _loop(self, view: View) -> None:
+        period = self.chaos.kill_every_s if self.chaos else None
+        next_kill = time.monotonic() + period if period else float("inf")
+        while not self._tick():
+            if period and time.monotonic() >= next_kill and not self.finished():
+                with self.lock:
+                    if self._kill_one():
+                        next_kill = time.monotonic() + period
+            view.update()
+            time.sleep(0.1)
+        view.update()
+
+    def _tick(self) -> bool:
+        """One round of supervision. True when the job is over."""
+        now = time.monotonic()
+        if self.controller is not None and self.controller.poll() is not None:
+            self.error = f"controller exited with {self.controller.returncode}"
+            self.note(f"{self.error}; stopping (see controller.log)")
+            return True
+        finished = self.finished()
+        with self.lock:
+            if finished and self.finished_at is None:
+                self.finished_at = now
+                self.note("job finished; waiting for replicas to exit")
+            for r in list(self.replicas.values()):
+                self._supervise(r, now, finished)
+            if self.error:
+                return True
+            reps = list(self.replicas.values())
+            if reps and all(r.done and not r.running for r in reps):
+                return True  # every replica finished its part (the status may lag)
+            if not finished:
+                self._follow_desired(now)
+                return False
+            alive = [r for r in self.replicas.values() if r.running]
+            if not self.rl:
+                # FT: the job is over once one replica trained all steps; a replica
+                # still starting (chaos restart) has nothing left to train.
+                stop_all([r.proc for r in alive if not r.done])
+            elif (
+                alive
+                and self.finished_at is not None
+                and now - self.finished_at > self.finish_grace_s
+            ):
+                self.note(
+                    f"stopping {', '.join(r.name for r in alive)} (no exit after the job ended)"
+                )
+                return True
+            return not alive
+
+    def _supervise(self, r: Replica, now: float, finished: bool) -> None:
+        if r.retiring_since is not None:
+            if not r.running:
+                self.retired.append(self.replicas.pop(r.name))
+                self.note(f"{r.name} stopped (scale down)")
+            elif now - r.retiring_since > self.stop_grace_s:
+                _signal(r.proc, signal.SIGKILL)
+            return
         if r.proc is None:
             if r.restart_at is not None and now >= r.restart_at and not finished:
                 self.start_replica(r)
@@ -240,107 +297,76 @@ class LocalJob:
         code = r.proc.poll()
         if code is None or r.done:
             return
-        self.note(f"{r.name} exited with {code}; restarting (see {r.name}.log)")
-        r.proc, r.restart_at = None, now + 1.0
-
-    def _kill_one(self) -> None:
-        # Kill only when every replica is up and has committed since its start,
-        # so that at most one is down at a time and a healthy peer always
-        # holds the job's state (until checkpoints can restore it).
-        reps = list(self.replicas.values())
-        alive = [r for r in reps if r.proc is not None and r.proc.poll() is None and r.step > 0]
-        if len(alive) < len(reps) or len(alive) < 2:
+        if self.rl and code == 0:
+            r.done = True  # RL replicas exit 0 only when the controller says the job is over
             return
+        if finished:
+            r.proc = None
+            return
+        r.failed_starts = 0 if r.progress else r.failed_starts + 1
+        if r.failed_starts >= MAX_FAILED_STARTS:
+            self.error = f"{r.name} exited {r.failed_starts} times in a row without progress"
+            self.note(f"{self.error} (last code {code}); see {self.run_dir / (r.name + '.log')}")
+            return
+        self.note(f"{r.name} exited with {code}; restarting (see {r.name}.log)")
+        r.proc, r.restart_at = None, now + RESTART_DELAY_S
+
+    # -- scale -----------------------------------------------------------
+
+    def _follow_desired(self, now: float) -> None:
+        """Start or stop replicas so that each role has the count ``phalanx scale`` set."""
+        st = self.status()
+        if not st:
+            return
+        for role, info in st.get("roles", {}).items():
+            want = info.get("desired")
+            if want is None:
+                continue
+            active = sorted(
+                (r for r in self.replicas.values() if r.role == role and r.retiring_since is None),
+                key=lambda r: r.index,
+            )
+            for _ in range(want - len(active)):
+                i = next(
+                    i for i in range(len(self.replicas) + 1) if f"{role}-{i}" not in self.replicas
+                )
+                r = self.replicas[f"{role}-{i}"] = Replica(f"{role}-{i}", role)
+                self.start_replica(r)
+                self.note(f"{r.name} started (scale {role} to {want})")
+            for r in active[want:]:
+                r.retiring_since = now
+                r.restart_at = None
+                _signal(r.proc, signal.SIGTERM)
+                self.note(f"{r.name}: stopping (scale {role} to {want})")
+
+    # -- chaos -----------------------------------------------------------
+
+    def _kill_one(self) -> bool:
+        """SIGKILL a random replica, but only when every replica is up and has made
+        progress since its start, so that at most one is down at a time. An FT job
+        also needs two: a healthy peer must hold the job's state (policy replicas of
+        an RL job resume from their state file instead). True when it killed one."""
+        reps = [r for r in self.replicas.values() if r.retiring_since is None and not r.done]
+        alive = [r for r in reps if r.running and r.progress]
+        if not reps or len(alive) < len(reps) or (not self.rl and len(alive) < 2):
+            return False
         r = self._rng.choice(alive)
-        os.killpg(r.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-        r.proc.wait()  # type: ignore[union-attr]
+        assert r.proc is not None
+        _signal(r.proc, signal.SIGKILL)
+        r.proc.wait()
         r.proc = None
         r.kills += 1
-        r.restart_at = time.monotonic() + self.chaos.restart_after_s  # type: ignore[union-attr]
-        self.note(f"chaos: SIGKILL {r.name} at step {r.step}")
+        assert self.chaos is not None
+        r.restart_at = time.monotonic() + self.chaos.restart_after_s
+        what = f"step {r.step}" if r.role == "policy" else f"{r.rollouts} rollouts"
+        self.note(f"chaos: SIGKILL {r.name} at {what}")
+        return True
+
+    def all_replicas(self) -> list[Replica]:
+        return [*self.retired, *self.replicas.values()]
 
 
-class _View:
-    """Live progress: a rich table on a terminal, plain lines otherwise."""
-
-    def __init__(self, job: LocalJob, live: bool):
-        self.job = job
-        self.live_enabled = live and sys.stdout.isatty()
-        self._live: Any = None
-        self._printed_step = 0
-        self._printed_events = 0
-
-    def __enter__(self) -> _View:
-        if self.live_enabled:
-            from rich.live import Live
-
-            self._live = Live(self._render(), refresh_per_second=4, transient=False)
-            self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
-            self._live.update(self._render())
-            self._live.__exit__(*exc)
-
-    def _render(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-
-        job = self.job
-        steps = job.cfg.train.steps
-        t = Table(
-            title=f"phalanx run: job {job.cfg.job.id}  ({time.monotonic() - job.started:.0f} s)"
-        )
-        for col in ("replica", "pid", "step", "loss", "participants", "quorum", "starts", "heals"):
-            t.add_column(col)
-        with job.lock:
-            for r in job.replicas.values():
-                state = "done" if r.done else ("down" if r.proc is None else str(r.proc.pid))
-                loss = f"{r.loss:.5f}" if r.loss is not None else "-"
-                t.add_row(
-                    r.name,
-                    state,
-                    f"{r.step}/{steps}",
-                    loss,
-                    str(r.participants),
-                    str(r.quorum_id),
-                    str(r.starts),
-                    str(r.heals),
-                )
-            events = "\n".join(job.events[-6:])
-        return Group(t, events)
-
-    def update(self) -> None:
-        if self._live is not None:
-            self._live.update(self._render())
-            return
-        job = self.job
-        with job.lock:
-            for line in job.events[self._printed_events :]:
-                print(line, flush=True)
-            self._printed_events = len(job.events)
-            lead = max(job.replicas.values(), key=lambda r: r.step)
-            if lead.step >= self._printed_step + 25 or (
-                lead.step == job.cfg.train.steps and lead.step > self._printed_step
-            ):
-                self._printed_step = lead.step
-                print(
-                    f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {lead.loss:.5f}  "
-                    f"participants {lead.participants}  quorum {lead.quorum_id}",
-                    flush=True,
-                )
-
-    def summary(self) -> None:
-        job = self.job
-        wall = time.monotonic() - job.started
-        lead = max(job.replicas.values(), key=lambda r: r.step)
-        gaps = [b - a for a, b in zip(job.commit_times, job.commit_times[1:], strict=False)]
-        kills = sum(r.kills for r in job.replicas.values())
-        heals = sum(r.heals for r in job.replicas.values())
-        print(
-            f"\njob {job.cfg.job.id}: {lead.step} steps committed in {wall:.1f} s, final loss "
-            f"{lead.loss:.5f}; {kills} replica(s) killed, {heals} heal(s); longest gap between "
-            f"commits {max(gaps) if gaps else 0:.2f} s. Logs and final states: {job.run_dir}",
-            flush=True,
-        )
+def _interrupt(signum: int, frame: object) -> None:
+    # A SIGTERMed launcher must still stop its children (each leads its own
+    # session, so a signal to the launcher's group does not reach them).
+    raise KeyboardInterrupt

@@ -156,8 +156,13 @@ class LoopSection(_Section):
     target_exact_match: float | None = Field(0.9, gt=0, le=1)
     """Stop once the trailing mean exact match of trained batches reaches this (None: run
     all ``grpo.steps`` batches)."""
+    target_reward: float | None = Field(None, gt=0, le=1e9)
+    """Also stop once the trailing mean reward reaches this (None: not a stop condition)."""
     window: int = Field(10, ge=1, le=10_000)
     """Batches in the trailing means."""
+    gen_delay_s: float = Field(0.0, ge=0, le=3600)
+    """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
+    model, for demos and failure tests (a lease is then held long enough to be hit)."""
     weights: Literal["collective"] = "collective"
     """How weights reach rollout replicas: ``collective`` broadcasts from the policy leader."""
     history: int = Field(2000, ge=10, le=1_000_000)

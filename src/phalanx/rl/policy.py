@@ -256,6 +256,11 @@ def run_policy(
                     "quorum_id": q.quorum_id,
                     "healed": healed,
                     "version": manager.step,
+                    # Audit trail: which rollouts (prompt.attempt) this batch trained on.
+                    "rollouts": [r["rollout_id"] for r in batch["rollouts"]]
+                    if manager.step % g.inner_epochs == 0
+                    else [],
+                    "versions": sorted({r["version"] for r in batch["rollouts"]}),
                     "lease_s": round(t1 - t0, 4),
                     "compute_s": round(t2 - t1, 4),
                     "commit_s": round(t3 - t2, 4),

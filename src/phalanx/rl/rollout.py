@@ -113,8 +113,6 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
     try:
         while True:
             r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
-            if r["finished"]:
-                break
             order = r["sync"]
             if order is not None and order["seq"] > synced:
                 synced = order["seq"]
@@ -139,6 +137,8 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
                         "ok": ok,
                     }
                 )
+            if r["finished"]:
+                break  # after any sync in flight: the leader is waiting on this replica
             if engine.version < 0 and r["init_weights"]:
                 engine.version = 0  # the model was built from config: the policy's step 0
             lease = r["lease"]
@@ -146,6 +146,8 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
                 continue
             t0 = time.perf_counter()
             rollouts = make_rollouts(rl, engine, tok, task, lease["prompts"])
+            if rl.loop.gen_delay_s:
+                time.sleep(rl.loop.gen_delay_s * len(rollouts))
             gen_s = time.perf_counter() - t0
             res = client.submit_rollouts(lease["lease_id"], rollouts)
             n = len(rollouts)

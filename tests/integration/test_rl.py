@@ -1,0 +1,243 @@
+"""The RL job with real processes: a controller, policy replicas and rollout
+replicas (``phalanx replica --role ...``), real SIGKILLs, and the ledger's
+accounting checked at the end: every prompt issued is trained exactly once or
+still on its way, and every rollout accepted is trained or discarded with a
+reason.
+
+The job is small (8 prompts x 8 samples per batch) and stops once the
+trailing mean reward (over 5 batches) reaches 0.15, from ~0.07 at random
+init: 10 to 35 batches, depending on the sampling seed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from procs import FAST_TIMEOUTS, Controller, Procs, signal_group, wait_for, write_job_toml
+
+
+def job_sections(
+    policy_init: int = 1, rollout_init: int = 1, steps: int = 80, target_reward: float = 0.15
+) -> dict[str, dict[str, Any]]:
+    return {
+        "job": {"id": "rl-itest", "seed": 0},
+        "timeouts": {**FAST_TIMEOUTS, "collective_s": 2.0, "heartbeat_s": 4.0},
+        "controller": {"tick_s": 0.02},
+        "roles.policy": {"min_replicas": 1, "n_init_replicas": policy_init, "join_timeout_s": 0.3},
+        "roles.rollout": {
+            "min_replicas": 1,
+            "n_init_replicas": rollout_init,
+            "join_timeout_s": 0.3,
+        },
+        "rl.grpo": {
+            "steps": steps,
+            "prompts_per_step": 8,
+            "group_size": 8,
+            "lr": 3e-3,
+            "inner_epochs": 2,
+            "threads": 1,
+        },
+        "rl.loop": {
+            "prompts_per_lease": 4,
+            "sync_every": 2,
+            "max_staleness": 1,
+            "max_ahead": 2,
+            "lease_s": 20.0,
+            "target_exact_match": 1.0,
+            "target_reward": target_reward,
+            "window": 5,
+        },
+    }
+
+
+class RLReplica:
+    """A ``phalanx replica`` subprocess of the RL job; its stdout is JSON lines."""
+
+    def __init__(
+        self, procs: Procs, ctl: Controller, config: Path, role: str, name: str, *extra: str
+    ):
+        self.name, self.role = name, role
+        args = [sys.executable, "-m", "phalanx.cli", "replica", "--role", role, "--name", name]
+        args += ["--controller", str(ctl.state_dir), "--config", str(config)]
+        if role == "policy":
+            args += ["--state", str(procs.workdir / f"{name}.state")]
+        self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}")
+
+    def lines(self) -> list[dict[str, Any]]:
+        complete = self.out.read_text().split("\n")[:-1]
+        return [json.loads(x) for x in complete if x.startswith("{")]
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.lines() if e["event"] == kind]
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None and self.proc.returncode != 0:
+            raise AssertionError(
+                f"{self.role} {self.name} exited with {self.proc.returncode}:\n"
+                f"{self.err.read_text()[-3000:]}"
+            )
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        signal_group(self.proc, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+Start = Callable[..., RLReplica]
+
+
+@pytest.fixture
+def rl_job(tmp_path: Path, procs: Procs) -> Iterator[Callable[..., tuple[Controller, Start]]]:
+    def make(**sections: Any) -> tuple[Controller, Start]:
+        config = write_job_toml(tmp_path / "rl.toml", job_sections(**sections))
+        ctl = Controller(procs, tmp_path / "state", config).start()
+
+        def start(role: str, name: str, *extra: str) -> RLReplica:
+            return RLReplica(procs, ctl, config, role, name, *extra)
+
+        return ctl, start
+
+    yield make
+
+
+def rl_status(ctl: Controller) -> dict[str, Any]:
+    return ctl.status()["rl"]
+
+
+def wait_finished(ctl: Controller, replicas: list[RLReplica], timeout: float = 90.0) -> dict:
+    def done() -> dict[str, Any] | None:
+        for r in replicas:
+            r.alive()
+        st = rl_status(ctl)
+        return st if st["finished"] and not any(r.proc.poll() is None for r in replicas) else None
+
+    return wait_for(done, timeout, "the RL job to finish and its replicas to exit", 0.2)
+
+
+def trained_prompts(policy: list[RLReplica]) -> list[int]:
+    """Prompt indices of every batch the policy trained, once per batch (audit trail)."""
+    seen: dict[int, list[str]] = {}
+    for p in policy:
+        for e in p.events("step"):
+            if e["rollouts"]:
+                assert seen.setdefault(e["batch"], e["rollouts"]) == e["rollouts"], (
+                    "two replicas trained different rollouts for the same batch"
+                )
+    return [int(rid[1:].split(".")[0]) for b in sorted(seen) for rid in seen[b]]
+
+
+def check_ledger(st: dict[str, Any], prompts: list[int]) -> None:
+    assert st["ok"], f"ledger does not balance: {st}"
+    assert len(prompts) == len(set(prompts)), "a prompt was trained twice"
+    assert st["prompts"]["trained"] == len(prompts)
+    assert st["rollouts"]["trained"] == len(prompts)
+
+
+def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job):
+    ctl, start = rl_job(rollout_init=1)
+    policy = start("policy", "policy-0")
+    fast = start("rollout", "rollout-0")
+    # The slow replica holds each lease for 1.5 s per prompt: long enough to be hit.
+    slow = start("rollout", "rollout-slow", "--rl.loop.gen_delay_s", "1.5")
+
+    def slow_holds_a_lease() -> str | None:
+        slow.alive()
+        held = rl_status(ctl)["leased_by"]
+        return next((rid for rid in held if rid.startswith("rollout-slow:")), None)
+
+    slow_id = wait_for(slow_holds_a_lease, 60, "rollout-slow to hold a lease", 0.05)
+    slow.kill()
+    expired = wait_for(
+        lambda: [
+            e
+            for e in ctl.status()["events"]
+            if e["kind"] == "lease_expired" and e["replica_id"] == slow_id
+        ],
+        15,
+        "the killed replica's lease to be dispatched again",
+    )
+    lost = {i for e in expired for i in e["indices"]}
+    assert lost and "gone" in expired[0]["reason"]
+
+    # A joiner after training started must get the current weights before generating.
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, 60, "policy step 4")
+    joiner = start("rollout", "rollout-late")
+    st = wait_finished(ctl, [policy, fast, joiner])
+
+    prompts = trained_prompts([policy])
+    check_ledger(st, prompts)
+    assert lost <= set(prompts), "the killed lease's prompts were never trained"
+    assert st["last"]["reward_avg"] >= 0.15
+    syncs, rolls = joiner.events("sync"), joiner.events("rollout")
+    assert syncs and syncs[0]["ok"] and syncs[0]["version"] >= 4
+    first_roll = joiner.lines().index(rolls[0]) if rolls else None
+    assert first_roll is None or joiner.lines().index(syncs[0]) < first_roll
+    for r in (fast, joiner):
+        versions = [e["version"] for e in r.events("rollout")]
+        assert versions == sorted(versions), f"{r.name}: weights versions went backwards"
+    assert all(e["version"] >= syncs[0]["version"] for e in rolls)
+
+
+def test_rl_stale_rollouts_are_discarded_and_counted(rl_job):
+    ctl, start = rl_job(rollout_init=1)
+    policy = start("policy", "policy-0")
+    fast = start("rollout", "rollout-0")
+    # At most one version of staleness (a batch spans two): a replica that takes
+    # 0.8 s per prompt submits rollouts whose weights are already too old.
+    slow = start("rollout", "rollout-slow", "--rl.loop.gen_delay_s", "0.8")
+    st = wait_finished(ctl, [policy, fast, slow])
+    stale = sum(e["stale"] for e in slow.events("rollout"))
+    assert stale > 0 and st["rollouts"]["discarded"].get("stale", 0) >= stale
+    check_ledger(st, trained_prompts([policy]))
+    assert all(
+        v >= b * 2 - 1 for e in policy.events("step") for b in [e["batch"]] for v in e["versions"]
+    )
+
+
+def test_rl_policy_killed_with_two_policy_replicas_heals_on_restart(rl_job):
+    # A fixed 40 batches (the reward target is out of reach), so that the job is still
+    # running when the restarted replica has imported its model and joins.
+    ctl, start = rl_job(policy_init=2, rollout_init=1, steps=40, target_reward=0.99)
+    p0 = start("policy", "policy-0")
+    p1 = start("policy", "policy-1")
+    roll = start("rollout", "rollout-0")
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4 and p1.alive(), 60, "policy step 4")
+    p1.kill()
+    at_kill = rl_status(ctl)["policy_step"]
+    wait_for(
+        lambda: any(e["participants"] == 1 and e["step"] > at_kill + 1 for e in p0.events("step")),
+        30,
+        "policy-0 to train alone",
+    )
+    p1b = start("policy", "policy-1")
+    wait_for(
+        lambda: any(e["healed"] for e in p1b.events("step")) or not p1b.alive(),
+        60,
+        "the restarted policy-1 to heal from policy-0",
+    )
+    st = wait_finished(ctl, [p0, p1b, roll])
+    assert any(e["healed"] and e["participants"] == 2 for e in p1b.events("step"))
+    check_ledger(st, trained_prompts([p0, p1b]))
+
+
+def test_rl_controller_restart_keeps_ledger_and_step(rl_job):
+    ctl, start = rl_job(rollout_init=1)
+    policy = start("policy", "policy-0")
+    roll = start("rollout", "rollout-0")
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 6, 60, "policy step 6")
+    before = rl_status(ctl)
+    ctl.kill()
+    ctl.start()
+    after = rl_status(ctl)
+    assert after["policy_step"] >= before["policy_step"]
+    assert after["prompts"]["trained"] >= before["prompts"]["trained"]
+    assert after["prompts"]["issued"] >= before["prompts"]["issued"] and after["ok"]
+    st = wait_finished(ctl, [policy, roll])
+    check_ledger(st, trained_prompts([policy]))
+    assert ctl.status()["epoch"] == 2
