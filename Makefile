@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: test demo bench lint install
+.PHONY: test demo demo-chaos demo-ft bench lint install
 
 $(STAMP):
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 
 demo: $(STAMP)
+	$(BIN)/phalanx run examples/sort_grpo.toml
+
+demo-chaos: $(STAMP)
+	$(BIN)/phalanx run examples/sort_grpo.toml --chaos kill-every=15
+
+demo-ft: $(STAMP)
 	$(BIN)/phalanx run examples/ft_mlp.toml --chaos kill-every=8
 
 bench: $(STAMP)
