@@ -157,6 +157,8 @@ class Ledger:
         self.sync_seq = 0
         self.mesh_id = 0
         self.mesh: list[str] = []
+        self.source_busy: tuple[str, int] | None = None
+        """(leader, seq) of the last order until the leader reports it (not durable)."""
         self.versions: dict[str, int] = {}
         """Weights version each rollout replica last declared (not durable)."""
 
@@ -408,7 +410,11 @@ class Ledger:
                 other = self.leases[p.lease_id]
                 if other is not lease:
                     other.prompts.remove(idx)
-                    self._put("leases", other.lease_id, other.record())
+                    if other.prompts:
+                        self._put("leases", other.lease_id, other.record())
+                    else:  # nothing left to submit: its holder is no longer busy
+                        del self.leases[other.lease_id]
+                        self._put("leases", other.lease_id, None)
             p.state, p.lease_id = "done", None
             self._save_prompt(p)
             self.seq += 1
@@ -574,6 +580,10 @@ class Ledger:
                 self._fail_sync("timed out", wall)
             else:
                 return None
+        if leader is not None and self.source_busy is not None:
+            if self.source_busy[0] == leader[0]:
+                return None  # the leader still sends (or times out) the previous one
+            self.source_busy = None  # that leader is gone
         rollouts = sorted(rollout_ids)
         if self.finished or leader is None or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
@@ -583,7 +593,9 @@ class Ledger:
         # must not hold back the weights of all the others (nor the policy, which
         # waits for fresh rollouts). A busy one joins the next sync.
         busy = {le.replica_id for le in self.leases.values()}
-        behind = [r for r in rollouts if r not in busy and self.versions.get(r, -1) < target]
+        # And only replicas that asked for prompts since they (re)started or failed a
+        # sync: one still loading its model would hold the broadcast until it times out.
+        behind = [r for r in rollouts if r not in busy and self.versions.get(r, target) < target]
         if not behind:
             return None
         members = [leader[0], *behind]
@@ -592,6 +604,7 @@ class Ledger:
             self.mesh = members
         self.sync_seq += 1
         self.sync = Sync(self.sync_seq, self.mesh_id, members, leader[1], wall, now)
+        self.source_busy = (leader[0], self.sync_seq)
         self._save_meta()
         self._event(
             "sync_ordered",
@@ -606,6 +619,12 @@ class Ledger:
     def _fail_sync(self, reason: str, wall: float) -> None:
         assert self.sync is not None
         self._event("sync_failed", wall, seq=self.sync.seq, reason=reason)
+        # Members that have not reported may still be inside the failed broadcast: leave
+        # them out of the next order until they ask for prompts again (declaring their
+        # version), or they would stall it in turn.
+        for rid in self.sync.members[1:]:
+            if rid not in self.sync.done:
+                self.versions.pop(rid, None)
         self.sync = None
         self.mesh = []  # rebuild the group: some member's communicator is broken
         # Journaled: a restart must not revive the broken mesh (and reuse its mesh_id).
@@ -616,14 +635,18 @@ class Ledger:
     ) -> bool:
         """A mesh member finished sync ``seq`` (``ok``) or failed it. True when the sync
         completed or failed as a whole (the caller may order the next one)."""
+        freed = self.source_busy == (replica_id, seq)
+        if freed:
+            self.source_busy = None  # the leader's sender is free for the next order
         s = self.sync
         if s is None or s.seq != seq or replica_id not in s.members:
-            return False  # an old or abandoned sync: nothing to do
+            return freed  # an old or abandoned sync: only a freed leader is news
         if not ok:
             self._fail_sync(f"{replica_id}: {error[:200]}", wall)
             return True
         s.done[replica_id] = version
-        self.versions[replica_id] = version
+        if replica_id != s.members[0]:  # versions are the rollout replicas'
+            self.versions[replica_id] = version
         if len(s.done) < len(s.members):
             return False
         v = min(s.done.values())

@@ -71,6 +71,7 @@ class RLRequests:
         the sync order it must take part in first (or None), and the job's state."""
         m, led = self._ledger(replica_id, "rollout")
         m.last_seen = now
+        led.versions[replica_id] = version  # before deciding whether anyone needs a sync
         tick = self._maybe_sync(now, wall)
         lease = led.lease(replica_id, version, max_prompts, now=now, wall=wall)
         reply = {

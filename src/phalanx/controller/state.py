@@ -180,7 +180,12 @@ class ControllerState(RLRequests):
         """Replica count per role that an operator asked for (``phalanx scale``); a
         launcher that can start and stop replicas follows it."""
         self.ledger = (
-            Ledger(cfg.rl, self._put, self._event, sync_timeout_s=cfg.timeouts.quorum_s)
+            Ledger(
+                cfg.rl,
+                self._put,
+                self._event,
+                sync_timeout_s=2 * cfg.rl.loop.sync_timeout_s + cfg.timeouts.heartbeat_s,
+            )
             if cfg.rl is not None
             else None
         )

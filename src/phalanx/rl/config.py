@@ -163,6 +163,10 @@ class LoopSection(_Section):
     gen_delay_s: float = Field(0.0, ge=0, le=3600)
     """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
     model, for demos and failure tests (a lease is then held long enough to be hit)."""
+    sync_timeout_s: float = Field(2.0, gt=0, le=3600)
+    """Time limit of one weight sync (rendezvous and broadcast). Members are idle when
+    ordered, so they join at once; a member that died since the order makes the others
+    wait this long before the sync is ordered again without it."""
     weights: Literal["collective"] = "collective"
     """How weights reach rollout replicas: ``collective`` broadcasts from the policy leader."""
     history: int = Field(2000, ge=10, le=1_000_000)
@@ -174,6 +178,15 @@ class RLConfig(_Section):
     task: TaskSection = Field(default_factory=TaskSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     loop: LoopSection = Field(default_factory=LoopSection)
+
+    @model_validator(mode="after")
+    def _window_within_history(self) -> RLConfig:
+        if self.loop.window > self.loop.history:
+            raise ValueError(
+                f"loop.window must be <= loop.history: got window={self.loop.window}, "
+                f"history={self.loop.history}. The trailing means need that many batches kept."
+            )
+        return self
 
     @model_validator(mode="after")
     def _sync_within_staleness(self) -> RLConfig:

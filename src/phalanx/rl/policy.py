@@ -144,7 +144,7 @@ def run_policy(
         except ValueError as e:
             rlog.error("%s; starting from scratch", e)
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
-    weights = CollectiveWeightChannel(cfg.timeouts.collective_s, device)
+    weights = CollectiveWeightChannel(rl.loop.sync_timeout_s, device)
     published = 0
     metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
@@ -268,7 +268,7 @@ def run_policy(
                 }
             )
         if weights.pending is not None:
-            weights.pending.result(timeout=cfg.timeouts.collective_s * 2)
+            weights.pending.result(timeout=rl.loop.sync_timeout_s * 2)
         if out is not None:
             save_state(out, {"model": model.state_dict(), "step": manager.step})
         emit(

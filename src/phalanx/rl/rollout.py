@@ -107,7 +107,7 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
     # Every replica (and every incarnation) samples its own stream.
     seed = g.seed * 1_000_003 + zlib.crc32(str(client.replica_id).encode())
     engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=seed, version=-1)
-    weights = CollectiveWeightChannel(cfg.timeouts.collective_s, device)
+    weights = CollectiveWeightChannel(rl.loop.sync_timeout_s, device)
     synced = 0
     emit({"event": "start", "role": "rollout", "replica": client.replica_id})
     try:

@@ -1,0 +1,1288 @@
+"""The RL ledger, driven through the controller's pure state machine.
+
+Every call goes through :class:`CheckedState`, which after each call (refused
+ones too) drains the changes into an in-memory journal, as the server does
+before it answers, and checks :func:`check`: the ledger's balance, where each
+prompt and rollout is, and that the journal so far rebuilds this very ledger.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.config import JobConfig, load_config
+from phalanx.controller.journal import Journal
+from phalanx.controller.ledger import Ledger, LedgerError, rollout_prompt
+from phalanx.controller.state import ControllerState, StateError, Tick, UnknownReplica
+
+HEARTBEAT_S = 10.0
+QUORUM_S = 60.0
+LEASE_S = 5.0
+PPS = 4
+"""grpo.prompts_per_step"""
+G = 2
+"""grpo.group_size"""
+AHEAD = 2
+"""loop.max_ahead: at most AHEAD * PPS prompts leased or waiting."""
+
+P, P2 = "p1:i0", "p2:i0"
+R1, R2 = "r1:i0", "r2:i0"
+
+
+def make_cfg(*overrides: str) -> JobConfig:
+    """An RL job: one inner epoch, sync every 2 versions, staleness 2, window 3."""
+    return load_config(
+        overrides=[
+            f"timeouts.heartbeat_s={HEARTBEAT_S}",
+            f"timeouts.quorum_s={QUORUM_S}",
+            *(
+                f"roles.{r}.{k}=1"
+                for r in ("policy", "rollout")
+                for k in ("min_replicas", "n_init_replicas", "join_timeout_s")
+            ),
+            f"rl.grpo.prompts_per_step={PPS}",
+            f"rl.grpo.group_size={G}",
+            "rl.grpo.inner_epochs=1",
+            "rl.grpo.max_new_tokens=5",
+            "rl.grpo.steps=1000",
+            f"rl.loop.max_ahead={AHEAD}",
+            f"rl.loop.lease_s={LEASE_S}",
+            "rl.loop.sync_every=2",
+            "rl.loop.max_staleness=2",
+            "rl.loop.window=3",
+            "rl.loop.target_exact_match=0.9",
+            *overrides,
+        ]
+    )
+
+
+# -- the checked state machine ------------------------------------------------------------
+
+
+def durable(led: Ledger) -> dict[str, Any]:
+    """Everything of the ledger that must survive a controller restart, as JSON."""
+    keys = (
+        "cursor", "lease_seq", "seq", "next_batch", "policy_step", "finished", "want_version",
+        "synced_version", "sync_seq", "mesh_id", "mesh", "counts", "discarded", "rollouts",
+        "batches", "history",
+    )  # fmt: skip
+    d = {k: getattr(led, k) for k in keys}
+    d["requeue"] = list(led.requeue)
+    d["prompts"] = {i: asdict(p) for i, p in led.prompts.items()}
+    d["leases"] = {k: le.record() for k, le in led.leases.items()}
+    d["pending"] = list(led.pending)
+    out: dict[str, Any] = json.loads(json.dumps(d))
+    return out
+
+
+def check(st: ControllerState) -> dict[str, Any]:
+    """The ledger's invariants; returns its balance."""
+    led = st.ledger
+    assert led is not None
+    b = led.balance()
+    assert b["ok"], b
+    p, r = b["prompts"], b["rollouts"]
+    assert p["done"] == r["pending"] + r["batched"], "a done prompt without its one rollout"
+    assert b["leases"]["open"] == len(led.leases)
+    # Batch indices: every frozen or trained batch is below next_batch, once each.
+    assert all(k < led.next_batch for k in led.batches)
+    done = [h["batch"] for h in led.history]
+    assert done == sorted(set(done)) and all(k < led.next_batch for k in done)
+    assert not set(done) & set(led.batches)
+    assert sum(led.discarded.values()) == sum(r["discarded"].values())
+    batched = [rid for bt in led.batches.values() for rid in bt["rollout_ids"]]
+    assert len(batched) == len(set(batched)), "a rollout in two batches"
+    assert not set(batched) & set(led.pending)
+    assert set(led.rollouts) == set(batched) | set(led.pending)
+    for rid, rec in led.rollouts.items():
+        q = led.prompts[rec["prompt"]]
+        assert (q.state, q.rollout_id) == ("done", rid)
+    for i, q in led.prompts.items():
+        assert i < led.cursor
+        if q.state == "queued":
+            assert i in led.requeue, f"prompt {i} is queued but will never be dispatched"
+        if q.state == "leased":
+            assert q.lease_id in led.leases and i in led.leases[q.lease_id].prompts
+        else:
+            assert q.lease_id is None
+    for le in led.leases.values():
+        assert le.lease_id == f"L{int(le.lease_id[1:])}" and int(le.lease_id[1:]) <= led.lease_seq
+    # Durability: the changes drained so far rebuild exactly this ledger.
+    if isinstance(st, CheckedState):
+        assert st.changes == []
+        assert st.cfg.rl is not None
+        twin = Ledger(st.cfg.rl, lambda *a: None, lambda *a, **k: None)
+        twin.restore(st.tables, now=0.0)
+        assert durable(twin) == durable(led)
+    return b
+
+
+class CheckedState(ControllerState):
+    """A ControllerState that journals and :func:`check`\\ s after every call."""
+
+    def __init__(self, cfg: JobConfig, journal: Journal | None = None):
+        super().__init__(cfg)
+        self.tables: dict[str, dict[str, dict[str, Any]]] = {}
+        self.journal = journal
+        self.last_changes: list[tuple[str, str, dict[str, Any] | None]] = []
+
+    def commit(self) -> None:
+        """Drain the changes into the journal (in memory, and the real one if any)."""
+        changes = self.last_changes = self.drain()
+        for tbl, key, rec in changes:
+            if rec is None:
+                self.tables.get(tbl, {}).pop(key, None)
+            else:
+                self.tables.setdefault(tbl, {})[key] = json.loads(json.dumps(rec))
+        if self.journal is not None:
+            self.journal.write(changes)
+
+
+def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: CheckedState, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.commit()
+            check(self)
+
+    return call
+
+
+for _name in (
+    "start", "register", "deregister", "heartbeat", "tick", "request_quorum", "report_failure",
+    "lease_prompts", "submit_rollouts", "lease_batch", "ack_batch", "sync_done", "set_desired",
+):  # fmt: skip
+    setattr(CheckedState, _name, _checked(getattr(ControllerState, _name)))
+
+
+def job(
+    *overrides: str,
+    policies: tuple[str, ...] = ("p1",),
+    rollouts: tuple[str, ...] = ("r1", "r2"),
+    journal: Journal | None = None,
+) -> CheckedState:
+    st = CheckedState(make_cfg(*overrides), journal)
+    st.start(0.0, 0.0)
+    for n in policies:
+        join(st, "policy", n)
+    for n in rollouts:
+        join(st, "rollout", n)
+    return st
+
+
+def join(st: ControllerState, role: str, name: str, *, now: float = 0.0) -> str:
+    m, _ = st.register(role, name, "i0", now=now, wall=now, address=f"{name}-host:29500")
+    return m.replica_id
+
+
+def restart(st: CheckedState, journal: Journal, *, now: float) -> CheckedState:
+    """A controller restart on the same state dir: rebuild from the real journal."""
+    tables = journal.load()
+    # The SQLite journal holds what the server would have written.
+    assert tables == {t: rows for t, rows in st.tables.items() if rows}
+    new = CheckedState.restore(st.cfg, tables, now)
+    assert isinstance(new, CheckedState)
+    new.tables, new.journal = tables, journal
+    check(new)
+    new.start(now, now)
+    return new
+
+
+@pytest.fixture
+def st() -> CheckedState:
+    return job()
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    j = Journal(tmp_path / "j.sqlite")
+    yield j
+    j.close()
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+def rollout(
+    rid: str,
+    version: int = 0,
+    *,
+    reward: float = 0.5,
+    exact_match: float = 0.0,
+    group: int = G,
+    tokens: int = 3,
+) -> dict[str, Any]:
+    comps = [
+        {
+            "prompt_ids": [1, 2],
+            "token_ids": [3] * tokens,
+            "logprobs": [-0.5] * tokens,
+            "finished": True,
+            "reward": reward,
+        }
+        for _ in range(group)
+    ]
+    return {
+        "rollout_id": rid,
+        "version": version,
+        "reward": reward,
+        "exact_match": exact_match,
+        "completions": comps,
+    }
+
+
+def lease(st: ControllerState, rid: str, n: int = PPS, version: int = 0, *, now: float = 0.0):
+    reply, _ = st.lease_prompts(rid, version, n, now=now, wall=now)
+    return reply
+
+
+def declare(st: ControllerState, rid: str, version: int = 0, *, now: float = 0.0):
+    """A rollout replica asks for no prompts: it only declares the version it holds,
+    which makes it count for the next sync order."""
+    reply, _ = st.lease_prompts(rid, version, 0, now=now, wall=now)
+    assert reply["lease"] is None
+    return reply
+
+
+def ids(reply: dict[str, Any]) -> list[str]:
+    return [p["rollout_id"] for p in reply["lease"]["prompts"]]
+
+
+def submit(
+    st: ControllerState,
+    rid: str,
+    lease_id: str,
+    rollout_ids: list[str],
+    version: int = 0,
+    *,
+    now: float = 0.0,
+    **kw: Any,
+) -> dict[str, list[str]]:
+    rolls = [rollout(x, version, **kw) for x in rollout_ids]
+    out, _ = st.submit_rollouts(rid, lease_id, rolls, now=now, wall=now)
+    return out
+
+
+def fill(
+    st: ControllerState, n: int = PPS, version: int = 0, *, rid: str = R1, now: float = 0.0, **kw
+) -> list[str]:
+    """Lease ``n`` prompts and submit them all; returns their rollout ids."""
+    reply = lease(st, rid, n, version, now=now)
+    out = submit(st, rid, reply["lease"]["lease_id"], ids(reply), version, now=now, **kw)
+    assert out["accepted"] == ids(reply)
+    return ids(reply)
+
+
+def train(
+    st: ControllerState,
+    step: int,
+    version: int | None = None,
+    *,
+    policy: str = P,
+    now: float = 0.0,
+    **kw: Any,
+) -> dict[str, Any]:
+    """One batch (inner_epochs=1): fill it from ``version`` (default: ``step``, fresh),
+    freeze it for ``step``, commit ``step + 1``."""
+    assert st.cfg.rl is not None
+    n = st.cfg.rl.grpo.prompts_per_step
+    fill(st, n, step if version is None else version, now=now, **kw)
+    reply, _ = st.lease_batch(policy, step, now=now, wall=now)
+    assert reply["batch"] is not None
+    st.ack_batch(policy, step + 1, now=now, wall=now)
+    return reply["batch"]
+
+
+def form(st: ControllerState, rids: list[str], *, now: float = 0.0, step: int = 0) -> None:
+    for rid in rids:
+        q, _ = st.request_quorum(rid, step, f"{rid}@{now}", 60.0, now=now, wall=now)
+    assert q is not None and q.replica_ids == sorted(rids)
+
+
+def kinds(st: ControllerState) -> list[str]:
+    return [e["kind"] for e in st.events]
+
+
+# -- prompt leases ------------------------------------------------------------------------
+
+
+def test_lease_hands_out_fresh_prompts_from_the_cursor(st):
+    reply = lease(st, R1, 3)
+    assert reply["lease"] == {
+        "lease_id": "L1",
+        "deadline_s": LEASE_S,
+        "prompts": [{"index": i, "rollout_id": f"p{i}.0"} for i in range(3)],
+    }
+    assert (reply["sync"], reply["init_weights"], reply["finished"]) == (None, True, False)
+    assert (reply["policy_step"], reply["min_version"]) == (0, -2)
+    assert ("leases", "L1", st.ledger.leases["L1"].record()) in st.last_changes
+    reply = lease(st, R2, 2)
+    assert ids(reply) == ["p3.0", "p4.0"]
+    b = check(st)
+    assert b["prompts"] == {"issued": 5, "queued": 0, "leased": 5, "done": 0, "trained": 0}
+    assert b["leases"] == {"open": 2, "issued": 2, "expired": 0}
+
+
+def test_backpressure_caps_outstanding_prompts(st):
+    assert len(ids(lease(st, R1, 6))) == 6
+    assert len(ids(lease(st, R2, 4))) == AHEAD * PPS - 6  # only the room left
+    assert lease(st, R1)["lease"] is None
+    assert check(st)["leases"]["issued"] == 2
+
+
+def test_prompts_dispatched_again_ignore_backpressure(st):
+    lease(st, R1, 4)
+    lease(st, R2, 4)
+    assert lease(st, R2)["lease"] is None  # 8 outstanding
+    st.deregister(R1, now=1, wall=1)
+    # Already counted as outstanding: holding them back could only stall the job.
+    assert ids(lease(st, R2, 6, now=1)) == ["p0.0", "p1.0", "p2.0", "p3.0"]
+
+
+def test_refused_lease_keeps_the_journal_in_step(st):
+    lease(st, R1, 2)
+    lease(st, R2, 6)
+    st.tick(now=LEASE_S, wall=LEASE_S)  # both expire: 8 prompts queued
+    submit(st, R1, "L1", ["p0.0", "p1.0"], now=LEASE_S)  # late, and accepted
+    submit(st, R2, "L2", [f"p{i}.0" for i in range(2, 8)], now=LEASE_S)
+    assert len(st.ledger.requeue) == 8  # entries for prompts no longer queued
+    assert lease(st, R1, 2, now=LEASE_S)["lease"] is None  # 8 pending: no room
+    # (checked by CheckedState: the journal rebuilds the very same requeue)
+
+
+def test_pending_rollouts_count_until_a_batch_takes_them(st):
+    fill(st, PPS)
+    fill(st, PPS)
+    assert lease(st, R2)["lease"] is None  # 8 rollouts waiting for the policy
+    st.lease_batch(P, 0, now=0, wall=0)  # freezes 4 of them
+    assert ids(lease(st, R2)) == [f"p{i}.0" for i in range(8, 12)]
+
+
+def test_replica_without_weights_gets_no_lease(st):
+    reply = lease(st, R1, version=-1)
+    assert reply["lease"] is None
+    assert reply["init_weights"]  # it may build version 0 from config, then ask again
+    assert st.ledger.versions[R1] == -1
+    assert check(st)["prompts"]["issued"] == 0
+    assert ids(lease(st, R1, version=0)) == [f"p{i}.0" for i in range(PPS)]
+
+
+def test_init_weights_not_allowed_once_a_newer_version_is_wanted(st):
+    train(st, 0)
+    assert lease(st, R2, version=-1)["init_weights"]
+    train(st, 1)  # commit 2: want_version = 2
+    assert st.ledger.want_version == 2
+    reply = lease(st, R2, version=-1)
+    assert (reply["lease"], reply["init_weights"]) == (None, False)
+
+
+def test_weights_older_than_the_floor_get_no_lease(st):
+    for step in range(3):
+        train(st, step)
+    # next_batch 3, max_staleness 2: a rollout must come from version >= 1.
+    reply = lease(st, R1, version=0)
+    assert (reply["lease"], reply["min_version"]) == (None, 1)
+    assert st.ledger.versions[R1] == 0
+    assert ids(lease(st, R1, version=1)) == [f"p{i}.0" for i in range(12, 16)]
+
+
+def test_lease_requests_check_role_and_membership(st):
+    with pytest.raises(StateError, match="must have role 'rollout'") as e:
+        lease(st, P)
+    assert e.value.field == "replica_id"
+    with pytest.raises(StateError, match="must have role 'policy'"):
+        st.lease_batch(R1, 0, now=0, wall=0)
+    with pytest.raises(UnknownReplica):
+        lease(st, "ghost:1")
+    assert check(st)["leases"]["issued"] == 0
+
+
+def test_job_without_rl_section_refuses_ledger_requests():
+    st = ControllerState(
+        load_config(overrides=["roles.policy.min_replicas=1", "roles.rollout.min_replicas=1"])
+    )
+    rid = join(st, "rollout", "r")
+    assert st.ledger is None and "rl" not in st.status(0)
+    with pytest.raises(StateError, match="no RL ledger"):
+        lease(st, rid)
+    with pytest.raises(StateError, match="no RL ledger"):
+        st.sync_done(rid, 1, 0, True, now=0, wall=0)
+
+
+# -- rollout submissions ------------------------------------------------------------------
+
+
+def test_submit_accepts_once_then_drops_duplicates(st):
+    form(st, [P])
+    reply = lease(st, R1, 2)
+    rolls = [rollout(x) for x in ids(reply)]
+    out, tick = st.submit_rollouts(R1, "L1", rolls, now=1, wall=1)
+    assert out == {"accepted": ["p0.0", "p1.0"], "duplicate": [], "stale": []}
+    assert tick.ledger_for == {P}  # policy replicas waiting for a batch
+    assert ("leases", "L1", None) in st.last_changes  # fully submitted: closed
+    assert st.ledger.rollouts["p0.0"]["replica_id"] == R1
+    out, tick = st.submit_rollouts(R1, "L1", rolls, now=2, wall=2)  # a retry
+    assert out == {"accepted": [], "duplicate": ["p0.0", "p1.0"], "stale": []}
+    assert tick == Tick()
+    b = check(st)
+    assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["pending"] == 2
+    assert b["rollouts"]["duplicates_dropped"] == 2
+    assert b["prompts"]["done"] == 2
+
+
+def test_same_rollout_twice_in_one_submission(st):
+    lease(st, R1, 1)
+    out = submit(st, R1, "L1", ["p0.0", "p0.0"])
+    assert out == {"accepted": ["p0.0"], "duplicate": ["p0.0"], "stale": []}
+
+
+def test_rollouts_of_unknown_prompts_or_old_attempts_are_duplicates(st):
+    lease(st, R1, 2)
+    out = submit(st, R1, "L1", ["p7.0", "p0.1", "p1.0"])
+    assert out == {"accepted": ["p1.0"], "duplicate": ["p7.0", "p0.1"], "stale": []}
+    assert st.ledger.leases["L1"].prompts == [0, 1]  # p0 still leased: not closed
+
+
+def bad_group(r: dict[str, Any]) -> None:
+    r["completions"].pop()
+
+
+def bad_logprobs(r: dict[str, Any]) -> None:
+    r["completions"][1]["logprobs"].pop()
+
+
+def no_tokens(r: dict[str, Any]) -> None:
+    r["completions"][0]["token_ids"] = r["completions"][0]["logprobs"] = []
+
+
+def too_long(r: dict[str, Any]) -> None:
+    r["completions"][0]["token_ids"] = [1] * 6
+    r["completions"][0]["logprobs"] = [-1.0] * 6
+
+
+def bad_id(r: dict[str, Any]) -> None:
+    r["rollout_id"] = "q1.0"
+
+
+@pytest.mark.parametrize(
+    ("spoil", "field", "match"),
+    [
+        (bad_group, "rollouts.1.completions", "group_size=2 completions: got 1"),
+        (bad_logprobs, "rollouts.1.completions.1", "one log-prob per token"),
+        (no_tokens, "rollouts.1.completions.0", "at least one token"),
+        (too_long, "rollouts.1.completions.0.token_ids", "max_new_tokens=5"),
+        (bad_id, "rollouts.rollout_id", "p<prompt>.<attempt>"),
+    ],
+)
+def test_malformed_submission_is_refused_whole(st, spoil, field, match):
+    lease(st, R1, 2)
+    before, tables = check(st), json.dumps(st.tables, sort_keys=True)
+    rolls = [rollout("p0.0"), rollout("p1.0")]
+    spoil(rolls[1])
+    with pytest.raises(StateError, match=match) as e:
+        st.submit_rollouts(R1, "L1", rolls, now=1, wall=1)
+    assert e.value.field == field and e.value.status == 400
+    # Nothing recorded, not even the valid first rollout.
+    assert st.last_changes == []
+    assert check(st) == before
+    assert json.dumps(st.tables, sort_keys=True) == tables
+    assert [p.state for p in st.ledger.prompts.values()] == ["leased", "leased"]
+
+
+@pytest.mark.parametrize("rid", ["p1", "p1.2.3", "1.0", "p-1.0", "p1.-2", "px.0", "p.0", "pp1.0"])
+def test_malformed_rollout_ids(rid):
+    with pytest.raises(LedgerError) as e:
+        rollout_prompt(rid)
+    assert e.value.field == "rollouts.rollout_id"
+
+
+@pytest.mark.parametrize("rid", ["p 1.0", "p01.0", "p1_0.0", "p+1.0", "p1.0 "])
+def test_non_canonical_rollout_ids_are_malformed(rid):
+    # One prompt attempt, one id: a second spelling must not be recorded under its own key.
+    with pytest.raises(LedgerError):
+        rollout_prompt(rid)
+
+
+def test_rollout_prompt_parses_canonical_ids():
+    assert rollout_prompt("p0.0") == (0, 0)
+    assert rollout_prompt("p12.3") == (12, 3)
+
+
+def test_partial_submission_keeps_the_rest_of_the_lease(st):
+    lease(st, R1, 3)
+    assert submit(st, R1, "L1", ["p1.0"])["accepted"] == ["p1.0"]
+    assert st.ledger.leases["L1"].prompts == [0, 1, 2]
+    assert check(st)["prompts"] == {
+        "issued": 3,
+        "queued": 0,
+        "leased": 2,
+        "done": 1,
+        "trained": 0,
+    }
+    submit(st, R1, "L1", ["p0.0", "p2.0"])
+    assert st.ledger.leases == {}
+
+
+# -- expiry and eviction ------------------------------------------------------------------
+
+
+def test_expired_lease_is_dispatched_again_first(st):
+    lease(st, R1, 3)
+    submit(st, R1, "L1", ["p1.0"])
+    assert st.tick(now=LEASE_S - 0.01, wall=0) == Tick()
+    tick = st.tick(now=LEASE_S, wall=LEASE_S)
+    assert tick.ledger_for == {R1, R2}
+    assert st.ledger.leases == {}
+    ev = st.events[-1]
+    assert ev["kind"] == "lease_expired"
+    assert (ev["lease_id"], ev["replica_id"], ev["prompts"], ev["reason"]) == (
+        "L1",
+        R1,
+        2,
+        "deadline passed",
+    )
+    assert ev["indices"] == [0, 2]
+    b = check(st)
+    assert b["prompts"]["queued"] == 2 and b["leases"]["expired"] == 1
+    # Same attempt (nothing was discarded), ahead of fresh prompts.
+    assert ids(lease(st, R2, 4, now=LEASE_S)) == ["p0.0", "p2.0", "p3.0", "p4.0"]
+
+
+def test_evicted_holders_prompts_go_back_at_once():
+    st = job("rl.loop.lease_s=30")  # only the holder's eviction returns anything
+    lease(st, R1, 2)
+    lease(st, R2, 2)
+    st.heartbeat(P, now=HEARTBEAT_S - 1)
+    st.heartbeat(R2, now=HEARTBEAT_S - 1)
+    tick = st.tick(now=HEARTBEAT_S, wall=HEARTBEAT_S)
+    assert tick.evicted == [R1]
+    assert tick.ledger_for == {R2}
+    assert st.events[-1]["reason"] == f"holder {R1} gone"
+    assert R1 not in st.ledger.versions
+    assert list(st.ledger.requeue) == [0, 1]
+    assert ids(lease(st, R2, 2, now=HEARTBEAT_S)) == ["p0.0", "p1.0"]
+
+
+def test_deregistered_holders_prompts_go_back_at_once(st):
+    lease(st, R1, 2)
+    tick = st.deregister(R1, "done", now=1, wall=1)
+    assert tick.ledger_for == {R2}
+    assert check(st)["prompts"]["queued"] == 2
+    # A holder with nothing outstanding wakes nobody.
+    lease(st, R2, 1)
+    submit(st, R2, "L2", ["p0.0"])
+    assert st.deregister(R2, now=1, wall=1).ledger_for == set()
+
+
+def test_late_submission_wins_and_the_new_holders_copy_is_a_duplicate(st):
+    lease(st, R1, 2)
+    st.tick(now=LEASE_S, wall=LEASE_S)
+    assert ids(lease(st, R2, 2, now=LEASE_S)) == ["p0.0", "p1.0"]
+    out = submit(st, R1, "L1", ["p0.0"], now=LEASE_S + 1)  # L1 is long gone
+    assert out["accepted"] == ["p0.0"]
+    assert st.ledger.leases["L2"].prompts == [1]  # taken off the new holder's lease
+    assert ("leases", "L2", st.ledger.leases["L2"].record()) in st.last_changes
+    out = submit(st, R2, "L2", ["p0.0", "p1.0"], now=LEASE_S + 1)
+    assert out == {"accepted": ["p1.0"], "duplicate": ["p0.0"], "stale": []}
+    assert st.ledger.leases == {}
+    b = check(st)
+    assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["duplicates_dropped"] == 1
+    assert st.ledger.rollouts["p0.0"]["replica_id"] == R1
+
+
+def test_late_submission_of_an_undispatched_prompt_is_accepted(st):
+    lease(st, R1, 2)
+    st.tick(now=LEASE_S, wall=LEASE_S)
+    assert submit(st, R1, "L1", ["p0.0", "p1.0"], now=LEASE_S)["accepted"] == ["p0.0", "p1.0"]
+    assert ids(lease(st, R2, 2, now=LEASE_S)) == ["p2.0", "p3.0"]  # requeue skipped
+
+
+def test_lease_taken_over_in_full_expires_quietly(st):
+    lease(st, R1, 1)
+    st.tick(now=LEASE_S, wall=LEASE_S)
+    lease(st, R2, 1, now=LEASE_S)
+    submit(st, R1, "L1", ["p0.0"], now=LEASE_S)
+    assert "L2" not in st.ledger.leases  # nothing left in it: R2 is no longer busy
+    st.tick(now=2 * LEASE_S, wall=2 * LEASE_S)
+    b = check(st)
+    assert b["leases"] == {"open": 0, "issued": 2, "expired": 1}  # L2 returned nothing
+
+
+# -- batches ------------------------------------------------------------------------------
+
+
+def test_every_policy_replica_gets_the_same_frozen_batch():
+    st = job(policies=("p1", "p2"))
+    fill(st, 2, exact_match=1.0, reward=1.0)
+    fill(st, 3, exact_match=0.0, reward=0.0)
+    a, _ = st.lease_batch(P, 0, now=1, wall=1)
+    assert st.last_changes and ("batches", "0", st.ledger.batches[0]) in st.last_changes
+    b, _ = st.lease_batch(P2, 0, now=1, wall=1)
+    assert a == b
+    assert st.last_changes == []  # the second ask changes nothing
+    batch = a["batch"]
+    assert [r["rollout_id"] for r in batch["rollouts"]] == ["p0.0", "p1.0", "p2.0", "p3.0"]
+    assert (batch["index"], batch["step"], batch["frozen_at"]) == (0, 0, 1)
+    assert (batch["reward"], batch["exact_match"], batch["staleness"]) == (0.5, 0.5, 0)
+    assert "rollout_ids" not in batch
+    assert batch["rollouts"][0]["completions"] == rollout("p0.0", reward=1.0)["completions"]
+    assert (a["sync"], a["finished"]) == (None, False)
+    bal = check(st)
+    assert (bal["rollouts"]["pending"], bal["rollouts"]["batched"]) == (1, 4)
+    assert st.ledger.next_batch == 1
+
+
+def test_no_batch_until_enough_rollouts(st):
+    fill(st, PPS - 1)
+    reply, _ = st.lease_batch(P, 0, now=0, wall=0)
+    assert reply["batch"] is None
+    assert st.ledger.next_batch == 0 and check(st)["rollouts"]["pending"] == PPS - 1
+
+
+def test_inner_epochs_share_one_batch():
+    st = job("rl.grpo.inner_epochs=2")
+    fill(st, PPS)
+    first, _ = st.lease_batch(P, 0, now=0, wall=0)
+    again, _ = st.lease_batch(P, 1, now=0, wall=0)
+    assert first["batch"]["index"] == again["batch"]["index"] == 0
+    assert first == again
+    st.ack_batch(P, 1, now=0, wall=0)  # half way through the batch: nothing trained
+    assert check(st)["rollouts"]["batched"] == PPS and st.ledger.history == []
+    fill(st, PPS)
+    nxt, _ = st.lease_batch(P, 2, now=0, wall=0)
+    assert nxt["batch"]["index"] == 1
+    assert nxt["batch"]["rollouts"][0]["rollout_id"] == f"p{PPS}.0"
+    st.ack_batch(P, 2, now=0, wall=0)
+    assert [h["batch"] for h in st.ledger.history] == [0]
+    assert st.ledger.policy_step == 2
+
+
+def test_ack_trains_the_batch_and_drops_its_payloads(st):
+    fill(st, PPS, exact_match=0.5, reward=2.0)
+    st.lease_batch(P, 0, now=0, wall=0)
+    reply, tick = st.ack_batch(P, 1, now=3, wall=3)
+    assert (reply["sync"], reply["finished"]) == (None, False)
+    assert tick.ledger_for == {R1, R2}  # room for more prompts
+    for tbl in ("rollouts", "batches", "prompts"):
+        assert st.tables.get(tbl, {}) == {}
+    assert st.ledger.rollouts == {} and st.ledger.prompts == {}
+    b = check(st)
+    assert b["prompts"]["trained"] == PPS
+    assert (b["rollouts"]["trained"], b["rollouts"]["batched"]) == (PPS, 0)
+    assert st.ledger.counts["trained_completions"] == PPS * G
+    assert st.ledger.history == [
+        {
+            "batch": 0,
+            "step": 1,
+            "reward": 2.0,
+            "exact_match": 0.5,
+            "reward_avg": 2.0,
+            "exact_match_avg": 0.5,
+            "staleness": 0,
+            "at": 3,
+        }
+    ]
+    assert st.tables["rl_history"] == {"0": st.ledger.history[0]}
+    # Idempotent: a repeated ack moves nothing and wakes nobody.
+    _, tick = st.ack_batch(P, 1, now=4, wall=4)
+    assert tick == Tick() and st.last_changes == []
+    assert len(st.ledger.history) == 1
+
+
+def test_batch_lease_covers_a_lost_ack(st):
+    fill(st, PPS)
+    st.lease_batch(P, 0, now=0, wall=0)
+    fill(st, PPS, exact_match=1.0)
+    # The replica committed step 1 but its ack was lost: asking for step 1 says so.
+    reply, _ = st.lease_batch(P, 1, now=1, wall=1)
+    assert reply["batch"]["index"] == 1
+    assert [h["batch"] for h in st.ledger.history] == [0]
+    assert st.ledger.policy_step == 1 and 0 not in st.ledger.batches
+    assert check(st)["prompts"]["trained"] == PPS
+    # The ack arriving late after all changes nothing.
+    _, tick = st.ack_batch(P, 1, now=2, wall=2)
+    assert tick == Tick() and len(st.ledger.history) == 1
+
+
+def test_ack_without_a_frozen_batch_moves_the_step(st):
+    _, tick = st.ack_batch(P, 1, now=0, wall=0)
+    assert st.ledger.policy_step == 1 and tick.ledger_for == {R1, R2}
+    assert check(st)["prompts"]["trained"] == 0
+
+
+def test_stale_rollouts_are_discarded_at_freeze_and_dispatched_again():
+    st = job("rl.grpo.prompts_per_step=2", "rl.loop.max_staleness=0", "rl.loop.sync_every=1")
+    reply = lease(st, R1, 4)
+    submit(st, R1, "L1", ids(reply), version=0)
+    first, _ = st.lease_batch(P, 0, now=0, wall=0)
+    assert [r["rollout_id"] for r in first["batch"]["rollouts"]] == ["p0.0", "p1.0"]
+    st.ack_batch(P, 1, now=0, wall=0)
+    # Batch 1 trains from version 1: the two version-0 rollouts left are too old.
+    reply, tick = st.lease_batch(P, 1, now=1, wall=1)
+    assert reply["batch"] is None
+    assert tick.ledger_for >= {R1, R2}
+    b = check(st)
+    assert b["rollouts"]["discarded"] == {"stale": 2} and b["rollouts"]["pending"] == 0
+    assert b["prompts"]["queued"] == 2
+    assert [
+        (e["rollout_id"], e["reason"]) for e in st.events if e["kind"] == "rollout_discarded"
+    ] == [
+        ("p2.0", "stale"),
+        ("p3.0", "stale"),
+    ]
+    assert ("rollouts", "p2.0", None) in st.last_changes
+    assert lease(st, R2, 2, version=0)["lease"] is None  # too old to lease, too
+    again = lease(st, R2, 2, version=1)
+    assert ids(again) == ["p2.1", "p3.1"]  # a new attempt, a new id
+    assert submit(st, R1, "L1", ["p2.0"], version=0)["duplicate"] == ["p2.0"]
+    assert submit(st, R2, again["lease"]["lease_id"], ["p2.1", "p3.1"], 1)["accepted"] == [
+        "p2.1",
+        "p3.1",
+    ]
+    reply, _ = st.lease_batch(P, 1, now=1, wall=1)
+    assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == ["p2.1", "p3.1"]
+
+
+def test_stale_submission_is_discarded_at_once():
+    st = job("rl.grpo.prompts_per_step=2", "rl.loop.max_staleness=0", "rl.loop.sync_every=1")
+    lease(st, R1, 4)
+    submit(st, R1, "L1", ["p0.0", "p1.0"])
+    st.lease_batch(P, 0, now=0, wall=0)  # next batch is 1: floor 1
+    out, tick = st.submit_rollouts(
+        R1, "L1", [rollout("p2.0", 0), rollout("p3.0", 1)], now=0, wall=0
+    )
+    assert out == {"accepted": ["p3.0"], "duplicate": [], "stale": ["p2.0"]}
+    assert tick.ledger_for == {P, R1, R2}
+    assert st.ledger.prompts[2].rollout_id == "p2.1"
+    assert check(st)["rollouts"]["discarded"] == {"stale": 1}
+
+
+def test_a_lost_policy_rewinds_to_fresh_batches(st):
+    train(st, 0, exact_match=0.2)
+    train(st, 1, exact_match=0.4)
+    fill(st, PPS)
+    # Every replica that trained is gone; a fresh one starts over at step 0.
+    reply, _ = st.lease_batch(P, 0, now=9, wall=9)
+    assert "policy_rewind" in kinds(st)
+    assert reply["batch"]["index"] == 0
+    assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == [
+        "p8.0",
+        "p9.0",
+        "p10.0",
+        "p11.0",
+    ]
+    assert st.ledger.policy_step == 0 and st.ledger.want_version == 0
+    st.ack_batch(P, 1, now=9, wall=9)
+    assert [h["batch"] for h in st.ledger.history] == [0]
+    assert st.ledger.history[0]["at"] == 9
+    assert check(st)["prompts"]["trained"] == 3 * PPS
+
+
+def test_a_rewind_unfreezes_the_batches_frozen_ahead():
+    st = job("rl.grpo.prompts_per_step=2")
+    train(st, 0)
+    train(st, 1)
+    old = fill(st, 2, 2)
+    st.lease_batch(P, 2, now=0, wall=0)  # frozen, then the policy is lost before training it
+    new = fill(st, 2, 2)
+    reply, _ = st.lease_batch(P, 1, now=1, wall=1)  # a fresh policy, restored from step 1
+    assert "policy_rewind" in kinds(st)
+    assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == old  # oldest first
+    assert list(st.ledger.batches) == [1] and list(st.ledger.pending) == new
+    assert st.ledger.next_batch == 2
+    st.ack_batch(P, 2, now=1, wall=1)
+    reply, _ = st.lease_batch(P, 2, now=1, wall=1)
+    assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == new  # a fresh batch 2
+    st.ack_batch(P, 3, now=1, wall=1)
+    # Asking for a trained batch again rewinds: it never freezes a second batch 2.
+    fill(st, 2, 3)
+    st.lease_batch(P, 2, now=2, wall=2)
+    assert [h["batch"] for h in st.ledger.history] == [0, 1]
+    assert list(st.ledger.batches) == [2] and st.ledger.next_batch == 3
+
+
+# -- finishing ----------------------------------------------------------------------------
+
+
+def test_finished_once_the_window_reaches_the_target(st):
+    for step, em in enumerate([1.0, 1.0, 0.5, 1.0, 1.0]):
+        train(st, step, exact_match=em)
+        assert not st.ledger.finished, step  # a full window of 3 averaging < 0.9
+    fill(st, PPS, 5, exact_match=1.0)
+    st.lease_batch(P, 5, now=0, wall=0)
+    _, tick = st.ack_batch(P, 6, now=0, wall=0)
+    assert st.ledger.finished
+    assert tick.ledger_for >= {P, R1, R2}  # every long-poll learns of it
+    assert st.ledger.history[-1]["exact_match_avg"] == 1.0
+    ev = st.events[-1] if st.events[-1]["kind"] == "rl_finished" else None
+    assert ev is not None and (ev["batch"], ev["step"]) == (5, 6)
+    reply = lease(st, R1)
+    assert (reply["lease"], reply["finished"]) == (None, True)
+    reply, _ = st.lease_batch(P, 6, now=0, wall=0)
+    assert (reply["batch"], reply["finished"]) == (None, True)
+
+
+def test_short_history_does_not_finish_early(st):
+    train(st, 0, exact_match=1.0)
+    train(st, 1, exact_match=1.0)
+    assert not st.ledger.finished  # 2 of the 3 batches of the window
+    train(st, 2, exact_match=1.0)
+    assert st.ledger.finished
+
+
+def test_window_of_one_looks_at_the_last_batch_only():
+    st = job("rl.loop.window=1")
+    train(st, 0, exact_match=0.5)
+    assert not st.ledger.finished
+    train(st, 1, exact_match=1.0)
+    assert st.ledger.history[-1]["exact_match_avg"] == 1.0
+    assert st.ledger.finished
+
+
+def test_finished_once_the_reward_reaches_its_target():
+    st = job("rl.loop.target_exact_match=null", "rl.loop.target_reward=0.75", "rl.loop.window=2")
+    train(st, 0, reward=1.0)
+    assert not st.ledger.finished  # half a window
+    train(st, 1, reward=0.5)
+    assert st.ledger.history[-1]["reward_avg"] == 0.75
+    assert st.ledger.finished
+
+
+def test_finished_after_grpo_steps_without_a_target():
+    st = job("rl.grpo.steps=2", "rl.loop.target_exact_match=null")
+    train(st, 0, exact_match=1.0)
+    train(st, 1, exact_match=0.0)
+    assert st.ledger.finished
+    assert lease(st, R1)["lease"] is None
+
+
+def test_no_rewind_after_the_finish():
+    st = job("rl.grpo.steps=1")
+    train(st, 0)
+    assert st.ledger.finished
+    reply, _ = st.lease_batch(P, 0, now=1, wall=1)  # a fresh policy replica, too late
+    assert (reply["batch"], reply["finished"]) == (None, True)
+    assert (st.ledger.policy_step, st.ledger.next_batch) == (1, 1)
+    assert "policy_rewind" not in kinds(st)
+
+
+# -- weight sync --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def synced() -> CheckedState:
+    """Two policy replicas in a quorum (leader P), two rollouts that declared version 0,
+    and a commit at version 2 that ordered the first sync."""
+    st = job(policies=("p1", "p2"))
+    declare(st, R2)
+    form(st, [P, P2])
+    train(st, 0)
+    assert st.ledger.sync is None  # commit 1: no sync due
+    fill(st, PPS)
+    st.lease_batch(P, 1, now=0, wall=0)
+    reply, tick = st.ack_batch(P, 2, now=0, wall=0)
+    assert reply["sync"] == {
+        "seq": 1,
+        "mesh_id": 1,
+        "members": [P, R1, R2],
+        "rank": 0,
+        "store": "p1-host:29500",
+    }
+    assert tick.ledger_for == {P, R1, R2}
+    return st
+
+
+def test_sync_is_ordered_after_sync_every_commits(synced):
+    st = synced
+    assert st.ledger.want_version == 2
+    reply = lease(st, R2)
+    assert reply["sync"] == {
+        "seq": 1,
+        "mesh_id": 1,
+        "members": [P, R1, R2],
+        "rank": 2,
+        "store": "p1-host:29500",
+    }
+    assert reply["lease"] is not None  # version 0 is still fresh enough to generate
+    b, _ = st.lease_batch(P2, 2, now=0, wall=0)
+    assert b["sync"] is None  # not the leader: not in the mesh
+    assert "sync_ordered" in kinds(st)
+
+
+def test_sync_completes_when_every_member_reports(synced):
+    st = synced
+    assert st.sync_done(P, 1, 2, True, now=1, wall=1)[0] == {"synced_version": 0}
+    _, tick = st.sync_done(R1, 1, 2, True, now=1, wall=1)
+    assert tick == Tick()
+    assert lease(st, R1, version=2)["sync"] is None  # done its part
+    assert lease(st, R2, version=0)["sync"]["rank"] == 2
+    reply, tick = st.sync_done(R2, 1, 2, True, now=1, wall=1)
+    assert reply == {"synced_version": 2}
+    assert tick.ledger_for == {R1, R2}
+    w = st.status(1)["rl"]["weights"]
+    assert (w["want_version"], w["synced_version"], w["sync_in_flight"]) == (2, 2, None)
+    assert w["versions"][R1] == w["versions"][R2] == 2
+    assert st.events[-1]["kind"] == "sync_done"
+    # Reports for a finished sync are ignored.
+    events = len(st.events)
+    st.sync_done(R2, 1, 2, False, "late", now=2, wall=2)
+    assert st.ledger.sync is None and (st.ledger.synced_version, st.ledger.versions[R2]) == (2, 2)
+    assert len(st.events) == events
+
+
+def test_failed_sync_is_ordered_again_on_a_new_mesh(synced):
+    st = synced
+    st.sync_done(P, 1, 2, True, now=1, wall=1)
+    _, tick = st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    assert "sync_failed" in kinds(st)
+    assert tick.ledger_for == {R1, R2}  # no order yet: no member has asked again
+    assert st.ledger.sync is None and st.ledger.mesh == []
+    declare(st, R1, now=1)
+    declare(st, R2, now=1)
+    order = st.ledger.sync_for(R1)
+    assert (order["seq"], order["mesh_id"], order["members"]) == (2, 2, [P, R1])
+    # The old sync's reports no longer count.
+    assert st.sync_done(R2, 1, 2, True, now=1, wall=1)[1] == Tick()
+    assert st.ledger.sync is not None and st.ledger.sync.done == {}
+
+
+def test_evicted_member_fails_the_sync(synced):
+    st = synced
+    st.deregister(R2, "gone", now=1, wall=1)
+    assert st.ledger.sync is None
+    assert "sync_failed" in kinds(st)
+    assert declare(st, R1, now=1)["sync"] is None  # the leader has not reported yet
+    _, tick = st.sync_done(P, 1, -1, False, "peer gone", now=1, wall=1)
+    assert tick.ledger_for == {P, R1}
+    order = st.ledger.sync_for(R1)
+    assert (order["seq"], order["mesh_id"], order["members"]) == (2, 2, [P, R1])
+
+
+def test_failed_sync_never_rebuilds_on_the_broken_mesh_after_a_restart(journal):
+    st = job(policies=("p1", "p2"), journal=journal)
+    declare(st, R2)
+    form(st, [P, P2])
+    train(st, 0)
+    train(st, 1)
+    assert st.ledger.sync is not None and st.ledger.mesh == [P, R1, R2]
+    st.sync_done(R1, 1, 2, True, now=1, wall=1)
+    st.sync_done(R2, 1, 2, True, now=1, wall=1)
+    st.sync_done(P, 1, -1, False, "broadcast failed", now=1, wall=1)  # the leader's side
+    assert st.ledger.sync is None  # the rollouts hold version 2: nothing to order now
+    assert st.ledger.mesh == []
+    new = restart(st, journal, now=2)
+    assert new.ledger.mesh == []
+    # Versions are not durable: each rollout declares its own with its next ask.
+    assert lease(new, R1, version=2, now=2)["sync"] is None
+    assert declare(new, R2, 2, now=2)["sync"] is None
+    r3 = join(new, "rollout", "r3", now=2)
+    order = lease(new, r3, version=-1, now=2)["sync"]
+    assert (order["seq"], order["mesh_id"], order["members"]) == (2, 2, [P, r3])
+
+
+def test_sync_timeout_orders_it_again(synced):
+    st = synced
+    limit = st.ledger.sync_timeout_s
+    for now in (limit, limit + 0.01):
+        for rid in (P, P2, R1, R2):
+            st.heartbeat(rid, now=now)
+        tick = st.tick(now=now, wall=now)
+        if now == limit:
+            assert tick == Tick()  # not yet
+    assert [e["reason"] for e in st.events if e["kind"] == "sync_failed"] == ["timed out"]
+    assert st.ledger.sync is None  # the silent members must ask again, the leader report
+    for rid in (R1, R2):
+        declare(st, rid, now=now)
+    assert st.ledger.sync is None
+    _, tick = st.sync_done(P, 1, -1, False, "broadcast timed out", now=now, wall=now)
+    assert tick.ledger_for == {P, R1, R2}
+    order = st.ledger.sync
+    assert (order.seq, order.mesh_id, order.members) == (2, 2, [P, R1, R2])
+
+
+def test_same_mesh_keeps_its_id(synced):
+    st = synced
+    for rid in (P, R1, R2):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    for step in (2, 3):
+        train(st, step, version=2)
+    order = st.ledger.sync
+    assert order is not None and (order.seq, order.mesh_id) == (2, 1)
+
+
+def test_no_sync_without_a_policy_leader():
+    st = job()
+    declare(st, R2)
+    train(st, 0)
+    train(st, 1)
+    assert st.ledger.want_version == 2 and st.ledger.sync is None  # no policy quorum
+    form(st, [P])
+    st.tick(now=0, wall=0)
+    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1, R2]
+
+
+def test_no_sync_when_rollouts_already_hold_the_version(synced):
+    st = synced
+    for rid in (P, R1, R2):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    assert st.tick(now=1, wall=1) == Tick() and st.ledger.sync is None
+
+
+def test_joiner_syncs_before_it_may_lease(synced):
+    st = synced
+    for rid in (P, R1, R2):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    r3 = join(st, "rollout", "r3", now=1)
+    reply = lease(st, r3, version=-1, now=1)
+    assert (reply["lease"], reply["init_weights"]) == (None, False)
+    assert reply["sync"] == {
+        "seq": 2,
+        "mesh_id": 2,  # the replicas already at version 2 stay out of it
+        "members": [P, r3],
+        "rank": 1,
+        "store": "p1-host:29500",
+    }
+    st.sync_done(P, 2, 2, True, now=2, wall=2)
+    again = lease(st, r3, version=-1, now=2)  # not before it has the weights
+    assert again["lease"] is None and again["sync"] == reply["sync"]
+    st.sync_done(r3, 2, 2, True, now=2, wall=2)
+    assert st.ledger.sync is None and st.ledger.synced_version == 2
+    assert lease(st, r3, version=2, now=2)["lease"] is not None
+
+
+def test_replicas_busy_generating_join_the_next_sync():
+    st = job()
+    form(st, [P])
+    train(st, 0)
+    fill(st, PPS, 1)
+    lease(st, R2, 2, version=1)  # R2 is generating when the sync is due
+    st.lease_batch(P, 1, now=0, wall=0)
+    st.ack_batch(P, 2, now=0, wall=0)
+    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
+    assert st.ledger.sync_for(R2) is None
+    submit(st, R2, "L3", ["p8.0", "p9.0"], 1)
+    st.sync_done(P, 1, 2, True, now=1, wall=1)
+    _, tick = st.sync_done(R1, 1, 2, True, now=1, wall=1)
+    assert st.ledger.synced_version == 2
+    order = st.ledger.sync  # R2, idle now, gets its own
+    assert order is not None and (order.seq, order.mesh_id, order.members) == (2, 2, [P, R2])
+    assert tick.ledger_for == {P, R1, R2}
+
+
+def test_no_sync_once_finished():
+    st = job("rl.grpo.steps=2")
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)
+    assert st.ledger.finished and st.ledger.want_version == 2
+    assert st.ledger.sync is None
+    r3 = join(st, "rollout", "r3")
+    reply = lease(st, r3, version=-1)
+    assert (reply["lease"], reply["sync"], reply["finished"]) == (None, None, True)
+
+
+def test_sync_done_from_outside_the_mesh_is_ignored(synced):
+    st = synced
+    assert st.sync_done(P2, 1, 2, True, now=1, wall=1)[1] == Tick()
+    assert P2 not in st.ledger.sync.done
+    with pytest.raises(UnknownReplica):
+        st.sync_done("ghost:1", 1, 2, True, now=1, wall=1)
+
+
+def test_policy_leader_eviction_fails_the_sync(synced):
+    st = synced
+    st.deregister(P, now=1, wall=1)
+    assert st.ledger.sync is None and st.ledger.mesh == []
+
+
+def test_a_replica_that_has_not_asked_stays_out_of_the_sync():
+    """A registered rollout that has not declared its version yet (still loading its
+    model) would hold the broadcast until it times out: it waits for its first ask."""
+    st = job()
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)  # R1 asked for prompts, R2 never did
+    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
+    assert R2 not in st.ledger.versions and st.ledger.sync_for(R2) is None
+    for rid in (P, R1):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    assert st.ledger.sync is None and st.ledger.synced_version == 2
+    # Its first ask declares its version before the controller decides: the reply
+    # carries its order at once.
+    reply = declare(st, R2, -1, now=1)
+    assert reply["sync"] == {
+        "seq": 2,
+        "mesh_id": 2,
+        "members": [P, R2],
+        "rank": 1,
+        "store": "p1-host:29500",
+    }
+
+
+def test_silent_members_of_a_failed_sync_wait_until_they_ask_again(synced):
+    st = synced
+    st.sync_done(P, 1, 2, True, now=1, wall=1)
+    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    # R2 may still be inside the failed broadcast: it is no longer counted.
+    assert R2 not in st.ledger.versions
+    declare(st, R1, now=1)
+    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
+    assert st.ledger.sync_for(R2) is None
+    assert declare(st, R2, now=1)["sync"] is None  # one sync at a time
+    st.sync_done(P, 2, 2, True, now=2, wall=2)
+    _, tick = st.sync_done(R1, 2, 2, True, now=2, wall=2)
+    order = st.ledger.sync  # R2 asked since: it gets its own at once
+    assert order is not None and (order.seq, order.members) == (3, [P, R2])
+    assert tick.ledger_for == {P, R1, R2}
+
+
+def test_a_timed_out_sync_keeps_the_members_that_finished(synced):
+    st = synced
+    st.sync_done(P, 1, 2, True, now=1, wall=1)
+    st.sync_done(R1, 1, 2, True, now=1, wall=1)
+    limit = st.ledger.sync_timeout_s
+    for now in (limit / 2, limit + 0.01):
+        for rid in (P, P2, R1, R2):
+            st.heartbeat(rid, now=now)
+        st.tick(now=now, wall=now)
+    assert "sync_failed" in kinds(st) and st.ledger.sync is None
+    assert st.ledger.versions[R1] == 2 and R2 not in st.ledger.versions  # R2 must ask again
+    reply = declare(st, R2, now=now)
+    assert reply["sync"]["members"] == [P, R2]  # R1 holds the version already
+
+
+def test_no_new_order_until_the_leader_reports_the_last_one(synced):
+    st = synced
+    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    for rid in (R1, R2):
+        assert declare(st, rid, now=1)["sync"] is None  # the leader may still be sending
+    assert st.tick(now=2, wall=2) == Tick() and st.ledger.source_busy == (P, 1)
+    st.sync_done(P2, 1, -1, False, "not mine", now=2, wall=2)  # not the leader: no matter
+    assert st.ledger.sync is None
+    _, tick = st.sync_done(P, 1, -1, False, "peer failed", now=2, wall=2)
+    assert st.ledger.source_busy == (P, 2)
+    order = st.ledger.sync
+    assert order is not None and (order.seq, order.mesh_id, order.members) == (2, 2, [P, R1, R2])
+    assert tick.ledger_for == {P, R1, R2}
+
+
+def test_a_new_leader_gets_the_next_order_at_once(synced):
+    st = synced
+    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    st.deregister(P, "crashed", now=1, wall=1)  # before it reported the sync
+    for rid in (R1, R2):
+        assert declare(st, rid, now=1)["sync"] is None  # no leader
+    form(st, [P2], now=1, step=2)
+    st.tick(now=1, wall=1)
+    order = st.ledger.sync
+    assert order is not None and (order.seq, order.members) == (2, [P2, R1, R2])
+    assert order.store == "p2-host:29500" and st.ledger.source_busy == (P2, 2)
+
+
+# -- scale, status, restore ---------------------------------------------------------------
+
+
+def test_set_desired_is_shown_and_journaled(st, journal):
+    assert st.set_desired("rollout", 5, now=0, wall=0) == {"rollout": 5}
+    assert st.set_desired("policy", 2, now=0, wall=0) == {"rollout": 5, "policy": 2}
+    roles = st.status(0)["roles"]
+    assert (roles["policy"]["desired"], roles["rollout"]["desired"]) == (2, 5)
+    assert st.events[-1] == {
+        "seq": st.event_seq,
+        "kind": "scale",
+        "at": 0,
+        "role": "policy",
+        "replicas": 2,
+    }
+    with pytest.raises(StateError) as e:
+        st.set_desired("critic", 1, now=0, wall=0)
+    assert e.value.field == "role"
+    journal.write([(t, k, r) for t, rows in st.tables.items() for k, r in rows.items()])
+    new = ControllerState.restore(st.cfg, journal.load(), now=1)
+    assert new.desired == {"rollout": 5, "policy": 2}
+    assert new.status(1)["roles"]["rollout"]["desired"] == 5
+
+
+def test_status_shows_the_ledger(synced):
+    st = synced
+    rl = st.status(0)["rl"]
+    assert rl["ok"] and rl["prompts"]["trained"] == 2 * PPS
+    assert rl["rollouts"] == check(st)["rollouts"]
+    assert rl["leases"] == check(st)["leases"]
+    assert (rl["policy_step"], rl["next_batch"], rl["finished"]) == (2, 2, False)
+    assert [h["batch"] for h in rl["history"]] == [0, 1]
+    assert rl["last"] == rl["history"][-1]
+    w = rl["weights"]
+    assert (w["want_version"], w["synced_version"], w["mesh_id"]) == (2, 0, 1)
+    assert w["sync_in_flight"]["members"] == [P, R1, R2]
+    assert w["versions"] == {R1: 0, R2: 0}
+    assert rl["leased_by"] == {}
+    lease(st, R1, 3)
+    lease(st, R2, 2)
+    assert st.status(0)["rl"]["leased_by"] == {R1: 3, R2: 2}
+    json.dumps(st.status(0))  # served as JSON
+
+
+def test_history_is_bounded():
+    st = job("rl.loop.history=10", "rl.loop.target_exact_match=null")
+    for step in range(12):
+        train(st, step)
+    assert [h["batch"] for h in st.ledger.history] == list(range(2, 12))
+    assert sorted(st.tables["rl_history"], key=int) == [str(i) for i in range(2, 12)]
+
+
+def test_restore_rebuilds_the_ledger(journal):
+    st = job(
+        "rl.grpo.prompts_per_step=2",
+        "rl.loop.max_staleness=1",
+        "rl.loop.sync_every=1",
+        journal=journal,
+    )
+    form(st, [P])
+    lease(st, R1, 4)
+    submit(st, R1, "L1", ["p0.0", "p1.0", "p2.0"])  # p3 stays leased
+    st.lease_batch(P, 0, now=0, wall=0)
+    st.ack_batch(P, 1, now=0, wall=0)  # batch 0 trained: history; a sync is ordered
+    st.lease_batch(P, 1, now=0, wall=0)  # waits for a second rollout
+    lease(st, R2, 2, version=1)  # p4, p5
+    st.tick(now=LEASE_S, wall=LEASE_S)  # p3, p4, p5 expire
+    submit(st, R2, "L2", ["p4.0"], version=1, now=LEASE_S)  # late, accepted
+    st.lease_batch(P, 1, now=LEASE_S, wall=LEASE_S)  # batch 1 = p2, p4 (frozen, untrained)
+    lease(st, R1, 1, version=1, now=LEASE_S)  # p5 again (the last expired lease goes first)
+    submit(st, R2, "L2", ["p4.0"], version=1, now=LEASE_S)  # a duplicate
+    st.set_desired("rollout", 3, now=LEASE_S, wall=LEASE_S)
+    led = st.ledger
+    assert (led.cursor, list(led.requeue), list(led.leases)) == (6, [3], ["L3"])
+    assert list(led.batches) == [1] and led.sync is not None
+    before = durable(led)
+
+    new = restart(st, journal, now=100.0)
+
+    assert durable(new.ledger) == before
+    assert new.ledger.balance() == led.balance()
+    assert new.ledger.leases["L3"].deadline == 100.0 + LEASE_S  # a fresh deadline
+    assert new.ledger.sync is None and new.ledger.versions == {}  # not durable
+    assert new.desired == {"rollout": 3}
+    # It goes on where it left off: the same frozen batch, the requeue, then the cursor.
+    reply, _ = new.lease_batch(P, 1, now=100, wall=100)
+    assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == ["p2.0", "p4.0"]
+    assert ids(lease(new, R2, 2, version=1, now=100)) == ["p3.0", "p6.0"]
+    assert new.tick(now=100 + LEASE_S - 0.01, wall=100).ledger_for == set()
+    new.ack_batch(P, 2, now=100, wall=100)
+    assert [h["batch"] for h in new.ledger.history] == [0, 1]
+    assert check(new)["prompts"]["trained"] == 4
+
+
+def test_restore_without_a_ledger_in_the_journal(journal):
+    st = CheckedState.restore(make_cfg(), journal.load(), now=0)
+    assert durable(st.ledger) == durable(Ledger(st.cfg.rl, lambda *a: None, lambda *a, **k: None))
+    assert check(st)["prompts"]["issued"] == 0
