@@ -24,7 +24,11 @@ from procs import FAST_TIMEOUTS, Controller, Procs, signal_group, wait_for, writ
 
 
 def job_sections(
-    policy_init: int = 1, rollout_init: int = 1, steps: int = 200, target_reward: float = 0.15
+    policy_init: int = 1,
+    rollout_init: int = 1,
+    steps: int = 200,
+    target_reward: float = 0.15,
+    window: int = 5,
 ) -> dict[str, dict[str, Any]]:
     return {
         "job": {"id": "rl-itest", "seed": 0},
@@ -52,7 +56,7 @@ def job_sections(
             "lease_s": 20.0,
             "target_exact_match": 1.0,
             "target_reward": target_reward,
-            "window": 5,
+            "window": window,
         },
     }
 
@@ -141,7 +145,9 @@ def check_ledger(st: dict[str, Any], prompts: list[int]) -> None:
 
 
 def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job):
-    ctl, start = rl_job(rollout_init=1)
+    # A window of 8 batches: the target cannot be met from the batches already
+    # generated when the last rollout replica dies at batch 2 (max_ahead 2).
+    ctl, start = rl_job(rollout_init=1, window=8)
     policy = start("policy", "policy-0")
     fast = start("rollout", "rollout-0")
     # The slow replica holds each lease for 1.5 s per prompt: long enough to be hit.
@@ -169,6 +175,7 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
     # A joiner after training started must get the current weights before generating.
     # The last rollout replica dies first, so the job cannot reach its target
     # before the joiner has synced and generated (and its lease goes back too).
+    assert not rl_status(ctl)["finished"]
     wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, 60, "policy step 4")
     fast.kill()
     joiner = start("rollout", "rollout-late")
@@ -181,7 +188,8 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
     assert lost <= set(prompts) or st["prompts"]["issued"] > st["prompts"]["trained"]
     assert st["last"]["reward_avg"] >= 0.15
     syncs, rolls = joiner.events("sync"), joiner.events("rollout")
-    assert syncs and syncs[0]["ok"] and syncs[0]["version"] >= 4
+    assert syncs, f"the joiner never synced; its rollouts: {rolls}"
+    assert syncs[0]["ok"] and syncs[0]["version"] >= 4, syncs[0]
     assert rolls, "the joiner generated nothing"
     assert joiner.lines().index(syncs[0]) < joiner.lines().index(rolls[0])
     for r in (fast, joiner):

@@ -32,7 +32,7 @@ CHUNK_BYTES = 64 << 20
 DIRECT_BYTES = 1 << 20
 """Tensors at least this big are sent from their own storage (no copy); smaller
 ones are packed together so that a state with many tiny tensors costs few sends."""
-_DTYPES = {
+DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float64,
@@ -49,20 +49,30 @@ _DTYPES = {
 }
 
 
-def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split a state tree into a JSON-able skeleton and its tensors."""
-    tensors: list[torch.Tensor] = []
+def flatten(tree: Any, keyed: bool = False) -> tuple[Any, Any]:
+    """Split a state tree into a JSON-able skeleton and its tensors.
 
-    def walk(x: Any) -> Any:
+    The tensors come back as a list (placeholders hold their index) or, with
+    ``keyed``, as a dict named by each tensor's path in the tree
+    (``"optimizer/state/0/exp_avg"``; a ``/`` inside a key is written ``%2F``),
+    which stays the same across layouts: what checkpoints need."""
+    tensors: list[torch.Tensor] = []
+    named: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: tuple[str, ...]) -> Any:
         if isinstance(x, torch.Tensor):
+            if keyed:
+                name = "/".join(path)
+                named[name] = x.detach()
+                return {"__t__": name}
             tensors.append(x.detach())
             return {"__t__": len(tensors) - 1}
         if isinstance(x, dict):
-            return {"__d__": [[walk_key(k), walk(v)] for k, v in x.items()]}
+            return {"__d__": [[walk_key(k), walk(v, (*path, seg(k)))] for k, v in x.items()]}
         if isinstance(x, tuple):
-            return {"__tuple__": [walk(v) for v in x]}
+            return {"__tuple__": [walk(v, (*path, str(i))) for i, v in enumerate(x)]}
         if isinstance(x, list):
-            return [walk(v) for v in x]
+            return [walk(v, (*path, str(i))) for i, v in enumerate(x)]
         if x is None or isinstance(x, bool | int | float | str):
             return x
         if hasattr(x, "tolist"):  # numpy arrays and scalars (RNG states)
@@ -76,10 +86,15 @@ def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
             return k
         raise TypeError(f"state dict keys must be str or int: got {type(k)}")
 
-    return walk(tree), tensors
+    def seg(k: Any) -> str:
+        return str(k).replace("%", "%25").replace("/", "%2F")
+
+    skeleton = walk(tree, ())
+    return skeleton, (named if keyed else tensors)
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+def unflatten(skeleton: Any, tensors: Any) -> Any:
+    """Rebuild a tree from :func:`flatten`'s skeleton and tensors (list or dict)."""
     def walk(x: Any) -> Any:
         if isinstance(x, dict):
             if "__t__" in x:
@@ -140,9 +155,9 @@ def pack(tree: Any) -> tuple[bytes, torch.Tensor]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtype = _DTYPES.get(name)
+    dtype = DTYPES.get(name)
     if dtype is None:
-        raise ValueError(f"state tensor dtype must be one of {sorted(_DTYPES)}: got {name}")
+        raise ValueError(f"state tensor dtype must be one of {sorted(DTYPES)}: got {name}")
     return dtype
 
 
