@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zlib
 from typing import Any
 
@@ -136,8 +137,11 @@ class JsonStorageWriter(StorageWriter):
     After ``dcp.save`` returns, the coordinator's :attr:`chunks` lists every
     chunk written by every rank: ``file -> [{key, offset, length, crc32}]``."""
 
-    def __init__(self, fs: Any, path: str):
+    def __init__(self, fs: Any, path: str, sync_files: bool = True):
         self.fs, self.path = fs, path.rstrip("/")
+        # fsync data files on a local file system before the commit, so that a
+        # committed checkpoint survives a machine crash, not only a killed process.
+        self.sync_files = sync_files and hasattr(fs, "local_file")
         self.is_coordinator = False
         self.chunks: dict[str, list[dict[str, Any]]] = {}
         self.tensors: dict[str, TensorStorageMetadata] = {}
@@ -186,6 +190,9 @@ class JsonStorageWriter(StorageWriter):
                 }
                 offset += buf.nbytes
                 results.append(WriteResult(item.index, buf.nbytes, info))
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 import zlib
@@ -161,7 +162,10 @@ class CheckpointStore:
     def put_atomic(self, path: str, data: bytes) -> None:
         if self.local:
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            self.fs.pipe_file(tmp, data)
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             self.fs.mv(tmp, path)
         else:
             self.fs.pipe_file(path, data)
