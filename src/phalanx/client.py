@@ -455,6 +455,14 @@ class ControllerClient:
             )
         )
 
+    def checkpoint_committed(self, step: int, url: str, nbytes: int) -> dict[str, Any]:
+        """Tell the controller that this replica committed a checkpoint of ``step``."""
+        return self._as_member(
+            lambda rid: self._call(
+                "/v1/checkpoints", {"replica_id": rid, "step": step, "url": url, "nbytes": nbytes}
+            )
+        )["checkpoint"]
+
     def scale(self, role: str, replicas: int) -> dict[str, int]:
         """Ask the job's launcher for ``replicas`` replicas of ``role``."""
         return self._call("/v1/scale", {"role": role, "replicas": replicas})["desired"]

@@ -164,6 +164,25 @@ class TrainSection(_Section):
     """Print the sample indices each replica trained on with every committed step (for audits)."""
 
 
+class CheckpointSection(_Section):
+    """Universal checkpoints of the policy (``phalanx.checkpoint``)."""
+
+    url: str = ""
+    """Storage root: a path, ``file://``, ``s3://``, ``gs://`` or ``memory://`` URL.
+    Empty: no checkpoints."""
+    every_steps: int = Field(0, ge=0, le=10_000_000)
+    """Save after every N committed steps (and at the end of the job). 0: only at the end."""
+    keep_last: int = Field(3, ge=1, le=10_000)
+    """Committed checkpoints to keep; older ones are deleted after each commit."""
+    async_save: bool = True
+    """Copy the state to host memory and persist it in the background (the step
+    stalls only for the copy). False: the step waits for the whole save."""
+    resume: bool = True
+    """On start, load the latest usable checkpoint (any layout), before joining."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for the URL (e.g. ``{"anon": true}``, an S3 endpoint)."""
+
+
 def _default_roles() -> dict[str, RoleSection]:
     return {"policy": RoleSection()}
 
@@ -175,6 +194,7 @@ class JobConfig(_Section):
     roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
     """Roles of the job, by name: `policy` and/or `rollout`."""
     train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     rl: RLConfig | None = None
     """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
 

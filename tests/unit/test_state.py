@@ -793,3 +793,27 @@ def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
     assert tick.evicted == [a.replica_id]
     assert st.events[-1]["reason"] == "held connection dropped, no heartbeat in grace"
     assert b.replica_id in st.members
+
+
+def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, journal):
+    from phalanx.controller.state import CHECKPOINT_HISTORY
+
+    st = make_state()
+    st.start(0, 0)
+    a, b = join(st, "a", "b")
+    form(st, [a, b], now=0, step=3)
+    # The saver knows of its commit before the controller (no quorum asked since).
+    rec = st.record_checkpoint(a, 4, "s3://b/ck/step-000000004", 123, now=1, wall=1)
+    assert rec["by"] == a and st.roles["policy"].step == 4
+    for s in range(5, 5 + CHECKPOINT_HISTORY):
+        st.record_checkpoint(b, s, f"file:///ck/step-{s:09d}", 1, now=2, wall=2)
+    st.record_checkpoint(b, 6, "file:///ck/again", 2, now=3, wall=3)  # saved again: replaced
+    status = st.status(3)["checkpoints"]
+    assert status["latest"]["step"] == 4 + CHECKPOINT_HISTORY
+    assert [c["step"] for c in st.checkpoints] == list(range(5, 5 + CHECKPOINT_HISTORY))
+    assert next(c for c in st.checkpoints if c["step"] == 6)["url"] == "file:///ck/again"
+    assert st.events[-1]["kind"] == "checkpoint"
+    new = restart(st, journal, now=10)
+    assert new.checkpoints == st.checkpoints
+    with pytest.raises(UnknownReplica):
+        new.record_checkpoint("ghost:1", 9, "x", 0, now=11, wall=11)

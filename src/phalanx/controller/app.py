@@ -196,6 +196,13 @@ class ScaleReq(_Req):
     replicas: int = Field(ge=0, le=100_000)
 
 
+class CheckpointReq(_Req):
+    replica_id: ReplicaId
+    step: int = Field(ge=0)
+    url: str = Field(min_length=1, max_length=4096)
+    nbytes: int = Field(ge=0)
+
+
 class FieldError(BaseModel):
     field: str
     message: str
@@ -619,6 +626,12 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
     async def scale(req: ScaleReq) -> dict[str, Any]:
         """Ask for ``replicas`` replicas of ``role``; a local launcher follows it."""
         return reply(desired=service.apply(st.set_desired, req.role, req.replicas))
+
+    @app.post(f"/{API_VERSION}/checkpoints", dependencies=[authorized])
+    async def checkpoint(req: CheckpointReq) -> dict[str, Any]:
+        """A replica committed a checkpoint; the status's ``checkpoints`` lists it."""
+        rec = service.apply(st.record_checkpoint, req.replica_id, req.step, req.url, req.nbytes)
+        return reply(checkpoint=rec)
 
     def dropped(req: HeartbeatReq | QuorumReq) -> None:
         service.apply(st.suspect, req.replica_id, "held connection dropped")

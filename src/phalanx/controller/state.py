@@ -29,6 +29,7 @@ from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
 __all__ = ["Conflict", "ControllerState", "Quorum", "StateError", "Tick", "UnknownReplica"]
 
 QUORUM_HISTORY = 8
+CHECKPOINT_HISTORY = 20
 """Formed quorums kept per role, so that a retried request finds its answer."""
 
 
@@ -176,6 +177,8 @@ class ControllerState(RLRequests):
         self.events: list[dict[str, Any]] = []
         self.changes: list[tuple[str, str, dict[str, Any] | None]] = []
         self._by_name: dict[tuple[str, str], str] = {}
+        self.checkpoints: list[dict[str, Any]] = []
+        """The last CHECKPOINT_HISTORY committed checkpoints, oldest first."""
         self.desired: dict[str, int] = {}
         """Replica count per role that an operator asked for (``phalanx scale``); a
         launcher that can start and stop replicas follows it."""
@@ -255,6 +258,7 @@ class ControllerState(RLRequests):
             for k, v in meta.items()
             if k.startswith("desired/") and k.removeprefix("desired/") in st.roles
         }
+        st.checkpoints = [tables["checkpoints"][k] for k in sorted(tables.get("checkpoints", {}))]
         if st.ledger is not None:
             st.ledger.restore(tables, now)
         return st
@@ -598,6 +602,35 @@ class ControllerState(RLRequests):
         self._event("scale", wall, role=role, replicas=replicas)
         return dict(self.desired)
 
+    # -- checkpoints -----------------------------------------------------
+
+    def record_checkpoint(
+        self, replica_id: str, step: int, url: str, nbytes: int, *, now: float, wall: float
+    ) -> dict[str, Any]:
+        """A replica committed a checkpoint of ``step`` at ``url``: remember it
+        (the job's latest restorable step is in the status)."""
+        m = self.member(replica_id)
+        # The saver knows its step committed before the controller does (it learns
+        # of commits from the next quorum request or heartbeat).
+        self._bump_step(self.roles[m.role], step)
+        rec = {
+            "step": step,
+            "url": url,
+            "nbytes": nbytes,
+            "by": replica_id,
+            "role": m.role,
+            "at": wall,
+        }
+        self.checkpoints = sorted(
+            [c for c in self.checkpoints if c["step"] != step] + [rec], key=lambda c: c["step"]
+        )
+        self._put("checkpoints", f"{step:012d}", rec)
+        while len(self.checkpoints) > CHECKPOINT_HISTORY:
+            old = self.checkpoints.pop(0)
+            self._put("checkpoints", f"{old['step']:012d}", None)
+        self._event("checkpoint", wall, replica_id=replica_id, step=step, url=url, nbytes=nbytes)
+        return rec
+
     # -- status ----------------------------------------------------------
 
     def status(self, now: float) -> dict[str, Any]:
@@ -626,6 +659,10 @@ class ControllerState(RLRequests):
             "epoch": self.epoch,
             "roles": roles,
             "events": self.events[-100:],
+        }
+        out["checkpoints"] = {
+            "latest": self.checkpoints[-1] if self.checkpoints else None,
+            "committed": self.checkpoints[-10:],
         }
         if self.ledger is not None:
             out["rl"] = self.ledger.status()

@@ -17,15 +17,18 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.client import ControllerClient, QuorumTimeout
+from phalanx.client import ControllerClient, ControllerError, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig, TrainSection
 from phalanx.data.sampler import ElasticSampler
 from phalanx.train.manager import Manager
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint import Checkpointer
 
 log = logging.getLogger("phalanx.train")
 
@@ -117,6 +120,63 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer | None:
+    """The job's checkpointer, or None when ``checkpoint.url`` is empty. Each
+    commit is reported to the controller and printed as a ``checkpoint`` event."""
+    cc = cfg.checkpoint
+    if not cc.url:
+        return None
+    from phalanx.checkpoint import Checkpointer
+
+    def committed(step: int, url: str, manifest: Any) -> None:
+        try:
+            client.checkpoint_committed(step, url, manifest.nbytes)
+        except ControllerError as e:  # the checkpoint is committed all the same
+            log.warning("could not tell the controller about checkpoint step %d: %s", step, e)
+        emit(
+            {
+                "event": "checkpoint",
+                "replica": client.replica_id,
+                "step": step,
+                "url": url,
+                "nbytes": manifest.nbytes,
+                "stall_s": round(ckpt.last_stall_s, 6),
+                "save_s": round(ckpt.last_save_s, 4),
+            }
+        )
+
+    ckpt = Checkpointer(
+        cc.url,
+        keep_last=cc.keep_last,
+        storage_options=cc.storage_options,
+        layout={"kind": "ft-ddp", "replicas": 1},
+        on_commit=committed,
+    )
+    return ckpt
+
+
+def resume(ckpt: Checkpointer, manager: Manager) -> int | None:
+    """Load the latest usable checkpoint into ``manager`` (model in place, then
+    everything else). Returns its step, or None when there is none."""
+    r = ckpt.load({"model": manager.model.state_dict()})
+    if r is None:
+        return None
+    manager.load_state_dict(r.state)
+    log.info("resumed from checkpoint step %d (%s) in %.2f s", r.step, r.url, r.seconds)
+    return r.step
+
+
+def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, final: bool) -> None:
+    """Rank 0 of the quorum saves (all replicas hold the same state after a commit)."""
+    if manager.rank != 0:
+        return
+    extra = {"config": cfg.model_dump(mode="json"), "job_id": cfg.job.id}
+    if final or not cfg.checkpoint.async_save:
+        ckpt.save(manager.step, manager.state_dict(), extra)
+    else:
+        ckpt.save_async(manager.step, manager.state_dict(), extra)
+
+
 def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
     tc = cfg.train
     keep_freed_memory()
@@ -148,13 +208,18 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
     compute = make_compute(model, x, y, tc.step_delay_s)
+    ckpt = make_checkpointer(cfg, client)
+    resumed = resume(ckpt, manager) if ckpt is not None and cfg.checkpoint.resume else None
     emit(
         {
             "event": "start",
             "replica": client.replica_id,
             "params": sum(p.numel() for p in model.parameters()),
+            "resumed_from": resumed,
         }
     )
+    every = cfg.checkpoint.every_steps
+    saved = resumed
     try:
         while manager.step < tc.steps:
             try:
@@ -178,6 +243,9 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "t": time.time(),
                     }
                 )
+                if ckpt is not None and every and r.step % every == 0:
+                    save_checkpoint(ckpt, cfg, manager, final=False)
+                    saved = r.step
             else:
                 emit(
                     {
@@ -187,6 +255,8 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "error": (r.error or "")[:200],
                     }
                 )
+        if ckpt is not None and saved != manager.step:
+            save_checkpoint(ckpt, cfg, manager, final=True)
         if out is not None:
             save_final(out, manager)
         emit(
@@ -198,6 +268,8 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
             }
         )
     finally:
+        if ckpt is not None:
+            ckpt.close()
         manager.close()
         client.close("finished")
         del store

@@ -1,0 +1,115 @@
+"""The FT data-parallel job resumes from a universal checkpoint with another
+number of replicas, after every replica and the controller were SIGKILLed.
+
+The lineage that survives is: the killed job's steps up to its latest
+committed checkpoint C, then the new job's steps C+1..N. Along it:
+
+- every step committed once, the data consumed exactly once (the shares of a
+  step concatenate to its global batch; the steps to the sampler's stream);
+- the new replicas end bit-identical, and within 1e-9 (float64) of a
+  failure-free single-replica run: the checkpoint carried model, optimizer,
+  step, data cursor and RNG.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ftjob import (
+    TRAIN,
+    FTJob,
+    Replica,
+    assert_close,
+    assert_identical,
+    check_samples,
+    check_steps,
+    step_lines,
+    write_job,
+)
+
+from phalanx.checkpoint import CheckpointStore
+
+STEPS = 30
+BATCH = TRAIN["global_batch_size"]
+SEED = 7
+EVERY = 5
+
+
+def _job(root: Path, name: str, jobs: list[FTJob], n: int, **train: Any) -> FTJob:
+    d = root / name
+    d.mkdir()
+    cfg = write_job(
+        d / "job.toml", job_id=name, train={"steps": STEPS, **train}, policy={"n_init_replicas": n}
+    )
+    job = FTJob(d, cfg)
+    jobs.append(job)
+    job.start_controller()
+    return job
+
+
+def _lineage(before: list[Replica], upto: int, after: list[Replica]) -> dict[int, dict]:
+    lines = {s: by for s, by in step_lines(before).items() if s <= upto}
+    for s, by in step_lines(after).items():
+        assert s > upto, f"the resumed job committed step {s} again (checkpoint {upto})"
+        lines[s] = by
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [(2, 3), pytest.param(8, 6, marks=pytest.mark.slow)], ids=["2to3", "8to6"]
+)
+def test_resume_with_another_replica_count_after_everything_was_killed(
+    tmp_path: Path, old: int, new: int
+):
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    opts = ("--checkpoint.url", ckpt, "--checkpoint.every_steps", str(EVERY))
+    jobs: list[FTJob] = []
+    try:
+        ref = _job(tmp_path, "ref", jobs, 1)
+        ref_replica = ref.start_replica("r0")
+
+        first = _job(tmp_path, "first", jobs, old, step_delay_s=0.03)
+        killed = [first.start_replica(f"a{i}", *opts) for i in range(old)]
+        # Wait for a committed checkpoint and a few steps past it, then kill everything.
+        ck = killed[0].wait_event(
+            lambda e: e["event"] == "checkpoint" and e["step"] >= 2 * EVERY, "a checkpoint"
+        )
+        killed[0].wait_step(ck["step"] + 2)
+        for p in [*killed, first.controller]:
+            assert p is not None
+            p.signal(signal.SIGKILL)
+        for p in killed:
+            p.popen.wait(10)
+        store = CheckpointStore(ckpt)
+        latest = store.latest()
+        assert latest is not None and latest >= ck["step"] and latest % EVERY == 0
+        assert store.manifest(latest).extra["config"]["train"]["steps"] == STEPS
+
+        second = _job(tmp_path, "second", jobs, new)
+        resumed = [second.start_replica(f"b{i}", *opts) for i in range(new)]
+        finals = [r.finish() for r in resumed]
+        starts = [r.wait_event(lambda e: e["event"] == "start", "start") for r in resumed]
+        assert {s["resumed_from"] for s in starts} == {latest}
+
+        lines = _lineage(killed, latest, resumed)
+        check_steps(lines, STEPS, BATCH)
+        check_samples(lines, TRAIN["dataset_size"], SEED, BATCH)
+        assert {e["participants"] for s in range(latest + 1, STEPS + 1) for e in lines[s].values()} == {new}
+        assert_identical(finals)
+        assert_close(finals[0], ref_replica.finish(), 1e-9)
+        # The new job's controller knows its checkpoints; the last one is the final step.
+        assert second.status()["checkpoints"]["latest"]["step"] == STEPS
+        assert store.latest() == STEPS
+        assert len(store.steps()) <= 3  # keep_last
+    finally:
+        errors = []
+        for j in jobs:
+            try:
+                j.cleanup(exit_grace_s=10.0)
+            except AssertionError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
