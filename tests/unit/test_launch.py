@@ -244,6 +244,12 @@ def test_status_text_of_an_rl_job():
     assert "rollout: 0 replica(s) (desired 3), step 0" in text
     assert "prompts: issued 0 = queued 0 + leased 0 + done 0 + trained 0" in text
     assert "ledger balanced" in text
+    assert "checkpoint" not in text
+    rid = st.register("policy", "p0", "i0", now=0.0, wall=0.0)[0].replica_id
+    st.record_checkpoint(rid, 8, "s3://b/ck/step-000000008", 2_500_000, now=1.0, wall=1.0)
+    assert f"checkpoint: step 8 at s3://b/ck/step-000000008 (2.5 MB, by {rid})" in status_text(
+        st.status(1.0)
+    )
 
 
 def test_rl_summary_line():

@@ -354,6 +354,12 @@ def status_text(st: dict[str, Any]) -> str:
             + (f", {suspects} suspect" if suspects else "")
             + f", step {info.get('step', 0)}, quorum {info.get('quorum_id', 0)}"
         )
+    ck = (st.get("checkpoints") or {}).get("latest")
+    if ck:
+        lines.append(
+            f"  checkpoint: step {ck['step']} at {ck['url']} ({ck['nbytes'] / 1e6:.1f} MB, "
+            f"by {ck['by']})"
+        )
     rl = st.get("rl")
     if rl:
         p, ro = rl["prompts"], rl["rollouts"]
