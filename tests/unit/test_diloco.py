@@ -1,0 +1,240 @@
+"""DiLoCo's outer loop against exact identities (float64, k = 4, 48 steps).
+
+- H = 1, inner SGD, outer SGD(lr=1, momentum=0) is DDP-SGD with a k-times batch;
+- outer SGD(lr=1) with any H is parameter averaging every H steps;
+- negative control: inner AdamW with H = 1 is *not* DDP-AdamW;
+- Streaming DiLoCo with one fragment is DiLoCo; with several (and tau, alpha),
+  every replica ends identical.
+
+k replicas run in threads; :class:`ThreadGroup` is an exact in-process
+reducer (sums in a fixed order, so every replica gets the same bits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from phalanx.comm.compress import decode, encode, wire_bytes
+from phalanx.train.diloco import DiLoCo, DiLoCoConfig, fragment_of
+
+K, STEPS, BATCH = 4, 48, 8
+
+
+class ThreadGroup:
+    """k replicas in threads: ``average`` waits for all k, sums in rank order."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.barrier = threading.Barrier(k)
+        self.slots: list[list[torch.Tensor]] = [[] for _ in range(k)]
+        self.calls = 0
+
+    def reducer(self, rank: int):
+        group = self
+
+        class R:
+            def average(self, tensors, *, round, fragment):
+                group.slots[rank] = tensors
+                group.barrier.wait()
+                out = [
+                    sum(group.slots[r][i] for r in range(group.k)) / group.k
+                    for i in range(len(tensors))
+                ]
+                group.barrier.wait()
+                if rank == 0:
+                    group.calls += 1
+                return out, group.k
+
+        return R()
+
+
+def data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(STEPS * K * BATCH, 6, generator=g, dtype=torch.float64)
+    y = torch.tanh(x @ torch.randn(6, 2, generator=g, dtype=torch.float64))
+    return x, y
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+    ).double()
+
+
+def batch(step: int, rank: int, k: int, xy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica ``rank``'s slice of step ``step``'s global batch of k*BATCH."""
+    x, y = xy
+    lo = step * K * BATCH + rank * BATCH * K // k
+    n = BATCH * K // k
+    return x[lo : lo + n], y[lo : lo + n]
+
+
+def loss_of(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+def run_diloco(
+    cfg: DiLoCoConfig, inner: Callable, k: int = K, outer=None, finish: bool = False
+) -> tuple[list[torch.nn.Module], ThreadGroup]:
+    xy = data()
+    group = ThreadGroup(k)
+    models = [model() for _ in range(k)]
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            m = models[rank]
+            opt = inner(m.parameters())
+            d = DiLoCo(m, cfg, group.reducer(rank), outer)
+            for s in range(STEPS):
+                opt.zero_grad()
+                loss_of(m, *batch(s, rank, k, xy)).backward()
+                opt.step()
+                d.after_inner_step()
+            if finish:
+                d.finish()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return models, group
+
+
+def run_ddp(inner: Callable) -> torch.nn.Module:
+    """One model on the whole global batch each step (= DDP with mean-reduced grads)."""
+    xy = data()
+    m = model()
+    opt = inner(m.parameters())
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss_of(m, *batch(s, 0, 1, xy)).backward()
+        opt.step()
+    return m
+
+
+def params(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def sgd(lr: float = 0.05):
+    return lambda ps: torch.optim.SGD(ps, lr=lr)
+
+
+def outer_sgd(lr: float = 1.0):
+    return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.0)
+
+
+def test_h1_inner_sgd_outer_sgd_lr1_is_ddp_sgd_with_a_k_times_batch():
+    models, group = run_diloco(DiLoCoConfig(H=1), sgd(), outer=outer_sgd())
+    want = params(run_ddp(sgd()))
+    for m in models:
+        torch.testing.assert_close(params(m), want, rtol=0, atol=1e-12)
+    assert group.calls == STEPS
+
+
+@pytest.mark.parametrize("h", [3, 8])
+def test_outer_sgd_lr1_is_parameter_averaging(h: int):
+    H = h  # noqa: N806 (the paper's symbol)
+    cfg = DiLoCoConfig(H=H)
+    models, group = run_diloco(cfg, sgd(), outer=outer_sgd())
+    # The same k replicas, averaging their parameters by hand every H steps.
+    xy = data()
+    ref = [model() for _ in range(K)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in ref]
+    for s in range(STEPS):
+        for r, (m, o) in enumerate(zip(ref, opts, strict=True)):
+            o.zero_grad()
+            loss_of(m, *batch(s, r, K, xy)).backward()
+            o.step()
+        if (s + 1) % H == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in ref), strict=True):
+                    mean = sum(p.detach().clone() for p in ps) / K
+                    for p in ps:
+                        p.copy_(mean)
+    for got, want in zip(models, ref, strict=True):
+        torch.testing.assert_close(params(got), params(want), rtol=0, atol=1e-12)
+    assert group.calls == STEPS // H
+
+
+def test_negative_control_inner_adamw_h1_is_not_ddp_adamw():
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    models, _ = run_diloco(DiLoCoConfig(H=1), adamw, outer=outer_sgd())
+    diff = (params(models[0]) - params(run_ddp(adamw))).abs().max()
+    assert diff > 1e-4, "per-replica Adam normalisation must make DiLoCo differ from DDP-AdamW"
+
+
+def test_streaming_with_one_fragment_is_diloco():
+    a, _ = run_diloco(DiLoCoConfig(H=6), sgd())
+    b, _ = run_diloco(DiLoCoConfig(H=6, fragments=1, tau=0), sgd())
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(params(x), params(y))
+
+
+@pytest.mark.parametrize(("fragments", "tau", "alpha"), [(3, 0, 0.0), (2, 1, 0.5)])
+def test_streaming_fragments_end_identical_on_every_replica(fragments: int, tau: int, alpha: float):
+    cfg = DiLoCoConfig(H=6, fragments=fragments, tau=tau, alpha=alpha)
+    models, group = run_diloco(cfg, sgd(), finish=True)
+    first = params(models[0])
+    for m in models[1:]:
+        assert torch.equal(params(m), first)
+    per_round = STEPS // cfg.H
+    assert group.calls >= per_round * fragments  # plus the final flush
+    # Training happened, and all replicas moved from the initial point.
+    assert not torch.equal(first, params(model()))
+
+
+def test_diloco_state_round_trips_and_rejects_another_model():
+    m = model()
+    d = DiLoCo(m, DiLoCoConfig(H=2), ThreadGroup(1).reducer(0))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    xy = data()
+    for s in range(3):
+        opt.zero_grad()
+        loss_of(m, *batch(s, 0, 1, xy)).backward()
+        opt.step()
+        d.after_inner_step()
+    sd = d.state_dict()
+    m2 = model()
+    d2 = DiLoCo(m2, DiLoCoConfig(H=2), ThreadGroup(1).reducer(0))
+    d2.load_state_dict(sd)
+    assert d2.inner_steps == 3 and d2.rounds == 1
+    for g1, g2 in zip(d.global_params, d2.global_params, strict=True):
+        assert torch.equal(g1, g2)
+    other = DiLoCo(torch.nn.Linear(2, 2).double(), DiLoCoConfig(H=2), ThreadGroup(1).reducer(0))
+    with pytest.raises(ValueError, match="global copy"):
+        other.load_state_dict(sd)
+
+
+def test_config_errors_say_what_to_fix():
+    with pytest.raises(ValueError, match="divisible by fragments"):
+        DiLoCoConfig(H=10, fragments=3)
+    with pytest.raises(ValueError, match="tau must be in"):
+        DiLoCoConfig(H=10, fragments=2, tau=5)
+    with pytest.raises(ValueError, match="fragments must be <="):
+        fragment_of(["a", "b"], 3)
+
+
+@pytest.mark.parametrize(
+    ("how", "tol", "ratio"),
+    [("none", 0, 1), ("fp16", 1e-3, 2), ("bf16", 1e-2, 2), ("int8", 2e-2, 4)],
+)
+def test_compression_round_trip_and_size(how, tol, ratio):
+    t = torch.randn(1000, dtype=torch.float32)
+    wire = encode(t, how)
+    back = decode(wire, how, t)
+    assert back.dtype == torch.float32 and back.shape == t.shape
+    assert (back - t).abs().max() <= tol * (t.max() - t.min()) + 1e-7
+    assert wire_bytes(wire) <= t.numel() * 4 // ratio + 8
