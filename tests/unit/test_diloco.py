@@ -79,10 +79,10 @@ def loss_of(m, x, y):
 
 
 def run_diloco(
-    cfg: DiLoCoConfig, inner: Callable, k: int = K, outer=None, finish: bool = False
+    cfg: DiLoCoConfig, inner: Callable, k: int = K, outer=None, finish: bool = False, group=None
 ) -> tuple[list[torch.nn.Module], ThreadGroup]:
     xy = data()
-    group = ThreadGroup(k)
+    group = group or ThreadGroup(k)
     models = [model() for _ in range(k)]
     errors: list[BaseException] = []
 
@@ -100,7 +100,8 @@ def run_diloco(
                 d.finish()
         except BaseException as e:  # surfaced below
             errors.append(e)
-            group.barrier.abort()
+            if isinstance(group, ThreadGroup):
+                group.barrier.abort()
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(k)]
     for t in threads:
@@ -238,3 +239,104 @@ def test_compression_round_trip_and_size(how, tol, ratio):
     assert back.dtype == torch.float32 and back.shape == t.shape
     assert (back - t).abs().max() <= tol * (t.max() - t.min()) + 1e-7
     assert wire_bytes(wire) <= t.numel() * 4 // ratio + 8
+
+
+# -- the decoupled exchange through an object store -------------------------------------
+
+
+def store_group(url: str, **kw):
+    from phalanx.train.objectstore import ObjectStoreAllReduce
+
+    made: list[ObjectStoreAllReduce] = []
+
+    class G:
+        calls = 0
+
+        def reducer(self, rank: int):
+            r = ObjectStoreAllReduce(url, f"r{rank}", min_replicas=K, grace_s=0.0, **kw)
+            made.append(r)
+            return r
+
+    return G(), made
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_object_store_rounds_are_bit_identical_to_the_in_process_reducer(scheme, tmp_path):
+    import uuid
+
+    url = f"memory://diloco-{uuid.uuid4().hex[:6]}" if scheme == "memory" else f"file://{tmp_path}"
+    cfg = DiLoCoConfig(H=4)
+    want, _ = run_diloco(cfg, sgd())
+    group, made = store_group(url)
+    got, _ = run_diloco(cfg, sgd(), group=group)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(params(a), params(b))
+    assert all(r.corrupt == 0 and r.left_out == 0 for r in made)
+    assert made[0].bytes_sent == (STEPS // 4) * sum(p.numel() * 8 for p in model().parameters())
+
+
+def _rounds(
+    reducers, tensors_of, rounds: int, delay: Callable[[int, int], float] = lambda r, i: 0.0
+):
+    """Each reducer averages ``tensors_of(rank, round)`` for ``rounds`` rounds in a thread."""
+    import time
+
+    out: dict[tuple[int, int], tuple[list[torch.Tensor], int]] = {}
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            for rnd in range(rounds):
+                time.sleep(delay(rank, rnd))
+                out[(rank, rnd)] = reducers[rank].average(
+                    tensors_of(rank, rnd), round=rnd, fragment=0
+                )
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(reducers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_a_corrupt_object_is_left_out_by_everyone_and_counted(tmp_path):
+    from phalanx.train.objectstore import ObjectStoreAllReduce
+
+    class Flaky(ObjectStoreAllReduce):
+        def pack(self, tensors, meta):
+            raw = bytearray(super().pack(tensors, meta))
+            if meta.get("replica") == "r2":
+                raw[-3] ^= 0xFF  # a flipped byte in the data: the checksum catches it
+            return bytes(raw)
+
+    reds = [Flaky(f"file://{tmp_path}", f"r{i}", min_replicas=3, grace_s=0.05) for i in range(3)]
+    out = _rounds(reds, lambda rank, rnd: [torch.full((5,), float(rank + 1))], 1)
+    for rank in range(3):
+        avg, n = out[(rank, 0)]
+        assert n == 2 and torch.equal(avg[0], torch.full((5,), 1.5))
+    assert sum(r.corrupt for r in reds) == 3  # every reader saw it
+
+
+def test_a_replica_that_misses_the_deadline_is_left_out_and_catches_up(tmp_path):
+    from phalanx.train.objectstore import ObjectStoreAllReduce
+
+    reds = [
+        ObjectStoreAllReduce(
+            f"file://{tmp_path}", f"r{i}", min_replicas=3, grace_s=0.05, aggregator="r0"
+        )
+        for i in range(4)
+    ]
+    late = lambda rank, rnd: 0.6 if (rank, rnd) == (3, 1) else 0.0  # noqa: E731
+    out = _rounds(reds, lambda rank, rnd: [torch.tensor([rank * 10.0 + rnd])], 2, late)
+    avg, n = out[(3, 1)]
+    assert n == 3 and torch.equal(avg[0], torch.tensor([(0 + 10 + 20) / 3 + 1]))
+    assert all(torch.equal(out[(r, 1)][0][0], avg[0]) for r in range(4))  # same result for all
+    assert reds[3].left_out == 1 and all(r.left_out == 0 for r in reds[:3])
+    assert out[(0, 0)][1] == 4
+    # Aggregator mode: non-aggregators read one result object per round.
+    assert reds[1].bytes_read < reds[0].bytes_read
