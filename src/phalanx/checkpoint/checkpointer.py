@@ -35,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.tensor import DTensor
 
 from phalanx.checkpoint.base import (
     METADATA,
@@ -64,9 +66,28 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` in host memory (DTensors stay DTensors)."""
-    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+def snapshot(
+    tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` in host memory (DTensors stay DTensors), made into
+    ``buffers`` (allocated at the first save and reused: a fresh allocation's
+    page faults cost more than the copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in tensors.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        buf = buffers.get(k)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = buffers[k] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        buf.copy_(local.detach())
+        if isinstance(t, DTensor):
+            out[k] = DTensor.from_local(
+                buf, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
+            )
+        else:
+            out[k] = buf
+    for k in set(buffers) - set(tensors):
+        del buffers[k]
+    return out
 
 
 class Checkpointer:
@@ -108,6 +129,7 @@ class Checkpointer:
         self.world = dist.get_world_size(group) if self.distributed else 1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-ckpt")
         self._inflight: Future[Manifest | None] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
         self.last_stall_s = 0.0
         self.last_save_s = 0.0
 
@@ -133,7 +155,7 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         skeleton, tensors = flatten(state, keyed=True)
-        snap = snapshot(tensors)
+        snap = snapshot(tensors, self._buffers)
         self.last_stall_s = time.perf_counter() - t0
         self._inflight = self._pool.submit(self._persist, step, skeleton, snap, extra or {})
         return self._inflight
@@ -234,8 +256,10 @@ class Checkpointer:
         skipped: list[tuple[int, str]] = []
         for s in candidates:
             reason, manifest = self._check(s, mine)
+            loaded = None
             if reason is None and manifest is not None:
-                loaded = self._read(s, manifest, mine)
+                loaded, reason = self._read(s, manifest, mine)
+            if loaded is not None and manifest is not None:
                 state = unflatten(manifest.skeleton, loaded)
                 url = self.store.url_of(s)
                 if skipped:
@@ -274,8 +298,8 @@ class Checkpointer:
         try:
             manifest = self.store.manifest(step)
             check_fits(manifest, mine)
-            files = sorted(manifest.files)[self.rank :: self.world]
-            self.store.verify(step, manifest, files)
+            # Sizes here (cheap); every chunk's CRC as it is read (_read).
+            self.store.verify(step, manifest, crc=False)
         except CheckpointError as e:
             reason = str(e)
         except OSError as e:
@@ -284,26 +308,42 @@ class Checkpointer:
 
     def _read(
         self, step: int, manifest: Manifest, mine: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+        """(tensors, None), or (None, reason) on every rank if any rank failed."""
         bufs: dict[str, torch.Tensor] = {}
         for k, info in manifest.tensors.items():
             if k in mine:
                 bufs[k] = torch.empty_like(mine[k])
             else:
                 bufs[k] = torch.empty(info.shape, dtype=dtype_of(info.dtype))
-        with quiet():
-            dcp.load(
-                bufs,
-                storage_reader=JsonStorageReader(self.store.fs, self.store.path(step)),
-                planner=DefaultLoadPlanner(),
-                process_group=self.group,
-                no_dist=not self.distributed,
-            )
-        # Only now, with everything read, do the caller's tensors change.
+        reason = None
+        try:
+            with quiet():
+                dcp.load(
+                    bufs,
+                    storage_reader=JsonStorageReader(self.store.fs, self.store.path(step)),
+                    planner=DefaultLoadPlanner(),
+                    process_group=self.group,
+                    no_dist=not self.distributed,
+                )
+        except CheckpointException as e:
+            # DCP gathers each failing rank's (exception, traceback).
+            first: Any = next(iter(e.failures.values()), e)
+            first = first[0] if isinstance(first, tuple) else first
+            reason = str(first) if isinstance(first, CheckpointError) else f"read failed ({first})"
+        except CheckpointError as e:
+            reason = str(e)
+        except OSError as e:
+            reason = f"storage error ({e})"
+        reason = self._agree_reason(reason)
+        if reason is not None:
+            return None, reason
+        # Only now, with everything read and checked on every rank, do the
+        # caller's tensors change.
         for k, t in mine.items():
             t.copy_(bufs[k])
             bufs[k] = t
-        return bufs
+        return bufs, None
 
     # -- agreement among the group's ranks -------------------------------
 

@@ -67,12 +67,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def tensor_from(buf: bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
+def tensor_from(buf: bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over ``buf`` (no copy)."""
     d = dtype_of(dtype)
     if not shape or 0 not in shape:
         if d == torch.bool:
-            return torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(torch.bool).reshape(shape)
-        return torch.frombuffer(bytearray(buf), dtype=d).reshape(shape)
+            return torch.frombuffer(buf, dtype=torch.uint8).to(torch.bool).reshape(shape)
+        return torch.frombuffer(buf, dtype=d).reshape(shape)
     return torch.empty(shape, dtype=d)
 
 
@@ -272,11 +273,19 @@ class JsonStorageReader(StorageReader):
                 for req in reqs:
                     d = self.storage_data[req.storage_index]
                     f.seek(d["offset"])
-                    buf = f.read(d["length"])
-                    if len(buf) != d["length"]:
+                    buf = bytearray(d["length"])
+                    got = f.readinto(buf) if d["length"] else 0
+                    if got != d["length"]:
                         raise CorruptCheckpoint(
                             f"{name} is truncated: chunk of {req.storage_index.fqn!r} needs "
-                            f"{d['length']} bytes at {d['offset']}, got {len(buf)}"
+                            f"{d['length']} bytes at {d['offset']}, got {got}"
+                        )
+                    # Checked as read: a chunk that fails fails the whole load on
+                    # every rank before any caller's tensor is written.
+                    if "crc32" in d and zlib.crc32(buf) != d["crc32"]:
+                        raise CorruptCheckpoint(
+                            f"{name} fails its checksum (chunk {req.storage_index.fqn!r} at "
+                            f"byte {d['offset']})"
                         )
                     src = tensor_from(buf, d["dtype"], d["shape"])
                     for dim, (start, length) in enumerate(
