@@ -144,6 +144,18 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     return job.run(live=not args.plain, as_json=args.json)
 
 
+def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.checkpoint.cli import run as run_ckpt
+
+    return run_ckpt(args)
+
+
+def _agent(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.launch.agent import main as agent_main
+
+    return agent_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="phalanx",
@@ -223,6 +235,60 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
     k.add_argument("--json", action="store_true", help="print the desired counts as JSON")
     k.set_defaults(fn=_scale)
+
+    a = sub.add_parser(
+        "agent",
+        help="run one replica's workers on this node; report and restart them when they fail",
+        description="The elastic agent: start --nproc workers of one replica with torchrun's "
+        "environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), report a worker's exit "
+        "to the controller at once, restart the workers with backoff, and change their layout "
+        "(checkpoint, restart, reshard-load, rejoin) when a slot is lost or on request: "
+        "`phalanx agent resize --run-dir DIR --nproc N`. CMD may use {name} {rank} "
+        "{local_rank} {world_size} {slot} {restart} {port} {run_dir} {controller} {ckpt}. "
+        "One JSON line per event on stdout.",
+    )
+    a.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    a.add_argument("--config", help="job TOML; without CMD, the worker is `phalanx replica`")
+    a.add_argument("--name", help="stable name of the replica")
+    a.add_argument("--nproc", type=int, default=1, help="workers of the replica (default 1)")
+    a.add_argument("--min-nproc", type=int, help="fewest workers after lost slots (default N)")
+    a.add_argument("--max-restarts", type=int, default=3, help="restarts after failures (3)")
+    a.add_argument("--backoff-s", type=float, default=1.0, help="first restart delay (1 s)")
+    a.add_argument("--backoff-max-s", type=float, default=30.0, help="longest delay (30 s)")
+    a.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL (30 s)")
+    a.add_argument("--ckpt", help="checkpoint URL for the workers ($PHALANX_CKPT, {ckpt})")
+    a.add_argument("--run-dir", help="pid file, control files, logs (default runs/agent-NAME)")
+    a.add_argument("--node", help="this node's name in reports (default the hostname)")
+    a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
+    a.set_defaults(fn=_agent)
+    ck = sub.add_parser(
+        "ckpt",
+        help="list, inspect and export checkpoints under a storage root",
+        description="Look into a checkpoint root (a path or fsspec URL: file://, s3://, ...) "
+        "and export a checkpoint's model weights as plain safetensors.",
+    )
+    ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
+    ck_list = ck_sub.add_parser("list", help="committed checkpoints, oldest first")
+    ck_inspect = ck_sub.add_parser(
+        "inspect", help="one checkpoint: layout, files, sizes, tensors (shapes, dtypes)"
+    )
+    ck_inspect.add_argument("--verify", action="store_true", help="also check sizes and CRC32s")
+    ck_export = ck_sub.add_parser(
+        "export", help="write a checkpoint's model weights as one safetensors file"
+    )
+    ck_export.add_argument("--format", required=True, help="output format: safetensors")
+    ck_export.add_argument(
+        "--prefix", default="model", help="state subtree holding the weights (default model)"
+    )
+    for c_ in (ck_list, ck_inspect, ck_export):
+        c_.add_argument("url", help="checkpoint root: a path or fsspec URL")
+        c_.add_argument("--storage-options", help="fsspec options as JSON (e.g. an S3 endpoint)")
+        if c_ is not ck_export:
+            c_.add_argument("--json", action="store_true", help="print JSON")
+        if c_ is not ck_list:
+            c_.add_argument("--step", type=int, help="this step (default: the latest)")
+    ck_export.add_argument("out", help="output file (e.g. model.safetensors)")
+    ck.set_defaults(fn=_ckpt)
     return p
 
 

@@ -1,1 +1,1 @@
-"""Launchers: local processes (`phalanx run`); elastic agents and executors come later."""
+"""Launchers: local processes (`phalanx run`) and the elastic agent per node (`phalanx agent`)."""

@@ -1,0 +1,391 @@
+"""The elastic agent's pure parts: its options, the restart backoff, the workers'
+environment and command placeholders, and the run dir's control files (pid file,
+resize requests). No processes are started here, and nothing heavy is imported:
+``phalanx agent resize`` uses this module alone.
+
+Run dir layout (one agent per run dir)::
+
+    agent.pid          the running agent's pid (removed when it exits)
+    resize.json        a pending operator request {"nproc": N}; the agent takes it on SIGHUP
+    workers.json       the current generation: nproc, master port, each worker's pid and logs
+    gen{G}/rank{R}.out the stdout of rank R in generation G (stderr in .err)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phalanx import env
+
+REPLICA_NAME = "PHALANX_REPLICA_NAME"
+"""Set by the agent on every worker: the stable name of the replica it belongs to
+(pass it to ``--name``, or use the ``{name}`` placeholder)."""
+RESTART_COUNT = "PHALANX_RESTART_COUNT"
+"""Set by the agent on every worker: how many times the agent has (re)started this
+replica's workers before (0 for the first start), like torchrun's
+``TORCHELASTIC_RESTART_COUNT``."""
+SLOT = "PHALANX_SLOT"
+"""Set by the agent on every worker: the local device slot the worker should use.
+It equals ``LOCAL_RANK`` until the agent drops a lost slot; after that the
+remaining slots keep their numbers while ranks are renumbered 0..N-1."""
+CKPT = "PHALANX_CKPT"
+"""Set by the agent on every worker when ``--ckpt`` is given: the checkpoint URL
+the workers save to and resume from."""
+
+LATEST_POINTER = "latest"
+"""``phalanx.checkpoint.base.LATEST``, repeated here so that the agent does not
+import torch (the checkpoint package does); a unit test keeps the two equal."""
+
+PID_FILE = "agent.pid"
+RESIZE_FILE = "resize.json"
+WORKERS_FILE = "workers.json"
+
+PLACEHOLDERS = (
+    "name",
+    "rank",
+    "local_rank",
+    "world_size",
+    "slot",
+    "restart",
+    "port",
+    "run_dir",
+    "controller",
+    "ckpt",
+)
+"""``{key}`` in the worker command is replaced per worker; other braces are left alone."""
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """What ``phalanx agent`` was asked to run. Build it, then call :meth:`check`."""
+
+    name: str
+    """Stable name of the replica whose workers this agent runs."""
+    cmd: list[str]
+    """The worker command (placeholders expanded per worker)."""
+    run_dir: Path
+    controller: str | None = None
+    """The job's controller (URL or state dir): exits are reported there at once."""
+    nproc: int = 1
+    """Workers (ranks) of the replica on this node at the start."""
+    min_nproc: int | None = None
+    """The fewest workers the agent shrinks to by itself when a slot is lost
+    (default: ``nproc``, i.e. never). An operator's resize is not bound by it."""
+    max_restarts: int = 3
+    """Restarts after failures before the agent gives up (layout changes an
+    operator asked for are free)."""
+    backoff_s: float = 1.0
+    """Delay before the first restart after a failure; doubles with each one."""
+    backoff_max_s: float = 30.0
+    grace_s: float = 30.0
+    """After SIGTERM (layout change, agent stop), how long workers get to
+    checkpoint and exit before SIGKILL."""
+    fail_grace_s: float = 3.0
+    """After a worker failed, how long the replica's other workers get to exit
+    after SIGTERM (they cannot checkpoint: their process group is broken)."""
+    lost_slot_after: int = 2
+    """A slot whose worker fails first this many times in a row is lost."""
+    ckpt: str | None = None
+    node: str = field(default_factory=lambda: os.uname().nodename)
+    """This node's name, in reports to the controller."""
+
+    @property
+    def floor(self) -> int:
+        return self.nproc if self.min_nproc is None else self.min_nproc
+
+    def check(self) -> AgentOptions:
+        """Raise ValueError, one clear line, on the first bad option; else return self."""
+        if not self.name or any(c in self.name for c in ":/ \t\n"):
+            raise ValueError(
+                f"--name must be a non-empty replica name without ':', '/' or spaces: got "
+                f"{self.name!r}. Use e.g. --name policy-0."
+            )
+        if not self.cmd:
+            raise ValueError(
+                "the worker command must follow `--`: got none. Write e.g. "
+                "`phalanx agent --name r0 -- python train.py`, or pass --config to run "
+                "`phalanx replica` of that job."
+            )
+        for what, v, lo in (
+            ("--nproc", self.nproc, 1),
+            ("--min-nproc", self.floor, 1),
+            ("--max-restarts", self.max_restarts, 0),
+            ("--lost-slot-after", self.lost_slot_after, 1),
+        ):
+            if v < lo:
+                raise ValueError(f"{what} must be >= {lo}: got {v}.")
+        if self.floor > self.nproc:
+            raise ValueError(
+                f"--min-nproc must be <= --nproc: got --min-nproc {self.floor} with "
+                f"--nproc {self.nproc}. Lower --min-nproc or raise --nproc."
+            )
+        for what, s in (
+            ("--backoff-s", self.backoff_s),
+            ("--backoff-max-s", self.backoff_max_s),
+            ("--grace-s", self.grace_s),
+            ("--fail-grace-s", self.fail_grace_s),
+        ):
+            if not s >= 0:
+                raise ValueError(f"{what} must be >= 0 seconds: got {s}.")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(
+                f"--backoff-max-s must be >= --backoff-s: got {self.backoff_max_s} < "
+                f"{self.backoff_s}."
+            )
+        return self
+
+
+def backoff_delay(k: int, base_s: float, cap_s: float) -> float:
+    """Delay before the restart that follows ``k`` earlier failure restarts:
+    ``base_s * 2**k``, capped at ``cap_s``."""
+    if k < 0:
+        raise ValueError(f"restart index must be >= 0: got {k}.")
+    return min(cap_s, base_s * 2.0 ** min(k, 60))
+
+
+def expand(cmd: list[str], values: dict[str, str]) -> list[str]:
+    """Replace the known ``{placeholders}`` (:data:`PLACEHOLDERS`) in each argument.
+    Unknown braces stay as they are, so ``python -c '{...}'`` is safe."""
+    return [_PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), a) for a in cmd]
+
+
+def worker_env(
+    opts: AgentOptions,
+    *,
+    rank: int,
+    world_size: int,
+    slot: int,
+    port: int,
+    restart: int,
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one worker: torchrun's (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for a
+    replica that lives on this node, plus phalanx's identity variables."""
+    e = dict(os.environ if base is None else base)
+    e.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    e[REPLICA_NAME] = opts.name
+    e[RESTART_COUNT] = str(restart)
+    e[SLOT] = str(slot)
+    if opts.controller:
+        e[env.CONTROLLER] = opts.controller
+    if opts.ckpt:
+        e[CKPT] = opts.ckpt
+    if world_size > 1:
+        # As torchrun does: N workers each with all cores' threads oversubscribe.
+        e.setdefault("OMP_NUM_THREADS", "1")
+    return e
+
+
+def placeholders(
+    opts: AgentOptions, *, rank: int, world_size: int, slot: int, port: int, restart: int
+) -> dict[str, str]:
+    return {
+        "name": opts.name,
+        "rank": str(rank),
+        "local_rank": str(rank),
+        "world_size": str(world_size),
+        "slot": str(slot),
+        "restart": str(restart),
+        "port": str(port),
+        "run_dir": str(opts.run_dir),
+        "controller": opts.controller or "",
+        "ckpt": opts.ckpt or "",
+    }
+
+
+def latest_step(url: str) -> int | None:
+    """The step that the checkpoint root ``url``'s ``latest`` pointer names; None
+    when there is none or it cannot be read. For the agent's events only: the
+    workers load through :mod:`phalanx.checkpoint`, which verifies what it loads."""
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(url)
+        return int(json.loads(fs.cat_file(f"{root.rstrip('/')}/{LATEST_POINTER}"))["step"])
+    except (ImportError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- control files ---------------------------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_pid(run_dir: Path) -> int | None:
+    """The pid in ``run_dir``'s pid file if that process is alive, else None."""
+    try:
+        pid = int((run_dir / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def request_resize(run_dir: Path, nproc: int) -> int:
+    """Ask the agent running in ``run_dir`` to change its replica's layout to
+    ``nproc`` workers: write :data:`RESIZE_FILE`, then SIGHUP the agent. Returns the
+    agent's pid. Raises ValueError for a bad count or when no agent runs there."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1: got {nproc}.")
+    pid = read_pid(run_dir)
+    if pid is None:
+        raise ValueError(
+            f"the run dir must hold a running agent: got {run_dir} with no live pid in "
+            f"{run_dir / PID_FILE}. Pass the --run-dir the agent was started with."
+        )
+    write_atomic(run_dir / RESIZE_FILE, json.dumps({"nproc": nproc}))
+    os.kill(pid, signal.SIGHUP)
+    return pid
+
+
+def take_resize(run_dir: Path) -> int | None:
+    """Consume a pending resize request: its worker count, or None if there is none.
+    Raises ValueError (the request is still removed) when the file is malformed."""
+    path = run_dir / RESIZE_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    try:
+        n = json.loads(text)["nproc"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(
+            f'{path} must hold {{"nproc": N}}: got {text[:100]!r}. '
+            f"Use `phalanx agent resize --run-dir {run_dir} --nproc N`."
+        ) from None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"resize nproc must be a whole number >= 1: got {n!r}.")
+    return n
+
+
+# -- CLI -------------------------------------------------------------------------
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"agent-{name}"
+
+
+def resize_main(argv: list[str], run_dir: str | None = None) -> int:
+    """``phalanx agent resize (--run-dir DIR | --name NAME) --nproc N``: send the
+    request and wait until the agent took it."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(
+        prog="phalanx agent resize",
+        description="Ask a running agent to restart its replica with another number of "
+        "workers: they checkpoint, restart with the new WORLD_SIZE, reshard-load, rejoin.",
+    )
+    p.add_argument("--run-dir", default=run_dir, help="the agent's run dir")
+    p.add_argument("--name", help="the agent's replica name (run dir runs/agent-NAME)")
+    p.add_argument("--nproc", type=int, required=True, help="workers of the new layout")
+    p.add_argument("--wait-s", type=float, default=10.0, help="how long to wait for the agent")
+    a = p.parse_args(argv)
+    if not a.run_dir and not a.name:
+        p.error("--run-dir (or --name) must name the agent: got neither.")
+    rd = Path(a.run_dir) if a.run_dir else default_run_dir(a.name)
+    try:
+        pid = request_resize(rd, a.nproc)
+    except ValueError as e:
+        raise SystemExit(f"phalanx agent resize: {e}") from None
+    deadline = time.monotonic() + a.wait_s
+    while (rd / RESIZE_FILE).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"phalanx agent resize: the agent (pid {pid}) must take the request within "
+                f"{a.wait_s} s: it has not. See its stderr."
+            )
+        time.sleep(0.05)
+    print(f"agent pid {pid} took the request: {a.nproc} worker(s)")
+    return 0
+
+
+def options_from_args(args: Any) -> AgentOptions | None:
+    """The options of ``phalanx agent`` (``args.cmd``: everything after the options,
+    ``--`` included). A ``resize`` request is sent here and gives None. Bad input
+    raises SystemExit with one clear line."""
+    import sys
+
+    rest = list(args.cmd)
+    if rest and rest[0] == "resize":
+        resize_main(rest[1:], args.run_dir)
+        return None
+    if rest and rest[0] != "--":
+        raise SystemExit(
+            f"phalanx agent: the worker command must follow `--`: got {' '.join(rest)!r}. "
+            f"Write `phalanx agent [OPTIONS] -- {' '.join(rest)}`."
+        )
+    cmd = rest[1:]
+    controller = args.controller or os.environ.get(env.CONTROLLER)
+    if not cmd and args.config:
+        if args.nproc != 1:
+            raise SystemExit(
+                f"phalanx agent: --nproc must be 1 for the default worker (`phalanx replica`, "
+                f"one process per replica): got {args.nproc}. Pass a command after `--` for "
+                f"replicas of several processes."
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "replica",
+            "--config",
+            args.config,
+            "--controller",
+            "{controller}",
+            "--name",
+            "{name}",
+        ]
+    if "{controller}" in " ".join(cmd) and not controller:
+        raise SystemExit(
+            f"phalanx agent: --controller must name the controller (URL or state dir) for a "
+            f"command with {{controller}}: got none. Pass --controller or set ${env.CONTROLLER}."
+        )
+    try:
+        return AgentOptions(
+            name=args.name or "",
+            cmd=cmd,
+            run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(args.name or "_"),
+            controller=controller,
+            nproc=args.nproc,
+            min_nproc=args.min_nproc,
+            max_restarts=args.max_restarts,
+            backoff_s=args.backoff_s,
+            backoff_max_s=args.backoff_max_s,
+            grace_s=args.grace_s,
+            ckpt=args.ckpt,
+            **({"node": args.node} if args.node else {}),
+        ).check()
+    except ValueError as e:
+        raise SystemExit(f"phalanx agent: {e}") from None
