@@ -22,6 +22,10 @@ from typing import Any
 import pytest
 from procs import FAST_TIMEOUTS, Controller, Procs, signal_group, wait_for, write_job_toml
 
+# Whole RL jobs (tens of batches, kills, restarts): on a loaded 2-core CI machine
+# running other process-heavy test files alongside, one can take over 2 minutes.
+pytestmark = pytest.mark.timeout(300)
+
 
 def job_sections(
     policy_init: int = 1,
@@ -115,7 +119,7 @@ def rl_status(ctl: Controller) -> dict[str, Any]:
     return ctl.status()["rl"]
 
 
-def wait_finished(ctl: Controller, replicas: list[RLReplica], timeout: float = 90.0) -> dict:
+def wait_finished(ctl: Controller, replicas: list[RLReplica], timeout: float = 180.0) -> dict:
     def done() -> dict[str, Any] | None:
         for r in replicas:
             r.alive()
