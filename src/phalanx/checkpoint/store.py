@@ -50,6 +50,23 @@ def sync_dir(path: str) -> None:
         os.close(fd)
 
 
+def put_atomic(fs: Any, path: str, data: bytes, durable: bool = False) -> None:
+    """Write one object atomically: a temporary name and a rename on a local
+    disk (fsynced with ``durable``), one PUT on an object store."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    fs.mv(tmp, path)
+    if durable:
+        sync_dir(path.rsplit("/", 1)[0])
+
+
 def is_local(fs: Any) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
@@ -184,16 +201,7 @@ class CheckpointStore:
     # -- writing ---------------------------------------------------------
 
     def put_atomic(self, path: str, data: bytes) -> None:
-        if self.local:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with self.fs.open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            self.fs.mv(tmp, path)
-            sync_dir(path.rsplit("/", 1)[0])
-        else:
-            self.fs.pipe_file(path, data)
+        put_atomic(self.fs, path, data, durable=True)
 
     def commit(self, staging: str, manifest: Manifest) -> None:
         """Write the manifest (the commit marker), move a local staging directory

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +40,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from phalanx.checkpoint.dcp_io import tensor_bytes
-from phalanx.checkpoint.store import is_local
+from phalanx.checkpoint.store import is_local, put_atomic
 from phalanx.comm.compress import Compression, decode, encode, wire_bytes
 
 log = logging.getLogger("phalanx.diloco")
@@ -103,12 +102,7 @@ class ObjectStoreAllReduce:
         return f"{self.root}/round_{round:08d}/f{fragment}"
 
     def _put(self, path: str, data: bytes) -> None:
-        if self.local:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            self.fs.pipe_file(tmp, data)
-            self.fs.mv(tmp, path)
-        else:
-            self.fs.pipe_file(path, data)
+        put_atomic(self.fs, path, data)
 
     @staticmethod
     def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
