@@ -255,8 +255,12 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "error": (r.error or "")[:200],
                     }
                 )
-        if ckpt is not None and saved != manager.step:
-            save_checkpoint(ckpt, cfg, manager, final=True)
+        if ckpt is not None:
+            # The last step is always durable before ``done``: a save in flight
+            # (the final step may be a multiple of every_steps) is waited for.
+            ckpt.wait()
+            if saved != manager.step:
+                save_checkpoint(ckpt, cfg, manager, final=True)
         if out is not None:
             save_final(out, manager)
         emit(
