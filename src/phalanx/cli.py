@@ -90,10 +90,25 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
 
     setup()
     cfg = load_config(args.config, overrides)
-    controller = _controller_of(args, "replica")
     name = args.name or f"{args.role}-{os.getpid()}"
     out = Path(args.out) if args.out else None
     state = Path(args.state) if args.state else None
+    if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
+        from phalanx import env
+        from phalanx.train.diloco_decoupled import run_decoupled_replica
+
+        if args.role != "policy" or state is not None:
+            raise SystemExit(
+                "phalanx replica: a decoupled DiLoCo replica takes neither --role rollout nor "
+                "--state (its state lives under diloco.url)."
+            )
+        try:
+            return run_decoupled_replica(
+                cfg, name, args.controller or os.environ.get(env.CONTROLLER), out
+            )
+        except ValueError as e:
+            raise SystemExit(f"phalanx replica: {e}") from None
+    controller = _controller_of(args, "replica")
     if cfg.rl is None:
         if args.role != "policy":
             raise SystemExit(
@@ -106,6 +121,10 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
                 f"--state {args.state} with an FT-DDP job config. Drop --state (FT replicas "
                 "heal from their peers)."
             )
+        if cfg.diloco is not None:
+            from phalanx.train.diloco_job import run_sync_replica
+
+            return run_sync_replica(cfg, controller, name, out)
         from phalanx.train.job import run_replica
 
         return run_replica(cfg, controller, name, out)

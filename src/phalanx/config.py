@@ -183,6 +183,94 @@ class CheckpointSection(_Section):
     """fsspec options for the URL (e.g. ``{"anon": true}``, an S3 endpoint)."""
 
 
+class DiLoCoSection(_Section):
+    """DiLoCo / Streaming DiLoCo (``phalanx.train.diloco``). In a DiLoCo job,
+    ``train.steps`` counts inner steps (a multiple of ``sync_every``), the
+    inner optimizer is ``train.optimizer`` (the paper: AdamW, lr 4e-4, weight
+    decay 0.1) and a step of the controller (and of ``checkpoint.every_steps``)
+    is an outer round."""
+
+    mode: Literal["sync", "objectstore"] = "sync"
+    """``sync``: over the FT manager's process group, a quorum per round.
+    ``objectstore``: decoupled replicas exchange through ``url`` (no network
+    between replicas), launched by ``executor``."""
+    sync_every: int = Field(50, ge=1, le=1_000_000)
+    """H: inner steps per outer round."""
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    fragments: int = Field(1, ge=1, le=10_000)
+    """Streaming DiLoCo: parameter fragments synchronised in turn (must divide sync_every)."""
+    tau: int = Field(0, ge=0)
+    """Streaming DiLoCo overlap: inner steps between a fragment's exchange and its use."""
+    alpha: float = Field(0.0, ge=0, le=1)
+    """Streaming DiLoCo mixing of the local fragment with the new global one."""
+    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    """Wire format of pseudo-gradients (always accumulated in fp32)."""
+    url: str = ""
+    """objectstore: the exchange root (``file://``, ``s3://``, ``gs://``, ``memory://``)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    replicas: int = Field(4, ge=1, le=10_000)
+    """objectstore: replicas the launcher starts (named r0, r1, ...; each its own data shard)."""
+    min_replicas: int = Field(1, ge=1, le=10_000)
+    """objectstore without a controller: a round is decided once this many
+    pseudo-gradients are in and ``grace_s`` has passed."""
+    grace_s: float = Field(1.0, ge=0, le=3600)
+    round_timeout_s: float = Field(120.0, gt=0, le=86400)
+    """objectstore: decide with whoever is present after this long."""
+    aggregator: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
+    """objectstore: the replica (e.g. ``r0``) that writes each round's average, so
+    that the others read one object instead of k. Empty: everyone averages."""
+    keep_rounds: int = Field(4, ge=1, le=1_000_000)
+    """objectstore: rounds kept in storage (older ones are deleted)."""
+    executor: Literal["local", "ray"] = "local"
+    """objectstore: where ``phalanx run`` starts the replicas."""
+    ray_address: str = ""
+    """executor = ray: the cluster to join (empty: start a local Ray instance)."""
+    max_restarts: int = Field(3, ge=0, le=1000)
+    """objectstore: restarts of a failed replica by ``phalanx run``."""
+
+    @model_validator(mode="after")
+    def _streaming(self) -> DiLoCoSection:
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"diloco.sync_every must be divisible by diloco.fragments: got sync_every="
+                f"{self.sync_every}, fragments={self.fragments}. Pick fragments among the "
+                f"divisors of sync_every."
+            )
+        if self.tau >= self.sync_every // self.fragments:
+            raise ValueError(
+                f"diloco.tau must be < sync_every / fragments = "
+                f"{self.sync_every // self.fragments}: got {self.tau}."
+            )
+        if self.mode == "objectstore" and not self.url:
+            raise ValueError(
+                "diloco.url must name the exchange root for mode = objectstore: got none. "
+                "Set it to a path or an fsspec URL (file://, s3://, gs://, memory://)."
+            )
+        if self.min_replicas > self.replicas:
+            raise ValueError(
+                f"diloco.min_replicas must be <= diloco.replicas: got {self.min_replicas} > "
+                f"{self.replicas}."
+            )
+        return self
+
+    def outer(self) -> Any:
+        """The :class:`~phalanx.train.diloco.DiLoCoConfig` of this section."""
+        from phalanx.train.diloco import DiLoCoConfig
+
+        return DiLoCoConfig(
+            H=self.sync_every,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            nesterov=self.nesterov,
+            fragments=self.fragments,
+            tau=self.tau,
+            alpha=self.alpha,
+            compression=self.compression,
+        )
+
+
 def _default_roles() -> dict[str, RoleSection]:
     return {"policy": RoleSection()}
 
@@ -197,6 +285,8 @@ class JobConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     rl: RLConfig | None = None
     """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
+    diloco: DiLoCoSection | None = None
+    """DiLoCo outer loop for the training job. None: FT-DDP (an all-reduce every step)."""
 
     @model_validator(mode="after")
     def _known_roles(self) -> JobConfig:
@@ -213,6 +303,18 @@ class JobConfig(_Section):
                 f"roles must be exactly {list(ROLE_NAMES)} for an RL job (one with an [rl] "
                 f"section): got {sorted(self.roles)}. Add [roles.policy] and [roles.rollout]."
             )
+        if self.diloco is not None:
+            if self.rl is not None:
+                raise ValueError(
+                    "diloco applies to the training job, not to an RL job: got both [rl] and "
+                    "[diloco]. Remove one of the sections."
+                )
+            if self.train.steps % self.diloco.sync_every:
+                raise ValueError(
+                    f"train.steps must be a multiple of diloco.sync_every in a DiLoCo job "
+                    f"(train.steps counts inner steps): got steps={self.train.steps}, "
+                    f"sync_every={self.diloco.sync_every}."
+                )
         return self
 
     def dump(self) -> dict[str, Any]:

@@ -52,6 +52,16 @@ class Communicator(ABC):
         for t in tensors:
             self.recv(t, src, tag)
 
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in rank
+        order. This default is one broadcast per rank; backends override it."""
+        out = []
+        for r in range(self.world_size):
+            buf = tensor.clone() if r == self.rank else torch.empty_like(tensor)
+            self.broadcast(buf, r)
+            out.append(buf)
+        return out
+
     @abstractmethod
     def abort(self) -> None:
         """Tear down the group; pending and later operations fail fast."""

@@ -92,6 +92,15 @@ class TorchCommunicator(Communicator):
             raise CommError(f"broadcast failed to start: {e}") from e
         self._wait(work, "broadcast")
 
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            work = self._group().allgather([out], [tensor.contiguous()])
+        except Exception as e:
+            raise CommError(f"allgather failed to start: {e}") from e
+        self._wait(work, "allgather")
+        return out
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.send_many([tensor], dst, tag)
 

@@ -95,6 +95,7 @@ def flatten(tree: Any, keyed: bool = False) -> tuple[Any, Any]:
 
 def unflatten(skeleton: Any, tensors: Any) -> Any:
     """Rebuild a tree from :func:`flatten`'s skeleton and tensors (list or dict)."""
+
     def walk(x: Any) -> Any:
         if isinstance(x, dict):
             if "__t__" in x:

@@ -147,6 +147,15 @@ class DiLoCo:
         """Inner step (mod H) at which ``fragment`` is exchanged."""
         return fragment * self.cfg.H // self.cfg.fragments
 
+    def due(self, t: int) -> list[int]:
+        """Fragments exchanged at inner step ``t``."""
+        h = self.cfg.H
+        return [
+            j
+            for j in range(self.cfg.fragments)
+            if t % h == self.offset(j) % h and t >= max(self.offset(j), 1)
+        ]
+
     def after_inner_step(self) -> list[int]:
         """Count one inner step; exchange and apply what is due. Returns the
         fragments exchanged at this step."""
@@ -156,12 +165,47 @@ class DiLoCo:
             if at == t:
                 del self.pending[j]
                 self._apply(j, avg)
-        done = []
-        for j in range(self.cfg.fragments):
-            if t % self.cfg.H == self.offset(j) % self.cfg.H and t >= max(self.offset(j), 1):
-                self._exchange(j)
-                done.append(j)
+        done = self.due(t)
+        for j in done:
+            self._exchange(j)
         return done
+
+    def fast_forward(
+        self,
+        result: Callable[[list[torch.Tensor], int, int], list[torch.Tensor] | None],
+        limit: int,
+    ) -> int:
+        """Catch up without training: apply the outer steps of exchanges the
+        other replicas already made, in order, while ``result(like, round,
+        fragment)`` has them (None: not decided yet, or gone), up to inner
+        step ``limit``. Then the local parameters restart from θ_global (the
+        replica's own unsynchronised progress is dropped). Returns the inner
+        steps skipped. Who calls: a replica that restarted or fell behind, in
+        the decoupled mode, before its next inner step."""
+        start = self.inner_steps
+        while True:
+            t = next((u for u in range(self.inner_steps + 1, limit + 1) if self.due(u)), None)
+            if t is None:
+                break
+            # Fragment offsets differ mod H: one fragment is due at a step.
+            (j,) = self.due(t)
+            avg = result(self.pseudo_gradient(j), self.rounds, j)
+            if avg is None:
+                break
+            for j, (at, avg) in sorted(self.pending.items()):
+                if at <= t:
+                    del self.pending[j]
+                    self._apply(j, avg, mix=False)
+            self.inner_steps = t
+            self.rounds += 1 if j == self.cfg.fragments - 1 else 0
+            if self.cfg.tau:
+                self.pending[j] = (t + self.cfg.tau, avg)
+            else:
+                self._apply(j, avg, mix=False)
+        with torch.no_grad():
+            for p, g in zip(self.params, self.global_params, strict=True):
+                p.copy_(g.detach().to(p.dtype))
+        return self.inner_steps - start
 
     def finish(self) -> None:
         """End of training: apply exchanges in flight, then exchange every fragment

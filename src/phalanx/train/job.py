@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from phalanx.client import ControllerClient, ControllerError, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig, TrainSection
 from phalanx.data.sampler import ElasticSampler
-from phalanx.train.manager import Manager
+from phalanx.train.manager import Compute, Manager
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
@@ -177,7 +178,26 @@ def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, fin
         ckpt.save_async(manager.step, manager.state_dict(), extra)
 
 
-def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
+@dataclass
+class ReplicaSetup:
+    """What every replica of the training job holds once it has joined."""
+
+    client: ControllerClient
+    store: Any
+    """This replica's rendezvous store (kept alive for the replica's lifetime)."""
+    manager: Manager
+    compute: Compute
+    ckpt: Checkpointer | None
+    resumed: int | None
+
+
+def setup_replica(
+    cfg: JobConfig, controller: str, name: str, global_batch_size: int
+) -> ReplicaSetup | None:
+    """Register with the controller and build the model, data, inner optimizer,
+    manager and checkpointer (resuming from the latest checkpoint); print the
+    ``start`` line. None (after printing ``done``) when the job already
+    committed its steps."""
     tc = cfg.train
     keep_freed_memory()
     torch.set_num_threads(tc.threads)
@@ -185,45 +205,105 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
     client = ControllerClient(controller, "policy", name, address=address)
     client.register()
     job_step = client.status()["roles"]["policy"]["step"]
-    if job_step >= tc.steps:
+    total = job_steps(cfg)
+    if job_step >= total:
         emit({"event": "done", "replica": client.replica_id, "step": job_step, "heals": 0})
-        log.info("the job already committed its %d steps; nothing to do", tc.steps)
+        log.info("the job already committed its %d steps; nothing to do", total)
         client.close("job already finished")
-        return 0
+        return None
     client.start_heartbeat()
     model = build_model(tc, cfg.job.seed)
     x, y = build_data(tc, cfg.job.seed)
-    optimizer = build_optimizer(tc, model)
-    sampler = ElasticSampler(tc.dataset_size, seed=cfg.job.seed)
-    comm = TorchCommunicator(cfg.timeouts.collective_s)
     manager = Manager(
         client,
-        comm,
+        TorchCommunicator(cfg.timeouts.collective_s),
         model,
-        optimizer,
-        sampler,
-        global_batch_size=tc.global_batch_size,
+        build_optimizer(tc, model),
+        ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
+        global_batch_size=global_batch_size,
         micro_batch_size=tc.micro_batch_size or None,
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
-    compute = make_compute(model, x, y, tc.step_delay_s)
-    ckpt = make_checkpointer(cfg, client)
-    resumed = resume(ckpt, manager) if ckpt is not None and cfg.checkpoint.resume else None
+    return ReplicaSetup(
+        client, store, manager, make_compute(model, x, y, tc.step_delay_s), None, None
+    )
+
+
+def job_steps(cfg: JobConfig) -> int:
+    """Steps of the controller until the job is done: optimizer steps, or outer
+    rounds in a DiLoCo job."""
+    if cfg.diloco is not None:
+        return cfg.train.steps // cfg.diloco.sync_every
+    return cfg.train.steps
+
+
+def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
+    """Make the checkpointer, resume from the latest checkpoint, print ``start``.
+    Call after every piece of state is registered with the manager."""
+    s.ckpt = make_checkpointer(cfg, s.client)
+    if s.ckpt is not None and cfg.checkpoint.resume:
+        s.resumed = resume(s.ckpt, s.manager)
     emit(
         {
             "event": "start",
-            "replica": client.replica_id,
-            "params": sum(p.numel() for p in model.parameters()),
-            "resumed_from": resumed,
+            "replica": s.client.replica_id,
+            "params": sum(p.numel() for p in s.manager.model.parameters()),
+            "resumed_from": s.resumed,
         }
     )
+
+
+def finish_replica(cfg: JobConfig, s: ReplicaSetup, saved: int | None, out: Path | None) -> None:
+    """End of the job: the last step durable in a checkpoint, the final state
+    written, ``done`` printed."""
+    if s.ckpt is not None:
+        # The last step is always durable before ``done``: a save in flight
+        # (the final step may be a multiple of every_steps) is waited for.
+        s.ckpt.wait()
+        if saved != s.manager.step:
+            save_checkpoint(s.ckpt, cfg, s.manager, final=True)
+    if out is not None:
+        save_final(out, s.manager)
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+        }
+    )
+
+
+def close_replica(s: ReplicaSetup) -> None:
+    if s.ckpt is not None:
+        s.ckpt.close()
+    s.manager.close()
+    s.client.close("finished")
+
+
+def maybe_checkpoint(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
+    """Save after a committed ``step`` when it is due. Returns whether it saved."""
     every = cfg.checkpoint.every_steps
-    saved = resumed
+    if s.ckpt is not None and every and step % every == 0:
+        save_checkpoint(s.ckpt, cfg, s.manager, final=False)
+        return True
+    return False
+
+
+def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
+    tc = cfg.train
+    s = setup_replica(cfg, controller, name, tc.global_batch_size)
+    if s is None:
+        return 0
+    start_checkpoints(cfg, s)
+    manager, client, sampler = s.manager, s.client, s.manager.sampler
+    assert sampler is not None
+    saved = s.resumed
     try:
         while manager.step < tc.steps:
             try:
-                r = manager.train_step(compute)
+                r = manager.train_step(s.compute)
             except QuorumTimeout as e:
                 log.warning("%s; asking again", e)
                 continue
@@ -243,8 +323,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "t": time.time(),
                     }
                 )
-                if ckpt is not None and every and r.step % every == 0:
-                    save_checkpoint(ckpt, cfg, manager, final=False)
+                if maybe_checkpoint(cfg, s, r.step):
                     saved = r.step
             else:
                 emit(
@@ -255,26 +334,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "error": (r.error or "")[:200],
                     }
                 )
-        if ckpt is not None:
-            # The last step is always durable before ``done``: a save in flight
-            # (the final step may be a multiple of every_steps) is waited for.
-            ckpt.wait()
-            if saved != manager.step:
-                save_checkpoint(ckpt, cfg, manager, final=True)
-        if out is not None:
-            save_final(out, manager)
-        emit(
-            {
-                "event": "done",
-                "replica": client.replica_id,
-                "step": manager.step,
-                "heals": manager.heals,
-            }
-        )
+        finish_replica(cfg, s, saved, out)
     finally:
-        if ckpt is not None:
-            ckpt.close()
-        manager.close()
-        client.close("finished")
-        del store
+        close_replica(s)
     return 0

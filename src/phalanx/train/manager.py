@@ -275,6 +275,38 @@ class Manager:
             self._fail(e)
             return float("nan")
 
+    def vote(self, loss_sum: float = 0.0) -> float:
+        """The commit vote alone, with no gradients: for loops whose exchange is
+        not a gradient all-reduce (DiLoCo's outer rounds). Returns the group's
+        summed loss. CommError is recorded, not raised; then
+        :meth:`should_commit` says False."""
+        self.grads.vote_ok = False
+        if not self._ok:
+            return float("nan")
+        meta = torch.tensor([1.0, loss_sum], dtype=torch.float64)
+        try:
+            self.comm.allreduce([meta], "sum")
+        except CommError as e:
+            self._fail(e)
+            return float("nan")
+        self.grads.vote_ok = round(meta[0].item()) == self.world_size
+        return float(meta[1])
+
+    def fail(self, e: Exception) -> None:
+        """Record a failed collective made outside the manager (e.g. by a DiLoCo
+        reducer over :attr:`comm`): vote no, report the peers, drop the group."""
+        self._fail(e)
+
+    @property
+    def error(self) -> str | None:
+        """Why this replica votes no in the current step, if it does."""
+        return self._error
+
+    @property
+    def ok(self) -> bool:
+        """Whether this replica can still vote yes in the current step."""
+        return self._ok
+
     def should_commit(self) -> bool:
         """Whether every participant succeeded this step.
 

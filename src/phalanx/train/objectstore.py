@@ -135,8 +135,12 @@ class ObjectStoreAllReduce:
             for part, v in encode(t.detach().cpu(), self.compression).items():
                 wire[f"{i}.{part}"] = v
         self.fs.makedirs(key, exist_ok=True)
-        self._put(f"{key}/{self.replica_id}.st", self.pack(wire, {"replica": self.replica_id}))
-        self.bytes_sent += wire_bytes(wire)
+        mine = f"{key}/{self.replica_id}.st"
+        # Objects are write-once: a replica restarted within a round it already
+        # wrote keeps its first object, which readers may have averaged already.
+        if not self.fs.exists(mine):
+            self._put(mine, self.pack(wire, {"replica": self.replica_id}))
+            self.bytes_sent += wire_bytes(wire)
         members = self._decide(key, round)
         self.last_members = members
         if self.replica_id not in members:
@@ -159,6 +163,29 @@ class ObjectStoreAllReduce:
         self._gc(round)
         return avg, n
 
+    def result(
+        self, like: list[torch.Tensor], *, round: int, fragment: int
+    ) -> list[torch.Tensor] | None:
+        """A decided round's average, for a replica catching up without taking
+        part: the same bits the members computed. None when the round is not
+        decided yet, or no longer complete in storage (garbage-collected)."""
+        key = self.key(round, fragment)
+        members = self._read_members(f"{key}/{MEMBERS}")
+        if members is None:
+            return None
+        if self.aggregator:
+            try:
+                raw = self.fs.cat_file(f"{key}/{RESULT}")
+            except FileNotFoundError:
+                raw = None
+            res = self.unpack(raw, f"{key}/{RESULT}") if raw is not None else None
+            if res is not None:
+                self.bytes_read += len(raw or b"")
+                return [res[str(i)] for i in range(len(like))]
+        if not set(members) <= set(self._present(key)):
+            return None
+        return self._average(key, members, like)[0]
+
     def _present(self, key: str) -> list[str]:
         try:
             names = self.fs.ls(key, detail=False)
@@ -175,12 +202,17 @@ class ObjectStoreAllReduce:
         """The round's member list: read it if decided, else propose it."""
         deadline = time.monotonic() + self.timeout_s
         path = f"{key}/{MEMBERS}"
-        quorum = self.members_fn(round) if self.members_fn else None
+        quorum: list[str] | None = None
+        asked = False
         enough_at: float | None = None
         while True:
             decided = self._read_members(path)
             if decided is not None:
                 return decided
+            if self.members_fn and not asked:
+                # Asked once the round is known to be undecided: a late replica
+                # reads the decision instead of waiting for a quorum.
+                quorum, asked = self.members_fn(round), True
             present = self._present(key)
             if quorum is not None:
                 ready = set(quorum) <= set(present)

@@ -1,0 +1,85 @@
+"""The built-in training job with DiLoCo's outer loop (``[diloco]`` in the job
+config): the same model, data and controller as the FT-DDP job, with the
+replicas exchanging pseudo-gradients once per ``sync_every`` inner steps.
+
+``mode = "sync"`` runs :class:`~phalanx.train.diloco_sync.SyncDiLoCo` (a
+quorum per round over the FT manager's process group); ``mode =
+"objectstore"`` runs the decoupled replica of
+:mod:`phalanx.train.diloco_decoupled`. Each replica prints one JSON line
+per committed round (``event: round``) on stdout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from phalanx.client import QuorumTimeout
+from phalanx.config import JobConfig
+from phalanx.train.diloco_sync import SyncDiLoCo
+from phalanx.train.job import (
+    close_replica,
+    emit,
+    finish_replica,
+    maybe_checkpoint,
+    setup_replica,
+    start_checkpoints,
+)
+
+log = logging.getLogger("phalanx.diloco")
+
+
+def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
+    """One replica of a synchronous DiLoCo job, until the job's rounds are committed."""
+    dc, tc = cfg.diloco, cfg.train
+    assert dc is not None
+    rounds = tc.steps // dc.sync_every
+    s = setup_replica(cfg, controller, name, dc.sync_every * tc.global_batch_size)
+    if s is None:
+        return 0
+    loop = SyncDiLoCo(s.manager, dc.outer(), tc.global_batch_size)
+    start_checkpoints(cfg, s)
+    m, client = s.manager, s.client
+    saved = s.resumed
+    try:
+        while m.step < rounds:
+            try:
+                r = loop.train_round(s.compute, last=m.step + 1 == rounds)
+            except QuorumTimeout as e:
+                log.warning("%s; asking again", e)
+                continue
+            if not r.committed:
+                emit(
+                    {
+                        "event": "retry",
+                        "replica": client.replica_id,
+                        "step": r.round,
+                        "error": (r.error or "")[:200],
+                    }
+                )
+                continue
+            extra = {"samples": r.samples} if tc.log_samples else {}
+            emit(
+                {
+                    **extra,
+                    "event": "step",
+                    "replica": client.replica_id,
+                    "step": r.round,
+                    "inner_step": loop.diloco.inner_steps,
+                    "loss": r.loss,
+                    "participants": r.participants,
+                    "quorum_id": r.quorum_id,
+                    "healed": r.healed,
+                    "cursor": m.sampler.cursor if m.sampler is not None else 0,
+                    "bytes_sent": loop.reducer.bytes_sent,
+                    "round_s": round(r.seconds, 4),
+                    "t": time.time(),
+                }
+            )
+            if maybe_checkpoint(cfg, s, r.round):
+                saved = r.round
+        finish_replica(cfg, s, saved, out)
+    finally:
+        close_replica(s)
+    return 0

@@ -1,0 +1,191 @@
+"""Synchronous DiLoCo over the FT manager's process group: a quorum per outer
+round, and a round commits everywhere or nowhere.
+
+A round is ``H`` inner steps on the round's ``H * B`` samples (``B`` =
+``train.global_batch_size``; inner step ``h`` takes samples ``[hB, (h+1)B)``
+of the round, split over the quorum with the FT-DDP remainder rule), with
+the exchanges that fall in it (one per fragment), then a commit vote::
+
+    wait_quorum()                heal joiners (model, inner optimizer, outer state)
+    snapshot                     the round's starting state, for a retry
+    H x (inner step, exchanges)  each exchange: all-reduce over the quorum
+    vote()                       every participant got through the round
+    commit, or restore           the snapshot, and retry with the next quorum
+
+So the controller's step of a DiLoCo job counts committed outer rounds; a
+replica killed mid-round makes the survivors' exchange fail, they restore
+the round's start and run it again without it (the data of a round is
+consumed once, by the round that commits). A joiner heals at the start of a
+round, then takes part in it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phalanx.comm.base import CommError
+from phalanx.comm.compress import Compression, decode, encode, wire_bytes
+from phalanx.comm.transfer import flatten, unflatten
+from phalanx.train.batch import micro_batches, split
+from phalanx.train.diloco import DiLoCo, DiLoCoConfig
+from phalanx.train.manager import Compute, Manager
+
+
+class CollectiveReducer:
+    """A DiLoCo :class:`~phalanx.train.diloco.Reducer` over ``manager.comm``
+    (the current quorum's process group).
+
+    Uncompressed: one all-reduce (sum, in the pseudo-gradient's dtype: fp32
+    or fp64) of the fragment, divided by the quorum size. Compressed: every
+    rank's encoded fragment is all-gathered and decoded, and summed in rank
+    order in fp32, so every rank computes the same bits.
+
+    Who calls: every participant of the quorum, in the same order of rounds
+    and fragments. Failure: raises :class:`CommError` (peer died or hung)."""
+
+    def __init__(self, manager: Manager, compression: Compression = "none"):
+        self.manager, self.compression = manager, compression
+        self.bytes_sent = 0
+
+    def average(
+        self, tensors: list[torch.Tensor], *, round: int, fragment: int
+    ) -> tuple[list[torch.Tensor], int]:
+        comm, k = self.manager.comm, self.manager.world_size
+        if self.compression == "none":
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            comm.allreduce([flat], "sum")
+            self.bytes_sent += flat.numel() * flat.element_size()
+            flat.div_(k)
+            out, off = [], 0
+            for t in tensors:
+                out.append(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+            return out, k
+        acc = [
+            torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors
+        ]
+        for i, t in enumerate(tensors):
+            wire = encode(t.detach(), self.compression)
+            names = sorted(wire)
+            packed = torch.cat([wire[n].reshape(-1).view(torch.uint8) for n in names])
+            self.bytes_sent += wire_bytes(wire)
+            for got in comm.allgather(packed):
+                parts, off = {}, 0
+                for n in names:
+                    v = wire[n]
+                    nb = v.numel() * v.element_size()
+                    parts[n] = got[off : off + nb].view(v.dtype).view_as(v)
+                    off += nb
+                acc[i] += decode(parts, self.compression, t).to(acc[i].dtype)
+        return [(a / k).to(t.dtype) for a, t in zip(acc, tensors, strict=True)], k
+
+
+def clone_tree(tree: Any) -> Any:
+    """A deep copy of a state tree (tensors cloned)."""
+    skeleton, tensors = flatten(tree)
+    return unflatten(skeleton, [t.detach().clone() for t in tensors])
+
+
+@dataclass
+class RoundResult:
+    committed: bool
+    round: int
+    """Committed rounds after this call (the controller's step)."""
+    loss: float | None
+    """Mean inner loss over the round's samples (only when committed)."""
+    participants: int
+    quorum_id: int
+    healed: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+    samples: list[int] | None = None
+    """This replica's samples in the round, in inner-step order."""
+
+
+class SyncDiLoCo:
+    """The synchronous DiLoCo loop of one replica.
+
+    ``manager`` must have been built with ``global_batch_size = H * B`` (the
+    samples of one round) and the inner optimizer; the outer state is
+    registered with it (heal and checkpoints carry it).
+
+    Who calls: every replica, :meth:`train_round` once per loop iteration,
+    until ``manager.step`` reaches the job's rounds. Not thread-safe."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        cfg: DiLoCoConfig,
+        inner_batch_size: int,
+        *,
+        outer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    ):
+        if manager.global_batch_size != cfg.H * inner_batch_size:
+            raise ValueError(
+                f"the manager's global batch must be H * B = {cfg.H * inner_batch_size} "
+                f"samples (one outer round): got {manager.global_batch_size}."
+            )
+        self.manager, self.cfg, self.B = manager, cfg, inner_batch_size
+        self.reducer = CollectiveReducer(manager, cfg.compression)
+        self.diloco = DiLoCo(manager.model, cfg, self.reducer, outer_factory)
+        manager.register_state("diloco", self.diloco.state_dict, self.diloco.load_state_dict)
+
+    def train_round(self, fn: Compute, *, last: bool = False) -> RoundResult:
+        """One outer round: quorum (and heal), H inner steps with their exchanges,
+        commit vote. ``last``: also flush Streaming exchanges (``finish``) so that
+        every replica ends identical. On ``committed=False`` the replica is back
+        at the round's start; call again."""
+        m, t0 = self.manager, time.perf_counter()
+        m.start_quorum()
+        q = m.wait_quorum()
+        healed = m.client.replica_id in q.heal
+        snapshot = clone_tree(m.state_dict()) if m.ok else None
+        loss, samples = 0.0, []
+        if m.ok:
+            try:
+                for h in range(self.cfg.H):
+                    idx = self._inner_share(h)
+                    samples += idx
+                    loss += self._inner_step(fn, idx)
+                    self.diloco.after_inner_step()
+                if last:
+                    self.diloco.finish()
+            except CommError as e:
+                m.fail(e)
+        total = m.vote(loss)
+        committed = m.should_commit()
+        if not committed and snapshot is not None:
+            m.load_state_dict(snapshot)
+        return RoundResult(
+            committed,
+            m.step,
+            total / m.global_batch_size if committed else None,
+            m.world_size,
+            q.quorum_id,
+            healed,
+            None if committed else (m.error or "a participant voted no"),
+            time.perf_counter() - t0,
+            samples,
+        )
+
+    def _inner_share(self, h: int) -> list[int]:
+        m = self.manager
+        assert m.sampler is not None, "SyncDiLoCo needs the manager's sampler"
+        off, count = split(self.B, m.world_size, m.rank)
+        return m.sampler.positions(m.sampler.cursor + h * self.B + off, count)
+
+    def _inner_step(self, fn: Compute, idx: list[int]) -> float:
+        """One local optimizer step on ``idx`` (the replica's mean loss)."""
+        m = self.manager
+        m.grads.zero()
+        total = 0.0
+        for mb in micro_batches(idx, m.micro_batch_size):
+            total += float(fn(mb, 1.0 / max(1, len(idx))))
+        if idx:
+            m.optimizer.step()
+        return total
