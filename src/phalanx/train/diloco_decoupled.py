@@ -104,6 +104,8 @@ class DecoupledReplica:
         self.round_start_data_step = 0
         self.rewound = 0
         self.caught_up = 0
+        """Inner steps skipped by catching up from storage (restart or left out)."""
+        self.adopted_from: str | None = None
 
     # -- state in storage --------------------------------------------------
 
@@ -139,21 +141,26 @@ class DecoupledReplica:
             self.optimizer.load_state_dict(own["optimizer"])
             self.diloco.load_state_dict(own["diloco"])
             self.data_step = int(own["data_step"])
-        best = None
+        own_steps = self.diloco.inner_steps
+        best, best_name = None, None
         for i in range(self.dc.replicas):
             peer = self._read(f"r{i}") if i != self.index else None
             if peer is not None and peer["diloco"]["inner_steps"] > (
                 best["diloco"]["inner_steps"] if best else self.diloco.inner_steps
             ):
-                best = peer
+                best, best_name = peer, f"r{i}"
         if best is not None and not self._can_replay():
             log.info(
-                "adopting a peer's outer state at inner step %d (own: %d)",
+                "adopting %s's outer state at inner step %d (own: %d): the rounds in "
+                "between are no longer in storage",
+                best_name,
                 best["diloco"]["inner_steps"],
                 self.diloco.inner_steps,
             )
             self.diloco.load_state_dict(best["diloco"])
+            self.adopted_from = best_name
         self.catch_up()
+        self.caught_up = self.diloco.inner_steps - own_steps
 
     def _can_replay(self) -> bool:
         """Whether the next exchange after this slot's position is still in storage."""
@@ -212,6 +219,7 @@ class DecoupledReplica:
                 "inner_step": self.diloco.inner_steps,
                 "round": self.diloco.rounds,
                 "caught_up": self.caught_up,
+                "adopted_from": self.adopted_from,
             }
         )
         losses: list[float] = []
