@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from ftjob import SPARE, Replica, load_state
 from s3 import s3_server  # noqa: F401  (a pytest fixture)
