@@ -150,6 +150,24 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.launch.options import Chaos, launch_counts
 
     cfg = load_config(args.config, overrides)
+    if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
+        from phalanx.launch.decoupled import DecoupledJob
+
+        if args.chaos:
+            raise SystemExit(
+                "phalanx run: --chaos is for jobs with a controller; a decoupled DiLoCo job "
+                "restarts failed slots itself (diloco.max_restarts). Drop --chaos."
+            )
+        if args.replicas:
+            if not args.replicas.isdigit() or int(args.replicas) < 1:
+                raise SystemExit(
+                    f"phalanx run: --replicas must be a positive count of slots for a decoupled "
+                    f"DiLoCo job: got {args.replicas!r}."
+                )
+            overrides = [*overrides, "--diloco.replicas", args.replicas]
+            cfg = load_config(args.config, overrides)
+        run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return DecoupledJob(args.config, cfg, run_dir, overrides).run(as_json=args.json)
     try:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
         counts, extra = launch_counts(cfg, args.replicas)

@@ -317,6 +317,14 @@ class JobConfig(_Section):
                 )
         return self
 
+    @property
+    def job_steps(self) -> int:
+        """The controller's steps until the job is done: optimizer steps, or
+        outer rounds in a DiLoCo job."""
+        if self.diloco is not None:
+            return self.train.steps // self.diloco.sync_every
+        return self.train.steps
+
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

@@ -70,7 +70,7 @@ class View:
         from rich.table import Table
 
         job = self.job
-        steps = job.cfg.train.steps
+        steps = job.cfg.job_steps
         t = Table(
             title=f"phalanx run: job {job.cfg.job.id}  ({time.monotonic() - job.started:.0f} s)"
         )
@@ -190,7 +190,7 @@ class View:
         job = self.job
         lead = max(job.replicas.values(), key=lambda r: r.step)
         if lead.step >= self._printed_step + 25 or (
-            lead.step == job.cfg.train.steps and lead.step > self._printed_step
+            lead.step == job.cfg.job_steps and lead.step > self._printed_step
         ):
             self._printed_step = lead.step
             print(
@@ -262,8 +262,11 @@ def ft_summary(job: LocalJob) -> dict[str, Any]:
 
 
 def ft_line(job: LocalJob, s: dict[str, Any]) -> str:
+    what = f"{s['steps']} steps"
+    if job.cfg.diloco is not None:
+        what = f"{s['steps']} DiLoCo rounds ({s['steps'] * job.cfg.diloco.sync_every} inner steps)"
     return (
-        f"job {s['job']}: {s['steps']} steps committed in {s['wall_s']:.1f} s, final loss "
+        f"job {s['job']}: {what} committed in {s['wall_s']:.1f} s, final loss "
         f"{_f(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s); longest "
         f"gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: {s['run_dir']}"
         + (f". FAILED: {s['error']}" if s["error"] else "")

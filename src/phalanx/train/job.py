@@ -205,7 +205,7 @@ def setup_replica(
     client = ControllerClient(controller, "policy", name, address=address)
     client.register()
     job_step = client.status()["roles"]["policy"]["step"]
-    total = job_steps(cfg)
+    total = cfg.job_steps
     if job_step >= total:
         emit({"event": "done", "replica": client.replica_id, "step": job_step, "heals": 0})
         log.info("the job already committed its %d steps; nothing to do", total)
@@ -228,14 +228,6 @@ def setup_replica(
     return ReplicaSetup(
         client, store, manager, make_compute(model, x, y, tc.step_delay_s), None, None
     )
-
-
-def job_steps(cfg: JobConfig) -> int:
-    """Steps of the controller until the job is done: optimizer steps, or outer
-    rounds in a DiLoCo job."""
-    if cfg.diloco is not None:
-        return cfg.train.steps // cfg.diloco.sync_every
-    return cfg.train.steps
 
 
 def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
