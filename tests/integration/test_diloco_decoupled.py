@@ -146,3 +146,43 @@ def test_a_slot_killed_mid_round_is_left_out_then_catches_up(tmp_path: Path):
 def load_state_from(p: Replica) -> dict[str, Any]:
     p.wait_event(lambda e: e["event"] == "done", "the done line", 120)
     return load_state(p.out)
+
+
+def test_with_a_controller_the_quorum_decides_the_members(tmp_path: Path):
+    """Slots attached to a controller: a round's members are its quorum of the
+    live slots. A killed slot is evicted (its held connection drops), and the
+    next round is decided with the two others at once, not after the storage
+    deadline (min_replicas = 3 and round_timeout_s = 60 would wait a minute)."""
+    from ftjob import FTJob, write_job
+
+    url = f"file://{tmp_path / 'store'}"
+    config = overrides(url, min_replicas=3, grace_s=30, round_timeout_s=60)
+    config += ["--train.steps", "48", "--train.step_delay_s", "0.03"]
+    job = FTJob(tmp_path, write_job(tmp_path / "job.toml", policy={"n_init_replicas": 3}))
+    try:
+        job.start_controller()
+        slots = []
+        for i in range(3):
+            label = f"c-r{i}"
+            out = tmp_path / f"{label}.safetensors"
+            cli = ["replica", "--name", f"r{i}", "--out", str(out)]
+            cli += ["--controller", str(job.state_dir), *config]
+            r = Replica(
+                [sys.executable, "-m", "phalanx.cli", *cli], label, tmp_path, f"r{i}", out, False
+            )
+            job.procs.append(r)
+            slots.append(r)
+        r0, _, r2 = slots
+        r2.wait_for(lambda: len([e for e in r2.events if e["event"] == "round"]) >= 2, "round 2")
+        r2.kill()
+        killed_at = time.monotonic()
+        after = rounds_of(r2)[-1]["round"] + 1
+        ev = r0.wait_event(lambda e: e["event"] == "round" and e["round"] == after, "next round")
+        assert ev["members"] == ["r0", "r1"], ev
+        assert ev["_at"] - killed_at < 20, ev["_at"] - killed_at
+        finals = [load_state_from(p) for p in slots[:2]]
+        for k, v in finals[0].items():
+            if k != "__meta__":
+                assert torch.equal(finals[1][k], v), k
+    finally:
+        job.cleanup()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.base import CommError
+from phalanx.comm.base import CommError, Communicator
 from phalanx.comm.compress import Compression, decode, encode, wire_bytes
 from phalanx.comm.transfer import flatten, unflatten
 from phalanx.train.batch import micro_batches, split
@@ -37,8 +37,8 @@ from phalanx.train.manager import Compute, Manager
 
 
 class CollectiveReducer:
-    """A DiLoCo :class:`~phalanx.train.diloco.Reducer` over ``manager.comm``
-    (the current quorum's process group).
+    """A DiLoCo :class:`~phalanx.train.diloco.Reducer` over a communicator (the
+    FT manager's: the current quorum's process group).
 
     Uncompressed: one all-reduce (sum, in the pseudo-gradient's dtype: fp32
     or fp64) of the fragment, divided by the quorum size. Compressed: every
@@ -48,14 +48,14 @@ class CollectiveReducer:
     Who calls: every participant of the quorum, in the same order of rounds
     and fragments. Failure: raises :class:`CommError` (peer died or hung)."""
 
-    def __init__(self, manager: Manager, compression: Compression = "none"):
-        self.manager, self.compression = manager, compression
+    def __init__(self, comm: Communicator, compression: Compression = "none"):
+        self.comm, self.compression = comm, compression
         self.bytes_sent = 0
 
     def average(
         self, tensors: list[torch.Tensor], *, round: int, fragment: int
     ) -> tuple[list[torch.Tensor], int]:
-        comm, k = self.manager.comm, self.manager.world_size
+        comm, k = self.comm, self.comm.world_size
         if self.compression == "none":
             flat = torch.cat([t.reshape(-1) for t in tensors])
             comm.allreduce([flat], "sum")
@@ -79,7 +79,8 @@ class CollectiveReducer:
                 for n in names:
                     v = wire[n]
                     nb = v.numel() * v.element_size()
-                    parts[n] = got[off : off + nb].view(v.dtype).view_as(v)
+                    # clone: a slice may sit at an offset its dtype cannot view (int8 before fp32)
+                    parts[n] = got[off : off + nb].clone().view(v.dtype).view_as(v)
                     off += nb
                 acc[i] += decode(parts, self.compression, t).to(acc[i].dtype)
         return [(a / k).to(t.dtype) for a, t in zip(acc, tensors, strict=True)], k
@@ -131,7 +132,7 @@ class SyncDiLoCo:
                 f"samples (one outer round): got {manager.global_batch_size}."
             )
         self.manager, self.cfg, self.B = manager, cfg, inner_batch_size
-        self.reducer = CollectiveReducer(manager, cfg.compression)
+        self.reducer = CollectiveReducer(manager.comm, cfg.compression)
         self.diloco = DiLoCo(manager.model, cfg, self.reducer, outer_factory)
         manager.register_state("diloco", self.diloco.state_dict, self.diloco.load_state_dict)
 
