@@ -48,9 +48,11 @@ def overrides(url: str, **diloco: Any) -> list[str]:
     return out
 
 
-def run_in_threads(url: str, storage_options: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def run_in_threads(
+    url: str, storage_options: dict[str, Any] | None = None, **diloco: Any
+) -> list[torch.Tensor]:
     """Three slots in threads, every round decided with all three."""
-    args = overrides(url, min_replicas=3, grace_s=0, keep_rounds=2)
+    args = overrides(url, min_replicas=3, grace_s=0, keep_rounds=2, **diloco)
     args += ["--train.steps", "24"]
     cfg = load_config(None, args)
     if storage_options:
@@ -84,6 +86,14 @@ def test_transports_are_bit_identical(tmp_path: Path, s3_server):  # noqa: F811
     s3 = run_in_threads(url, opts)
     for got in (*mem, *local, *s3):
         assert torch.equal(got, mem[0])
+
+
+def test_streaming_slots_end_identical():
+    """Streaming DiLoCo (2 fragments, overlap tau = 1, mixing alpha = 0.5) through
+    storage: every slot ends with the same parameters."""
+    got = run_in_threads(f"memory://diloco-{uuid.uuid4().hex[:8]}", fragments=2, tau=1, alpha=0.5)
+    for g in got[1:]:
+        assert torch.equal(g, got[0])
 
 
 def start_slot(workdir: Path, config: list[str], name: str, label: str, spare: bool) -> Replica:
