@@ -227,6 +227,8 @@ class DiLoCoSection(_Section):
     """objectstore: where ``phalanx run`` starts the replicas."""
     ray_address: str = ""
     """executor = ray: the cluster to join (empty: start a local Ray instance)."""
+    ray_cpus_per_replica: float = Field(1.0, ge=0, le=1024)
+    """executor = ray: Ray CPUs each slot's actor asks for."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """objectstore: restarts of a failed replica by ``phalanx run``."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,17 @@ def make_executor(dc: DiLoCoSection, run_dir: Path) -> ServerlessExecutor:
     if dc.executor == "ray":
         from phalanx.launch.ray_executor import RayExecutor
 
-        return RayExecutor(dc.ray_address or None, log_dir=run_dir / "logs")
+        if dc.ray_address:
+            return RayExecutor(dc.ray_address, dc.ray_cpus_per_replica, log_dir=run_dir / "logs")
+        # A local instance gets a logical CPU per slot (Ray's CPUs are a
+        # scheduling resource): every slot must run at once, or a round that
+        # waits for min_replicas would wait for slots Ray keeps pending.
+        return RayExecutor(
+            None,
+            dc.ray_cpus_per_replica,
+            log_dir=run_dir / "logs",
+            num_cpus=max(1, math.ceil(dc.replicas * dc.ray_cpus_per_replica)),
+        )
     from phalanx.launch.local_executor import LocalProcessExecutor
 
     return LocalProcessExecutor(run_dir / "logs")

@@ -1,0 +1,449 @@
+"""Replicas as Ray actors: one actor per replica runs ``phalanx.cli.main(argv)``
+in its worker process, on whichever node Ray places it.
+
+- **Logs.** For the length of the run, the actor points its file descriptors 1
+  and 2 at a pipe that a thread reads into a line buffer, so it captures
+  ``print``, logging, C extensions and child processes alike. The driver pulls
+  new lines through an actor method (the actor has ``max_concurrency`` >= 2, so
+  that this answers while the command runs): on :meth:`RayExecutor.stream_logs`,
+  about once a second from :meth:`~RayExecutor.poll`, and once more when the
+  replica ends or is cancelled. The driver keeps every line it pulled (and
+  appends them to ``log_dir/<name>.log`` when given one). Lines a worker wrote
+  after the last pull before it died are lost with it. Ray's own forwarding of
+  worker output to the driver is turned off (``log_to_driver=False``) when this
+  executor starts Ray, since the lines arrive here instead.
+- **Ends.** The run's ObjectRef resolves to the command's exit code; a worker
+  that died (killed, out of memory, node lost) makes it raise, and the replica
+  is ``failed`` with Ray's reason. An actor that ended is killed at once, so that
+  its CPUs go back to the pool.
+- **Cancel** is ``ray.kill(actor)``: no SIGTERM, no grace. A replica that must
+  save state on the way out needs another way to be told.
+- **Network.** ``supports_inter_replica_network = False``: Ray actors on
+  different nodes may have no path to each other in serverless setups, and we
+  do not rely on it. Jobs that exchange only through object storage (decoupled
+  DiLoCo) run here.
+
+The command runs in a thread of the actor, not its main thread: a command that
+installs signal handlers must skip that off the main thread (``phalanx agent``
+and the controller do). ``spec.env`` is set in the worker's ``os.environ`` and
+``spec.cwd`` with ``os.chdir`` before the command starts; both are the worker
+process's own (one actor per process). With ``cwd=None`` the command runs in the
+worker's default directory (on a local instance, the driver's).
+
+``ray`` is an optional dependency (``pip install 'phalanx[ray]'``), imported
+only when a :class:`RayExecutor` is made. phalanx must be importable on every
+node that runs replicas (installed there, or shipped with ``runtime_env``'s
+``py_modules``): the actor class is this module's, and it runs phalanx's CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.launch.base import (
+    ReplicaSpec,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+    check_launch,
+)
+
+__all__ = ["RayExecutor"]
+
+log = logging.getLogger("phalanx.launch")
+
+LOG_PULL_S = 1.0
+"""How often :meth:`RayExecutor.poll` pulls new log lines of running replicas."""
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            f"RayExecutor must have the ray package: it is not importable ({e}). Install the "
+            f"extra: pip install 'phalanx[ray]'."
+        ) from e
+    return ray
+
+
+def run_cli(argv: list[str]) -> int:
+    """``phalanx <argv>`` in this process, with the exit code ``python -m phalanx``
+    would have: ``SystemExit`` becomes its code (a message goes to stderr, code
+    1), an uncaught exception prints its traceback and gives 1."""
+    from phalanx.cli import main
+
+    try:
+        return int(main(argv) or 0)
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+class ReplicaActor:
+    """The actor (made remote by :class:`RayExecutor`): runs one replica in its
+    worker process, then nothing else. ``run`` is called once; ``ready`` and
+    ``logs`` may be called at any time, concurrently with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lines: list[str] = []
+        self._base = 0
+        """Line number of ``_lines[0]``: lines before it were pulled, and dropped."""
+        self._partial = b""
+        self._done = False
+        self._started_at = time.time()
+
+    def ready(self) -> tuple[float, int]:
+        """When the actor started (wall clock), and its worker's pid."""
+        return self._started_at, os.getpid()
+
+    def logs(self, since: int) -> tuple[list[str], int, bool]:
+        """Lines from ``since`` on, the next cursor, and whether the run ended with
+        every line read. Lines before ``since`` are dropped: the caller has them."""
+        with self._lock:
+            drop = min(max(since - self._base, 0), len(self._lines))
+            del self._lines[:drop]
+            self._base += drop
+            return list(self._lines), self._base + len(self._lines), self._done
+
+    def _read(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            with self._lock:
+                if not data:
+                    if self._partial:
+                        self._lines.append(self._partial.decode("utf-8", "replace"))
+                        self._partial = b""
+                    break
+                *complete, self._partial = (self._partial + data).split(b"\n")
+                self._lines += [ln.decode("utf-8", "replace").rstrip("\r") for ln in complete]
+        os.close(fd)
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> int:
+        os.environ.update(env)
+        r, w = os.pipe()
+        reader = threading.Thread(target=self._read, args=(r,), daemon=True, name="replica-logs")
+        reader.start()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)  # inside the capture: a bad cwd is this replica's failure
+            return run_cli(argv)
+        except OSError as e:
+            print(
+                f"replica cwd must be a directory on the actor's node: got {cwd!r} ({e}).",
+                file=sys.stderr,
+            )
+            return 1
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            # EOF comes once no process holds the pipe; children the command left
+            # running still may, so do not wait for them.
+            reader.join(timeout=5.0)
+            with self._lock:
+                self._done = True
+
+
+@dataclass
+class _Run:
+    """One launch of a replica name, as the driver sees it."""
+
+    spec: ReplicaSpec
+    attempt: int
+    actor: Any
+    run_ref: Any
+    ready_ref: Any
+    state: ReplicaState = ReplicaState.PENDING
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    error: str | None = None
+    pid: int | None = None
+    cursor: int = 0
+    """Lines of this launch pulled so far (the actor's numbering)."""
+    log_ref: Any = None
+    """The pull in flight, if any; one at a time keeps the lines in order."""
+    pulled_at: float = 0.0
+    killed: bool = False
+
+    def status(self) -> ReplicaStatus:
+        return ReplicaStatus(
+            self.spec.name,
+            self.state,
+            self.exit_code,
+            self.started_at,
+            self.ended_at,
+            self.error,
+            self.attempt,
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
+
+
+class RayExecutor(ServerlessExecutor):
+    """Replicas as Ray actors; see the module doc.
+
+    Connects to ``address`` (``"auto"``, ``"ray://host:10001"``, ...) or, when it
+    is None, starts a local Ray instance; ``init_kwargs`` go to ``ray.init``
+    (``num_cpus`` for a local instance, ``namespace``, ...), with
+    ``include_dashboard=False`` and ``log_to_driver=False`` unless given. If this
+    process is connected to Ray already, that connection is used as it is, and
+    :meth:`close` leaves it open; otherwise :meth:`close` disconnects (and so
+    stops the local instance it started). Each replica's actor asks for
+    ``num_cpus_per_replica`` CPUs and gets ``runtime_env``; a replica stays
+    ``pending`` while the cluster cannot place it. ``log_dir``, if given, gets a
+    copy of each replica's pulled lines in ``<name>.log``. ``kill_wait_s``
+    bounds how long :meth:`cancel` waits to see a killed actor gone."""
+
+    backend_name = "ray"
+    supports_inter_replica_network = False
+
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus_per_replica: float = 1,
+        runtime_env: dict[str, Any] | None = None,
+        *,
+        log_dir: Path | str | None = None,
+        kill_wait_s: float = 10.0,
+        **init_kwargs: Any,
+    ):
+        self._ray = ray = import_ray()
+        if num_cpus_per_replica < 0:
+            raise ValueError(f"num_cpus_per_replica must be >= 0: got {num_cpus_per_replica}.")
+        self.owns_connection = not ray.is_initialized()
+        if self.owns_connection:
+            init_kwargs.setdefault("include_dashboard", False)
+            init_kwargs.setdefault("log_to_driver", False)
+            ray.init(address=address, **init_kwargs)
+        elif address is not None or init_kwargs:
+            log.warning(
+                "ray executor: this process is connected to Ray already; using that "
+                "connection, and ignoring address=%r and %s",
+                address,
+                sorted(init_kwargs),
+            )
+        self.log_dir = Path(log_dir).absolute() if log_dir is not None else None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.kill_wait_s = kill_wait_s
+        options: dict[str, Any] = {
+            "num_cpus": num_cpus_per_replica,
+            "max_concurrency": 4,  # run + log pulls + ready, concurrently
+            "max_restarts": 0,  # a restart is the launcher's call (relaunch)
+        }
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        self._actor_cls = ray.remote(ReplicaActor).options(**options)
+        self._lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+        self._lines: dict[str, list[str]] = {}
+        self._closed = False
+
+    # -- launching ------------------------------------------------------
+
+    def launch_replicas(self, specs: Iterable[ReplicaSpec]) -> list[str]:
+        specs = list(specs)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ray executor must be open to launch replicas: it is closed.")
+            self._refresh()
+            check_launch(specs, [n for n, r in self._runs.items() if not r.state.ended])
+            for s in specs:
+                old = self._runs.get(s.name)
+                attempt = 0 if old is None else old.attempt + 1
+                if attempt:
+                    self._add_lines(s.name, [f"--- relaunch {attempt} of {s.name} ---"])
+                else:
+                    self._lines[s.name] = []
+                actor = self._actor_cls.remote()
+                ready_ref = actor.ready.remote()
+                run_ref = actor.run.remote(s.argv, s.env, s.cwd)
+                self._runs[s.name] = _Run(s, attempt, actor, run_ref, ready_ref)
+        return [s.name for s in specs]
+
+    # -- logs -----------------------------------------------------------
+
+    def _add_lines(self, name: str, lines: list[str]) -> None:
+        self._lines.setdefault(name, []).extend(lines)
+        if self.log_dir is not None and lines:
+            with (self.log_dir / f"{name}.log").open("a", encoding="utf-8") as f:
+                f.writelines(ln + "\n" for ln in lines)
+
+    def _pull(self, run: _Run, wait_s: float) -> bool:
+        """Take what a log pull brought, starting one if none is in flight and
+        waiting up to ``wait_s`` for it. True when the run ended and every line
+        of it is here. A dead actor brings nothing (its last lines are lost)."""
+        if run.killed:
+            return False
+        if run.log_ref is None:
+            run.log_ref = run.actor.logs.remote(run.cursor)
+            run.pulled_at = time.monotonic()
+        ready, _ = self._ray.wait([run.log_ref], timeout=wait_s)
+        if not ready:
+            return False
+        ref, run.log_ref = run.log_ref, None
+        try:
+            lines, run.cursor, complete = self._ray.get(ref)
+        except self._ray.exceptions.RayError:
+            run.killed = True  # the actor is gone: ask it nothing more
+            return False
+        self._add_lines(run.spec.name, lines)
+        return bool(complete)
+
+    def _drain(self, run: _Run, timeout_s: float) -> None:
+        """Pull until every line of an ended run is here, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while not self._pull(run, max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline or run.killed:
+                return
+
+    def stream_logs(self, name: str, since: int = 0) -> tuple[list[str], int]:
+        if since < 0:
+            raise ValueError(f"log cursor must be >= 0: got {since}.")
+        with self._lock:
+            if name not in self._lines:
+                raise KeyError(f"replica {name!r} was never launched on this executor")
+            self._refresh()
+            run = self._runs[name]
+            if run.state is ReplicaState.RUNNING:
+                self._pull(run, wait_s=5.0)
+            lines = self._lines[name]
+            return lines[since:], len(lines)
+
+    # -- watching -------------------------------------------------------
+
+    def _kill(self, run: _Run) -> None:
+        if not run.killed:
+            run.killed = True
+            self._ray.kill(run.actor, no_restart=True)
+
+    def _refresh(self) -> None:
+        """Record starts and ends; pull logs of running replicas now and then (lock held)."""
+        ray = self._ray
+        live = [r for r in self._runs.values() if not r.state.ended]
+        if not live:
+            return
+        done, _ = ray.wait([r.run_ref for r in live], num_returns=len(live), timeout=0)
+        done_ids = {ref.hex() for ref in done}
+        pending = [r.ready_ref for r in live if r.state is ReplicaState.PENDING]
+        started_ids: set[str] = set()
+        if pending:
+            started, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            started_ids = {ref.hex() for ref in started}
+        now = time.monotonic()
+        for run in live:
+            if run.ready_ref.hex() in started_ids:
+                try:
+                    run.started_at, run.pid = ray.get(run.ready_ref)
+                    run.state = ReplicaState.RUNNING
+                except ray.exceptions.RayError:
+                    pass  # never started: the run's ref says why
+            if run.run_ref.hex() in done_ids:
+                self._ended(run)
+            elif run.state is ReplicaState.RUNNING and (
+                run.log_ref is not None or now - run.pulled_at >= LOG_PULL_S
+            ):
+                self._pull(run, wait_s=0.0)
+
+    def _ended(self, run: _Run) -> None:
+        ray = self._ray
+        run.ended_at = time.time()
+        try:
+            run.exit_code = int(ray.get(run.run_ref))
+        except ray.exceptions.RayError as e:
+            run.state = ReplicaState.FAILED
+            run.error = f"the replica's Ray actor died or never started: {_first_line(e)}"
+            run.killed = True
+            return
+        if run.started_at is None:
+            run.started_at = run.ended_at  # ended before a poll saw it start
+        run.state = ReplicaState.SUCCEEDED if run.exit_code == 0 else ReplicaState.FAILED
+        if run.exit_code != 0:
+            run.error = f"exited with code {run.exit_code}"
+        self._drain(run, timeout_s=10.0)
+        self._kill(run)  # it has nothing left to do; give its CPUs back
+
+    def poll(self) -> dict[str, ReplicaStatus]:
+        with self._lock:
+            self._refresh()
+            return {n: r.status() for n, r in self._runs.items()}
+
+    def pid(self, name: str) -> int | None:
+        """The pid of the latest launch's worker process, on the node Ray placed it
+        on; None until a poll saw it start."""
+        with self._lock:
+            self._refresh()
+            return self._runs[name].pid
+
+    def spec(self, name: str) -> ReplicaSpec:
+        with self._lock:
+            return self._runs[name].spec
+
+    # -- stopping -------------------------------------------------------
+
+    def cancel(self, name: str | None = None) -> None:
+        with self._lock:
+            if name is not None and name not in self._runs:
+                raise KeyError(f"replica {name!r} was never launched on this executor")
+            self._refresh()
+            runs = list(self._runs.values()) if name is None else [self._runs[name]]
+            targets = [r for r in runs if not r.state.ended]
+            for r in targets:
+                if r.state is ReplicaState.RUNNING:
+                    self._pull(r, wait_s=1.0)  # the lines since the last pull
+                self._kill(r)
+                r.state, r.error, r.ended_at = ReplicaState.CANCELLED, "cancelled", time.time()
+            refs = [r.run_ref for r in targets]
+        if refs:
+            # The run refs resolve (with an error) once the actors are gone.
+            self._ray.wait(refs, num_returns=len(refs), timeout=self.kill_wait_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.cancel()
+        with self._lock:
+            for run in self._runs.values():
+                self._kill(run)
+        if self.owns_connection:
+            self._ray.shutdown()
