@@ -181,6 +181,18 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     return job.run(live=not args.plain, as_json=args.json)
 
 
+def _syncer(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.config import load_config
+    from phalanx.log import setup
+    from phalanx.train.diloco_syncer import run_syncer
+
+    setup()
+    try:
+        return run_syncer(load_config(args.config, overrides))
+    except ValueError as e:
+        raise SystemExit(f"phalanx syncer: {e}") from None
+
+
 def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.checkpoint.cli import run as run_ckpt
 
@@ -298,6 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--node", help="this node's name in reports (default the hostname)")
     a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
     a.set_defaults(fn=_agent)
+    sy = sub.add_parser(
+        "syncer",
+        help='aggregate a decoupled DiLoCo job\'s rounds (diloco.aggregator = "syncer")',
+        description="Average each round's pseudo-gradients in storage and write the result, so "
+        "that the slots read one object per round instead of one per slot. It takes no part "
+        "in training. Extra --section.key VALUE arguments override the job config.",
+    )
+    sy.add_argument("--config", required=True, help="the decoupled DiLoCo job's TOML")
+    sy.set_defaults(fn=_syncer)
     ck = sub.add_parser(
         "ckpt",
         help="list, inspect and export checkpoints under a storage root",
@@ -332,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("controller", "replica", "run"):
+    if extra and args.command not in ("controller", "replica", "run", "syncer"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from phalanx.config import ConfigError
 

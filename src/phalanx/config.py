@@ -218,9 +218,11 @@ class DiLoCoSection(_Section):
     grace_s: float = Field(1.0, ge=0, le=3600)
     round_timeout_s: float = Field(120.0, gt=0, le=86400)
     """objectstore: decide with whoever is present after this long."""
-    aggregator: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
-    """objectstore: the replica (e.g. ``r0``) that writes each round's average, so
-    that the others read one object instead of k. Empty: everyone averages."""
+    aggregator: str = Field("", pattern=r"^(|syncer|r\d+)$")
+    """objectstore: who writes each round's average, so that the slots read one
+    object instead of k: a slot (``r0``), or ``syncer`` (a ``phalanx syncer``
+    process that takes no part; ``phalanx run`` starts it). Empty: every slot
+    averages the k objects itself."""
     keep_rounds: int = Field(4, ge=1, le=1_000_000)
     """objectstore: rounds kept in storage (older ones are deleted)."""
     executor: Literal["local", "ray"] = "local"
@@ -249,6 +251,11 @@ class DiLoCoSection(_Section):
             raise ValueError(
                 "diloco.url must name the exchange root for mode = objectstore: got none. "
                 "Set it to a path or an fsspec URL (file://, s3://, gs://, memory://)."
+            )
+        if self.aggregator.startswith("r") and int(self.aggregator[1:]) >= self.replicas:
+            raise ValueError(
+                f"diloco.aggregator must be a slot r0 .. r{self.replicas - 1}, 'syncer' or empty: "
+                f"got {self.aggregator!r}."
             )
         if self.min_replicas > self.replicas:
             raise ValueError(

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from s3 import s3_server  # noqa: F401  (a pytest fixture)
 
 from phalanx.config import load_config
 from phalanx.train.diloco_decoupled import DecoupledReplica
+from phalanx.train.diloco_syncer import run_syncer
 
 TRAIN = {
     "dtype": "float64",
@@ -61,13 +63,16 @@ def run_in_threads(
     slots = [DecoupledReplica(cfg, f"r{i}") for i in range(3)]  # seeded init: one at a time
     errors: list[BaseException] = []
 
-    def run(s: DecoupledReplica) -> None:
+    def run(fn: Callable[[], Any]) -> None:
         try:
-            s.run()
+            fn()
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in slots]
+    jobs: list[Callable[[], Any]] = [s.run for s in slots]
+    if cfg.diloco is not None and cfg.diloco.aggregator == "syncer":
+        jobs.append(lambda: run_syncer(cfg))
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in jobs]
     for t in threads:
         t.start()
     for t in threads:
@@ -86,6 +91,16 @@ def test_transports_are_bit_identical(tmp_path: Path, s3_server):  # noqa: F811
     s3 = run_in_threads(url, opts)
     for got in (*mem, *local, *s3):
         assert torch.equal(got, mem[0])
+
+
+def test_a_syncer_serves_every_round_with_the_same_bits():
+    """diloco.aggregator = "syncer": a syncer (no part in training) writes each
+    round's average; the slots read that one object, and end bit-identical to
+    slots that averaged the k objects themselves."""
+    plain = run_in_threads(f"memory://diloco-{uuid.uuid4().hex[:8]}")
+    served = run_in_threads(f"memory://diloco-{uuid.uuid4().hex[:8]}", aggregator="syncer")
+    for got in served:
+        assert torch.equal(got, plain[0])
 
 
 def test_streaming_slots_end_identical():

@@ -59,7 +59,8 @@ class DecoupledJob:
         self.cfg, self.dc = cfg, cfg.diloco
         self.config_path = str(Path(config_path).absolute())
         self.run_dir, self.overrides, self.poll_s = run_dir, overrides, poll_s
-        self.names = [f"r{i}" for i in range(self.dc.replicas)]
+        self.slots = [f"r{i}" for i in range(self.dc.replicas)]
+        self.names = [*self.slots, *(["syncer"] if self.dc.aggregator == "syncer" else [])]
         self.cursor = dict.fromkeys(self.names, 0)
         self.last: dict[str, dict[str, Any]] = {}
         self.restarts = dict.fromkeys(self.names, 0)
@@ -69,8 +70,12 @@ class DecoupledJob:
         self.error: str | None = None
 
     def spec(self, name: str) -> ReplicaSpec:
-        argv = ["replica", "--config", self.config_path, "--name", name]
-        argv += ["--out", str((self.run_dir / f"{name}.safetensors").absolute()), *self.overrides]
+        if name == "syncer":
+            argv = ["syncer", "--config", self.config_path, *self.overrides]
+        else:
+            argv = ["replica", "--config", self.config_path, "--name", name]
+            out = (self.run_dir / f"{name}.safetensors").absolute()
+            argv += ["--out", str(out), *self.overrides]
         threads = str(self.cfg.train.threads)
         return ReplicaSpec(name, argv, {"OMP_NUM_THREADS": threads}, str(Path.cwd()))
 
@@ -169,14 +174,14 @@ class DecoupledJob:
             )
 
     def summary(self, wall_s: float) -> dict[str, Any]:
-        done = {n: e for n, e in self.last.items() if e.get("event") == "done"}
+        done = {n: e for n, e in self.last.items() if e.get("event") == "done" and n in self.slots}
         full = [n for n, m in sorted(self.members.items()) if len(m) == self.dc.replicas]
         return {
             "event": "summary",
             "job": self.cfg.job.id,
             "mode": "objectstore",
             "executor": self.dc.executor,
-            "ok": self.error is None and len(done) == len(self.names),
+            "ok": self.error is None and len(done) == len(self.slots),
             "error": self.error,
             "rounds": max(self.members, default=0),
             "loss": (

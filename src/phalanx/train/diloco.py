@@ -156,6 +156,20 @@ class DiLoCo:
             if t % h == self.offset(j) % h and t >= max(self.offset(j), 1)
         ]
 
+    def exchanges(self, steps: int) -> list[tuple[int, int]]:
+        """``(round, fragment)`` of every exchange of a run of ``steps`` inner
+        steps from the start, in order, :meth:`finish`'s included: what an
+        aggregator that takes no part (``phalanx syncer``) must serve."""
+        out, rounds, p = [], 0, self.cfg.fragments
+        for t in range(1, steps + 1):
+            for j in self.due(t):
+                out.append((rounds, j))
+                rounds += 1 if j == p - 1 else 0
+        for j in range(p):
+            if steps % self.cfg.H != self.offset(j) % self.cfg.H or self.cfg.tau:
+                out.append((rounds, j))
+        return out
+
     def after_inner_step(self) -> list[int]:
         """Count one inner step; exchange and apply what is due. Returns the
         fragments exchanged at this step."""

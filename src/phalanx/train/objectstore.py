@@ -18,9 +18,10 @@ Round r, fragment f lives under ``ROOT/round_<r>/f<f>/``:
    and is left out (and counted) by every reader alike;
 4. a replica that missed the deadline is not in the set; it still loads the
    round's objects and applies the same result, so it catches up;
-5. in aggregator mode one replica writes ``_result.st`` and the others read
-   one object instead of k (no k² reads); if it never comes, they average
-   themselves, with the same result;
+5. in aggregator mode one replica (or a ``phalanx syncer``, which takes no
+   part) writes ``_result.st`` and the others read one object instead of k
+   (no k² reads); if it never comes, they average themselves, with the same
+   result;
 6. rounds older than ``keep_rounds`` are deleted.
 """
 
@@ -185,6 +186,25 @@ class ObjectStoreAllReduce:
         if not set(members) <= set(self._present(key)):
             return None
         return self._average(key, members, like)[0]
+
+    def aggregate(self, like: list[torch.Tensor], *, round: int, fragment: int) -> int:
+        """Aggregator that is not a member (``phalanx syncer``): wait for the
+        round's decision, average the members' objects and write the result.
+        Returns how many were averaged. Raises RoundTimeout if the round is
+        not decided within ``timeout_s``."""
+        key = self.key(round, fragment)
+        deadline = time.monotonic() + self.timeout_s
+        while (members := self._read_members(f"{key}/{MEMBERS}")) is None:
+            if time.monotonic() >= deadline:
+                raise RoundTimeout(
+                    f"outer round {round} fragment {fragment}: not decided under {key} within "
+                    f"{self.timeout_s:.0f} s; are the replicas running?"
+                )
+            time.sleep(self.poll_s)
+        avg, n = self._average(key, members, like)
+        res = {str(i): a.contiguous() for i, a in enumerate(avg)}
+        self._put(f"{key}/{RESULT}", self.pack(res, {"n": str(n)}))
+        return n
 
     def _present(self, key: str) -> list[str]:
         try:
