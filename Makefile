@@ -12,6 +12,11 @@ $(STAMP):
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	@# The Redis transport tests start their own redis-server; they skip without one.
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q redis-server >/dev/null 2>&1 \
+		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) \
+		|| echo "redis-server not installed (needs root and apt-get): the Redis transport tests will skip"; }
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

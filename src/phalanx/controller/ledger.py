@@ -32,6 +32,7 @@ to date before they may lease prompts.
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -124,6 +125,10 @@ class Ledger:
         self.sync_timeout_s = sync_timeout_s
         self.loop, self.grpo = rl.loop, rl.grpo
         self._put, self._event = put, event
+        self.run = uuid.uuid4().hex[:12]
+        """This run of the job (journaled: a restarted controller keeps it). Rollout ids
+        restart at p0.0 in every fresh run, so queues outside the controller (Redis, a
+        spool) keep runs apart under it, or a rerun's rollouts would look like duplicates."""
         self.cursor = 0
         self.prompts: dict[int, Prompt] = {}
         self.requeue: deque[int] = deque()
@@ -183,6 +188,7 @@ class Ledger:
                 "mesh_id": self.mesh_id,
                 "mesh": self.mesh,
                 "requeue": list(self.requeue),
+                "run": self.run,
             },
         )
 
@@ -200,6 +206,7 @@ class Ledger:
         self.counts.update(meta["counts"])
         self.discarded = dict(meta["discarded"])
         self.requeue = deque(meta["requeue"])
+        self.run = meta.get("run", self.run)
         for rec in tables.get("prompts", {}).values():
             self.prompts[rec["index"]] = Prompt(**rec)
         for rec in tables.get("leases", {}).values():
@@ -677,6 +684,7 @@ class Ledger:
             **self.balance(),
             "policy_step": self.policy_step,
             "next_batch": self.next_batch,
+            "run": self.run,
             "leased_by": {
                 rid: sum(len(le.prompts) for le in self.leases.values() if le.replica_id == rid)
                 for rid in sorted({le.replica_id for le in self.leases.values()})

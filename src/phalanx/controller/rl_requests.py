@@ -28,16 +28,17 @@ class RLRequests:
     def member(self, replica_id: str, field: str = "replica_id") -> Member:
         raise NotImplementedError  # provided by ControllerState
 
-    def _ledger(self, replica_id: str, role: str) -> tuple[Member, Ledger]:
+    def _ledger(self, replica_id: str, *roles: str) -> tuple[Member, Ledger]:
         if self.ledger is None:
             raise StateError(
                 "this job has no RL ledger: the controller's config has no [rl] section. "
                 "Start the controller with the RL job's TOML.",
             )
         m = self.member(replica_id)
-        if m.role != role:
+        if m.role not in roles:
+            want = " or ".join(repr(r) for r in roles)
             raise StateError(
-                f"replica {replica_id!r} must have role {role!r} for this request: got {m.role!r}.",
+                f"replica {replica_id!r} must have role {want} for this request: got {m.role!r}.",
                 field="replica_id",
             )
         return m, self.ledger
@@ -101,7 +102,9 @@ class RLRequests:
         now: float,
         wall: float,
     ) -> tuple[dict[str, Any], Tick]:
-        m, led = self._ledger(replica_id, "rollout")
+        # Policy replicas submit too: the rollouts they drained from a rollout queue
+        # (rl.transport.rollouts), under the prompt lease each was made for.
+        m, led = self._ledger(replica_id, "rollout", "policy")
         m.last_seen = now
         out = self._ledger_call(led.submit, replica_id, lease_id, rollouts, now=now, wall=wall)
         tick = Tick()

@@ -167,10 +167,62 @@ class LoopSection(_Section):
     """Time limit of one weight sync (rendezvous and broadcast). Members are idle when
     ordered, so they join at once; a member that died since the order makes the others
     wait this long before the sync is ordered again without it."""
-    weights: Literal["collective"] = "collective"
-    """How weights reach rollout replicas: ``collective`` broadcasts from the policy leader."""
     history: int = Field(2000, ge=10, le=1_000_000)
     """Trained batches whose metrics the controller keeps for status and charts."""
+
+
+def _check_url(value: str, fixed: str, what: str) -> str:
+    if value == fixed or value.startswith(("redis://", "rediss://")):
+        if value != fixed and not value.split("://", 1)[1].split("/")[0]:
+            raise ValueError(
+                f"{what} must name the Redis server: got {value!r}, expected redis://host:port/db."
+            )
+        return value
+    if "://" not in value:
+        raise ValueError(
+            f"{what} must be {fixed!r}, a redis://host:port/db URL or a storage URL "
+            f"(file:///path, s3://bucket/prefix, memory://name): got {value!r}."
+        )
+    return value
+
+
+class TransportSection(_Section):
+    """How rollouts and weights travel (docs/architecture.md, "Transports"). Each backend
+    is picked by URL; nothing else in the job changes with it."""
+
+    rollouts: str = "controller"
+    """Rollout queue: ``controller`` (submitted to the controller's ledger), ``redis://host:port/db``
+    (Redis Streams) or a storage URL (``file:///path``, ``s3://...``: a spool). With a queue, the
+    policy replicas drain it into the ledger, which still deduplicates and batches."""
+    weights: str = "collective"
+    """Weight sync: ``collective`` (broadcast from the policy leader), a storage URL (safetensors
+    and a manifest) or ``redis://host:port/db`` (small models)."""
+    replay: str | None = None
+    """Replay buffer for off-policy algorithms: ``memory``, ``redis://host:port/db``, or None."""
+    replay_size: int = Field(4096, ge=1, le=1 << 24)
+    """Rollouts the replay buffer holds (the last N; sampling is uniform over them)."""
+    keep_segments: bool = False
+    """Spool only: keep fully acknowledged segments for off-policy reuse instead of deleting them."""
+    keep_versions: int = Field(2, ge=1, le=1000)
+    """Published weight versions kept (storage and redis); older ones are deleted."""
+    lease_s: float = Field(30.0, gt=0, le=86400)
+    """How long a policy replica holds rollouts it drained from a queue before another may take
+    them (a dead replica's are delivered again after this)."""
+    ingest_batch: int = Field(64, ge=1, le=4096)
+    """Rollouts a policy replica drains from a queue per request."""
+
+    @model_validator(mode="after")
+    def _urls(self) -> TransportSection:
+        _check_url(self.rollouts, "controller", "rl.transport.rollouts")
+        _check_url(self.weights, "collective", "rl.transport.weights")
+        if self.replay not in (None, "memory") and not str(self.replay).startswith(
+            ("redis://", "rediss://")
+        ):
+            raise ValueError(
+                f"rl.transport.replay must be 'memory' or a redis://host:port/db URL: got "
+                f"{self.replay!r}."
+            )
+        return self
 
 
 class RLConfig(_Section):
@@ -178,6 +230,7 @@ class RLConfig(_Section):
     task: TaskSection = Field(default_factory=TaskSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     loop: LoopSection = Field(default_factory=LoopSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
 
     @model_validator(mode="after")
     def _window_within_history(self) -> RLConfig:

@@ -8,6 +8,11 @@ then acknowledge the step so the controller marks the batch trained. A
 batch is trained for ``grpo.inner_epochs`` consecutive steps, as in the
 single-process baseline (:mod:`phalanx.rl.single`).
 
+With a rollout queue configured (``rl.transport.rollouts``), every policy
+replica also drains the queue into the controller's ledger from a thread
+(:class:`~phalanx.transport.ingest.Ingest`): the batches still come from the
+ledger, which deduplicates and batches as with direct submissions.
+
 The quorum's rank 0 is the *policy leader*: when the controller orders a
 weight sync (in a lease or ack reply), it publishes its committed weights,
 version = its step count, through the :class:`WeightChannel` at the step
@@ -43,7 +48,8 @@ from phalanx.train.job import emit, keep_freed_memory
 from phalanx.train.manager import Manager
 from phalanx.train.snapshot import load_state, save_state
 from phalanx.transport.base import SyncOrder, SyncResult
-from phalanx.transport.collective import CollectiveWeightChannel
+from phalanx.transport.factory import queue_name, rollout_queue, weight_channel
+from phalanx.transport.ingest import Ingest
 
 log = logging.getLogger("phalanx.rl.policy")
 
@@ -144,7 +150,9 @@ def run_policy(
         except ValueError as e:
             rlog.error("%s; starting from scratch", e)
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
-    weights = CollectiveWeightChannel(rl.loop.sync_timeout_s, device)
+    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
+    queue = rollout_queue(rl.transport, queue_name(cfg.job.id, client), str(client.replica_id))
+    ingest = Ingest(queue, client, rl.transport.ingest_batch).start() if queue else None
     published = 0
     metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
@@ -281,6 +289,8 @@ def run_policy(
             }
         )
     finally:
+        if ingest is not None:
+            ingest.stop()
         weights.close()
         manager.close()
         client.close("finished")

@@ -8,8 +8,10 @@ The loop, between two generation batches:
 2. if a sync order names this replica, join it first and swap the weights
    (:class:`WeightChannel`), then report the version now held;
 3. generate ``group_size`` completions per leased prompt with the engine,
-   score them with the task, and submit them against the lease. Every
-   rollout carries the version that made it.
+   score them with the task, and submit them against the lease (or put them
+   in the job's rollout queue, ``rl.transport.rollouts``, from which the
+   policy replicas drain them into the ledger). Every rollout carries the
+   version that made it.
 
 A replica that joins a running job holds no weights (version -1) and gets
 no prompts until a sync has brought it to the current version; at the very
@@ -41,7 +43,8 @@ from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
 from phalanx.train.job import emit, keep_freed_memory
 from phalanx.transport.base import SyncOrder
-from phalanx.transport.collective import CollectiveWeightChannel
+from phalanx.transport.factory import queue_name, rollout_queue, weight_channel
+from phalanx.transport.ingest import LEASE_KEY
 
 log = logging.getLogger("phalanx.rl.rollout")
 
@@ -107,7 +110,8 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
     # Every replica (and every incarnation) samples its own stream.
     seed = g.seed * 1_000_003 + zlib.crc32(str(client.replica_id).encode())
     engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=seed, version=-1)
-    weights = CollectiveWeightChannel(rl.loop.sync_timeout_s, device)
+    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
+    queue = rollout_queue(rl.transport, queue_name(cfg.job.id, client), str(client.replica_id))
     synced = 0
     emit({"event": "start", "role": "rollout", "replica": client.replica_id})
     try:
@@ -149,7 +153,17 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
             if rl.loop.gen_delay_s:
                 time.sleep(rl.loop.gen_delay_s * len(rollouts))
             gen_s = time.perf_counter() - t0
-            res = client.submit_rollouts(lease["lease_id"], rollouts)
+            if queue is None:
+                res = client.submit_rollouts(lease["lease_id"], rollouts)
+            else:
+                queued = queue.put([{**x, LEASE_KEY: lease["lease_id"]} for x in rollouts])
+                res = {
+                    "accepted": queued,
+                    "duplicate": [
+                        x["rollout_id"] for x in rollouts if x["rollout_id"] not in queued
+                    ],
+                    "stale": [],  # the ledger's verdict comes when a policy replica drains it
+                }
             n = len(rollouts)
             emit(
                 {
@@ -170,5 +184,7 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
         emit({"event": "done", "role": "rollout", "replica": client.replica_id})
     finally:
         weights.close()
+        if queue is not None:
+            queue.close()
         client.close("finished")
     return 0

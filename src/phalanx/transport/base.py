@@ -1,20 +1,36 @@
-"""The weight-channel interface: versioned policy weights to rollout replicas.
+"""The transport interfaces: rollout queues, weight channels and stores, replay.
+
+- :class:`RolloutQueue` carries rollouts from rollout replicas to the policy:
+  at-least-once with acknowledgement, deduplicated by rollout id. Backends:
+  the controller's ledger (the embedded default, ``ingest.py`` feeds it from a
+  queue), Redis Streams (``redis_queue.py``), a storage spool (``spool.py``).
+- :class:`WeightChannel` moves versioned policy weights to rollout replicas
+  under the controller's sync orders: a collective broadcast
+  (``collective.py``), or a :class:`WeightStore` (``published.py``).
+- :class:`WeightStore` keeps published versions: storage (safetensors and an
+  atomically replaced manifest, ``storage_weights.py``) or Redis (versioned
+  keys and a pointer, ``redis_weights.py``).
+- :class:`ReplayBuffer` samples uniformly over the last N rollouts for
+  off-policy algorithms (``replay.py``: in memory, Redis).
 
 A *version* is the policy's committed step count whose weights a replica
 holds (DESIGN.md). The controller decides *when* weights move (a sync order
-after every ``sync_every`` commits, and for joiners); a channel decides
-*how*: a collective broadcast over a policy-to-rollout process group
-(``collective.py``), or published to storage (the transports issue).
+after every ``sync_every`` commits, and for joiners); a channel decides *how*.
+``factory.py`` picks each backend from the URL in the job's ``[rl.transport]``.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,9 @@ class WeightChannel(ABC):
     and never leaves the target half-written on error.
     """
 
+    pending: Future[SyncResult] | None = None
+    """The leader's last send, when it sends from a thread (tests and shutdown wait on it)."""
+
     @abstractmethod
     def publish(
         self, version: int, weights: Mapping[str, torch.Tensor], order: SyncOrder, report: Report
@@ -79,3 +98,159 @@ class WeightChannel(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the channel's groups and threads."""
+
+
+# -- rollout queues ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One rollout handed to a consumer under a lease."""
+
+    rollout_id: str
+    rollout: dict[str, Any]
+    receipt: str
+    """The backend's handle of this delivery (a stream entry id, a lease marker)."""
+    attempt: int
+    """1 on the first delivery; more once a lease expired or was given back (nack)."""
+    deadline: float
+    """Wall-clock time (``time.time()``) after which another consumer may take it."""
+
+
+class RolloutQueue(ABC):
+    """Rollouts from producers (rollout replicas) to consumers (policy replicas).
+
+    At-least-once with acknowledgement: a leased rollout that is not acked
+    (nor nacked, nor discarded) before its deadline is delivered again, to any
+    consumer, so a consumer that dies loses nothing. Deduplicated by rollout id
+    (``rollout["rollout_id"]``): once an id is acked or discarded it is never
+    delivered again, and a second put of an id is dropped. A consumer that
+    records what it consumes by id (the controller's ledger does) therefore
+    consumes each rollout exactly once. Ordering is not guaranteed.
+
+    Every method may be called from any process, concurrently; ``ack``,
+    ``nack`` and ``discard`` are idempotent and take the deliveries ``lease``
+    returned. A record found corrupt is quarantined and counted (reason
+    ``corrupt`` in :meth:`counts`), never raised to the consumer. Backend
+    errors (a server down) raise :class:`TransportError`.
+    """
+
+    lease_s: float
+    """How long a consumer holds a delivery before it is handed out again."""
+
+    @abstractmethod
+    def put(self, rollouts: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Producer: queue ``rollouts`` (JSON-able dicts with a ``rollout_id``). Returns
+        the ids queued; ids this backend already knows are left out (duplicates).
+        A backend that can only deduplicate on delivery (the spool) returns them all."""
+
+    @abstractmethod
+    def lease(self, n: int, wait_s: float = 0.0) -> list[Delivery]:
+        """Consumer: up to ``n`` rollouts, each leased for :attr:`lease_s`; waits up to
+        ``wait_s`` for the first one. Expired leases of other consumers come first."""
+
+    @abstractmethod
+    def ack(self, deliveries: Sequence[Delivery]) -> int:
+        """Consumer: these rollouts are consumed. Returns how many were not acked before."""
+
+    @abstractmethod
+    def nack(self, deliveries: Sequence[Delivery]) -> int:
+        """Consumer: give these back at once (no waiting for the deadline)."""
+
+    @abstractmethod
+    def discard(self, deliveries: Sequence[Delivery], reason: str) -> int:
+        """Consumer: drop these for good, counted under ``reason`` (``stale``...)."""
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Rollouts queued and not yet acked or discarded (leased ones included)."""
+
+    @abstractmethod
+    def counts(self) -> dict[str, Any]:
+        """``{"acked": n, "discarded": {reason: n}, "corrupt": n, "duplicates": n}``."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections."""
+
+
+class TransportError(RuntimeError):
+    """A transport backend failed (server unreachable, storage error)."""
+
+
+# -- weight stores ----------------------------------------------------------
+
+
+class WeightStore(ABC):
+    """Published policy weight versions that any replica can read at any time.
+
+    One publisher at a time (the policy leader) calls :meth:`publish`; readers
+    never see a partial version: a version becomes visible only once all of
+    its bytes are stored and checksummed, and a read checks the checksum. Old
+    versions are garbage-collected, keeping the newest ``keep``. Reads of a
+    collected (or never published) version raise
+    :class:`~phalanx.comm.base.CommError`, as a corrupt one does.
+    """
+
+    @abstractmethod
+    def publish(
+        self, version: int, weights: Mapping[str, torch.Tensor], meta: Mapping[str, Any] = {}
+    ) -> int:
+        """Store ``weights`` as ``version`` and make it the latest; returns its size in
+        bytes. ``meta`` (JSON) is stored with it (the sync order's ``seq``)."""
+
+    @abstractmethod
+    def latest(self) -> tuple[int, dict[str, Any]] | None:
+        """(version, meta) of the newest published version, or None."""
+
+    @abstractmethod
+    def fetch(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The weights of ``version`` (None: the latest), checksum verified."""
+
+    def wait_newer(
+        self, version: int, timeout_s: float, poll_s: float = 0.05
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Block until a version newer than ``version`` is published (or ``timeout_s``
+        passes: None). Returns its (version, meta); the weights are one :meth:`fetch`
+        away."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            cur = self.latest()
+            if cur is not None and cur[0] > version:
+                return cur
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._wait(min(poll_s, left))
+
+    def _wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections."""
+
+
+# -- replay -----------------------------------------------------------------
+
+
+class ReplayBuffer(ABC):
+    """The last ``capacity`` rollouts, sampled uniformly (with replacement), for
+    off-policy algorithms. Deduplicated by rollout id: adding an id already held
+    does nothing. Any number of processes may add and sample concurrently
+    (Redis); the in-memory buffer serves one process."""
+
+    capacity: int
+
+    @abstractmethod
+    def add(self, rollouts: Sequence[Mapping[str, Any]]) -> int:
+        """Add rollouts (newest last), evicting the oldest beyond ``capacity``.
+        Returns how many were new."""
+
+    @abstractmethod
+    def sample(self, k: int, rng: random.Random | None = None) -> list[dict[str, Any]]:
+        """``k`` rollouts drawn uniformly with replacement from those held ([] if none)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections."""

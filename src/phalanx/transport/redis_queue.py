@@ -1,0 +1,272 @@
+"""A rollout queue on Redis Streams (``redis://host:port/db``).
+
+One stream per job, one consumer group per consuming role (``policy``),
+one consumer per replica. Keys, under ``phalanx:<name>:rollouts``:
+
+- ``:stream``: the entries, each ``{id, data (JSON), crc (crc32 of data)}``;
+- ``:ids``: hash rollout id -> ``q`` (queued), ``a`` (acked), ``d`` (discarded):
+  the deduplication index. A put of a known id is dropped; an entry whose id
+  is already acked is skipped on delivery;
+- ``:counts``: hash of counters (put, duplicates, acked, corrupt, discarded:*);
+- ``:quarantine``: a stream of the raw fields of corrupt entries.
+
+Delivery is at-least-once: ``XREADGROUP`` hands out new entries, and an entry
+left pending longer than ``lease_s`` (its consumer died or stalled) is taken
+over by the next consumer to lease, with ``XAUTOCLAIM``. The group reads the
+stream from its start, so a consumer that starts late misses nothing (unlike
+pub/sub). An entry leaves the stream only once acked (``XACK`` then ``XDEL``,
+in one script): trimming never drops an unacknowledged rollout. The id index
+is kept for the life of the job (a few bytes per rollout) so that a late
+duplicate is still recognised.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from phalanx.transport.base import Delivery, RolloutQueue, TransportError
+
+PUT = """
+local added = {}
+for i = 1, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], 'q') == 1 then
+    redis.call('XADD', KEYS[1], '*', 'id', ARGV[i], 'data', ARGV[i + 1], 'crc', ARGV[i + 2])
+    table.insert(added, ARGV[i])
+  else
+    redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
+  end
+end
+redis.call('HINCRBY', KEYS[3], 'put', #added)
+return added
+"""
+
+# ARGV: group, state ('a' or 'd:<reason>'), then (entry id, rollout id) pairs.
+# Counts only the first ack/discard of an id; always removes the entry.
+SETTLE = """
+local n = 0
+for i = 3, #ARGV, 2 do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  local cur = redis.call('HGET', KEYS[2], ARGV[i + 1])
+  if cur == 'q' or cur == false then
+    redis.call('HSET', KEYS[2], ARGV[i + 1], string.sub(ARGV[2], 1, 1))
+    if ARGV[2] == 'a' then
+      redis.call('HINCRBY', KEYS[3], 'acked', 1)
+    else
+      redis.call('HINCRBY', KEYS[3], 'discarded:' .. string.sub(ARGV[2], 3), 1)
+    end
+    n = n + 1
+  end
+end
+return n
+"""
+
+# ARGV: group, then entry ids. A still-pending entry goes back to the stream's
+# tail as a fresh entry (consumer groups cannot un-deliver one).
+NACK = """
+local n = 0
+for i = 2, #ARGV do
+  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  if #e > 0 and redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+    n = n + 1
+  end
+end
+return n
+"""
+
+# ARGV: group, entry id, then the entry's fields (flattened).
+QUARANTINE = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[4], '*', 'entry', ARGV[2], unpack(ARGV, 3))
+redis.call('HINCRBY', KEYS[3], 'corrupt', 1)
+return 1
+"""
+
+
+def connect(url: str) -> Any:
+    """A Redis client for ``redis://host:port/db``, or TransportError."""
+    try:
+        import redis
+    except ImportError as e:
+        raise TransportError(
+            f"a redis:// transport needs the redis package: got {url!r} and no redis-py. "
+            f"Install phalanx with the redis extra (pip install 'phalanx[redis]')."
+        ) from e
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise TransportError(
+            f"redis URL must look like redis://host:port/db: got {url!r}. Name the server."
+        )
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
+
+
+def crc(data: bytes) -> str:
+    return str(zlib.crc32(data))
+
+
+class RedisRolloutQueue(RolloutQueue):
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        consumer: str,
+        *,
+        group: str = "policy",
+        lease_s: float = 30.0,
+    ):
+        import redis
+
+        self.r = connect(url)
+        self.lease_s, self.group, self.consumer = lease_s, group, consumer
+        base = f"phalanx:{name}:rollouts"
+        self.stream, self.ids = f"{base}:stream", f"{base}:ids"
+        self.counters, self.quarantine = f"{base}:counts", f"{base}:quarantine"
+        self._keys = [self.stream, self.ids, self.counters, self.quarantine]
+        self._put = self.r.register_script(PUT)
+        self._settle = self.r.register_script(SETTLE)
+        self._nack = self.r.register_script(NACK)
+        self._quarantine = self.r.register_script(QUARANTINE)
+        self._error = redis.RedisError
+        try:
+            # From id 0: a group created after the first puts still gets them.
+            self.r.xgroup_create(self.stream, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise TransportError(f"redis queue {url}: {e}") from e
+        except redis.RedisError as e:
+            raise TransportError(f"redis queue {url} unreachable: {e}") from e
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._error as e:
+            raise TransportError(f"redis rollout queue {self.stream}: {e}") from e
+
+    def put(self, rollouts: Sequence[Mapping[str, Any]]) -> list[str]:
+        if not rollouts:
+            return []
+        args: list[str | bytes] = []
+        for r in rollouts:
+            data = json.dumps(r, separators=(",", ":")).encode()
+            args += [str(r["rollout_id"]), data, crc(data)]
+        added = self._call(self._put, keys=self._keys, args=args)
+        return [a.decode() for a in added]
+
+    def _decode(self, eid: bytes, fields: dict[bytes, bytes]) -> Delivery | None:
+        """The delivery of a stream entry, or None after quarantining a corrupt one."""
+        try:
+            data = fields[b"data"]
+            if fields[b"crc"].decode() != crc(data):
+                raise ValueError("checksum mismatch")
+            rollout = json.loads(data)
+            rid = fields[b"id"].decode()
+            if not isinstance(rollout, dict) or rollout.get("rollout_id") != rid:
+                raise ValueError("rollout id mismatch")
+        except (KeyError, ValueError, UnicodeDecodeError):
+            flat = [x for kv in fields.items() for x in kv]
+            self._call(self._quarantine, keys=self._keys, args=[self.group, eid, *flat])
+            return None
+        return Delivery(rid, rollout, eid.decode(), 1, time.time() + self.lease_s)
+
+    def lease(self, n: int, wait_s: float = 0.0) -> list[Delivery]:
+        got: list[tuple[bytes, dict[bytes, bytes], int]] = []
+        cursor: Any = "0-0"
+        while len(got) < n:
+            # Pending entries idle past the lease: their consumer is dead or stalled.
+            reply = self._call(
+                self.r.xautoclaim,
+                self.stream,
+                self.group,
+                self.consumer,
+                int(self.lease_s * 1000),
+                cursor,
+                count=n - len(got),
+            )
+            cursor, claimed = reply[0], reply[1]
+            for eid, fields in claimed:
+                if fields:  # None: deleted while pending (acked elsewhere)
+                    got.append((eid, fields, 2))
+            if cursor in (b"0-0", "0-0"):
+                break
+        if got:
+            # Exact delivery counts of the claimed entries (XAUTOCLAIM bumped them).
+            pipe = self.r.pipeline(transaction=False)
+            for eid, _, _ in got:
+                pipe.xpending_range(self.stream, self.group, eid, eid, 1)
+            for i, rows in enumerate(self._call(pipe.execute)):
+                if rows:
+                    got[i] = (got[i][0], got[i][1], int(rows[0]["times_delivered"]))
+        if len(got) < n:
+            block = None if got or wait_s <= 0 else max(1, int(wait_s * 1000))
+            reply = self._call(
+                self.r.xreadgroup,
+                self.group,
+                self.consumer,
+                {self.stream: ">"},
+                count=n - len(got),
+                block=block,
+            )
+            for _, entries in reply or []:
+                got += [(eid, fields, 1) for eid, fields in entries]
+        if not got:
+            return []
+        out: list[Delivery] = []
+        done: list[tuple[bytes, str]] = []
+        states = self._call(self.r.hmget, self.ids, [f.get(b"id", b"") for _, f, _ in got])
+        for (eid, fields, attempt), state in zip(got, states, strict=True):
+            if state in (b"a", b"d"):
+                done.append((eid, fields[b"id"].decode()))  # acked by a late consumer: drop
+                continue
+            d = self._decode(eid, fields)
+            if d is not None:
+                out.append(Delivery(d.rollout_id, d.rollout, d.receipt, attempt, d.deadline))
+        if done:
+            flat = [x for pair in done for x in pair]
+            self._call(self._settle, keys=self._keys, args=[self.group, "a", *flat])
+        return out
+
+    def _settle_all(self, deliveries: Sequence[Delivery], state: str) -> int:
+        if not deliveries:
+            return 0
+        flat = [x for d in deliveries for x in (d.receipt, d.rollout_id)]
+        return int(self._call(self._settle, keys=self._keys, args=[self.group, state, *flat]))
+
+    def ack(self, deliveries: Sequence[Delivery]) -> int:
+        return self._settle_all(deliveries, "a")
+
+    def discard(self, deliveries: Sequence[Delivery], reason: str) -> int:
+        return self._settle_all(deliveries, f"d:{reason}")
+
+    def nack(self, deliveries: Sequence[Delivery]) -> int:
+        if not deliveries:
+            return 0
+        args = [self.group, *(d.receipt for d in deliveries)]
+        return int(self._call(self._nack, keys=self._keys, args=args))
+
+    def pending(self) -> int:
+        return int(self._call(self.r.xlen, self.stream))
+
+    def counts(self) -> dict[str, Any]:
+        raw = {k.decode(): int(v) for k, v in self._call(self.r.hgetall, self.counters).items()}
+        return {
+            "put": raw.get("put", 0),
+            "acked": raw.get("acked", 0),
+            "duplicates": raw.get("duplicates", 0),
+            "corrupt": raw.get("corrupt", 0),
+            "discarded": {
+                k.removeprefix("discarded:"): v
+                for k, v in sorted(raw.items())
+                if k.startswith("discarded:")
+            },
+        }
+
+    def close(self) -> None:
+        self.r.close()
