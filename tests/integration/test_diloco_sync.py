@@ -21,7 +21,7 @@ from ftjob import TRAIN, FTJob, Replica, assert_identical, check_steps, step_lin
 from phalanx.checkpoint import CheckpointStore
 from phalanx.data.sampler import ElasticSampler
 
-H, ROUNDS = 4, 10
+H, ROUNDS = 4, 12
 BATCH = TRAIN["global_batch_size"]
 SEED = 7
 DILOCO = {"mode": "sync", "sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9}
@@ -74,12 +74,14 @@ def check_round_samples(lines: dict[int, dict[str, dict[str, Any]]]) -> None:
 def test_sync_diloco_survives_a_kill_and_the_replica_rejoins(tmp_path: Path):
     jobs: list[FTJob] = []
     try:
-        job = _job(tmp_path, "kill", jobs, 3, step_delay_s=0.01)
+        # step_delay_s paces the rounds (about 0.4 s each) so that the restart
+        # (a warm spare) joins well before the job ends.
+        job = _job(tmp_path, "kill", jobs, 3, step_delay_s=0.05)
         a, b, c = (job.start_replica(n) for n in "abc")
         restart = job.start_replica("c", spare=True)
         c.wait_step(3)
         c.kill()
-        a.wait_step(6)
+        a.wait_step(5)
         restart.release()
         finals = [r.finish(timeout=120) for r in (a, b, restart)]
         lines = step_lines([a, b, c, restart])

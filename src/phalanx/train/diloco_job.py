@@ -21,11 +21,13 @@ from phalanx.train.diloco_sync import SyncDiLoCo
 from phalanx.train.job import (
     close_replica,
     emit,
+    emit_finished_elsewhere,
     finish_replica,
     maybe_checkpoint,
     setup_replica,
     start_checkpoints,
 )
+from phalanx.train.manager import JobFinished
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -49,6 +51,10 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
             except QuorumTimeout as e:
                 log.warning("%s; asking again", e)
                 continue
+            except JobFinished as e:
+                log.info("%s; nothing left to do", e)
+                emit_finished_elsewhere(s)
+                return 0
             if not r.committed:
                 emit(
                     {

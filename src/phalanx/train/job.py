@@ -26,7 +26,7 @@ from phalanx.client import ControllerClient, ControllerError, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig, TrainSection
 from phalanx.data.sampler import ElasticSampler
-from phalanx.train.manager import Compute, Manager
+from phalanx.train.manager import Compute, JobFinished, Manager
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
@@ -225,6 +225,7 @@ def setup_replica(
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
+    manager.total_steps = total
     return ReplicaSetup(
         client, store, manager, make_compute(model, x, y, tc.step_delay_s), None, None
     )
@@ -267,6 +268,20 @@ def finish_replica(cfg: JobConfig, s: ReplicaSetup, saved: int | None, out: Path
     )
 
 
+def emit_finished_elsewhere(s: ReplicaSetup) -> None:
+    """``done`` for a replica that found the job finished by others (no final
+    state of its own to write: it holds none of the job's last step)."""
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+            "finished_elsewhere": True,
+        }
+    )
+
+
 def close_replica(s: ReplicaSetup) -> None:
     if s.ckpt is not None:
         s.ckpt.close()
@@ -283,6 +298,31 @@ def maybe_checkpoint(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
     return False
 
 
+class CheckpointOrders:
+    """``checkpoint`` commands (the dashboard's "checkpoint now", ``POST
+    /v1/checkpoints/trigger``): each names a step a little ahead, and the replica
+    saves after committing that step. Polled without waiting, at most once a
+    second, and only where checkpoints are configured."""
+
+    def __init__(self, client: ControllerClient):
+        self.client, self.steps, self.next_poll = client, set[int](), 0.0
+
+    def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if now >= self.next_poll:
+            self.next_poll = now + 1.0
+            try:
+                cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] == "checkpoint"]
+                if cmds:
+                    self.steps.update(int(c["payload"].get("step", step)) for c in cmds)
+                    self.client.ack([c["id"] for c in cmds])
+            except (ControllerError, ValueError) as e:
+                log.warning("could not read checkpoint orders: %s", e)
+        hit = step in self.steps
+        self.steps = {x for x in self.steps if x > step}
+        return hit
+
+
 def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
     tc = cfg.train
     s = setup_replica(cfg, controller, name, tc.global_batch_size)
@@ -292,6 +332,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
     manager, client, sampler = s.manager, s.client, s.manager.sampler
     assert sampler is not None
     saved = s.resumed
+    orders = CheckpointOrders(client) if s.ckpt is not None else None
     try:
         while manager.step < tc.steps:
             try:
@@ -299,6 +340,10 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
             except QuorumTimeout as e:
                 log.warning("%s; asking again", e)
                 continue
+            except JobFinished as e:
+                log.info("%s; nothing left to do", e)
+                emit_finished_elsewhere(s)
+                return 0
             if r.committed:
                 extra = {"samples": manager.last_indices} if tc.log_samples else {}
                 emit(
@@ -315,7 +360,11 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "t": time.time(),
                     }
                 )
+                ordered = orders is not None and orders.due(r.step)
                 if maybe_checkpoint(cfg, s, r.step):
+                    saved = r.step
+                elif ordered and s.ckpt is not None:
+                    save_checkpoint(s.ckpt, cfg, manager, final=False)
                     saved = r.step
             else:
                 emit(

@@ -61,6 +61,10 @@ class StepResult:
     error: str | None = None
 
 
+class JobFinished(RuntimeError):
+    """The job committed its last step while this replica waited to join."""
+
+
 def rng_state() -> dict[str, Any]:
     st: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -122,6 +126,9 @@ class Manager:
         self.last_heal: dict[str, Any] = {}
         self.last_indices: list[int] = []
         """Sample indices of this replica's share in the last compute."""
+        self.total_steps: int | None = None
+        """The job's last step, if the loop sets it: a quorum formed after the job
+        reached it raises :class:`JobFinished` instead of training alone."""
 
     # -- state -----------------------------------------------------------
 
@@ -186,6 +193,14 @@ class Manager:
             self._pending = None
         self.quorum = q
         self._ok, self._error = True, None
+        if self.total_steps is not None and q.job_step >= self.total_steps > q.max_step:
+            # The job ended (its last step committed by replicas that left)
+            # while this one waited: training from its own older state would
+            # redo finished steps, alone.
+            raise JobFinished(
+                f"the job committed its {self.total_steps} steps while this replica waited "
+                f"for a quorum (the quorum's newest step is {q.max_step})"
+            )
         if q.max_step < q.job_step and self.step == q.max_step:
             self.log.error(
                 "no live replica holds the job's step %d (the quorum's newest is %d): that "
