@@ -76,6 +76,7 @@ def run_syncer(cfg: JobConfig) -> int:
 
 def _oldest_round(exchange: ObjectStoreAllReduce) -> int:
     """The oldest round still in storage (older ones were collected), or 0."""
+    exchange.fs.invalidate_cache(exchange.root)
     try:
         names = exchange.fs.ls(exchange.root, detail=False)
     except FileNotFoundError:

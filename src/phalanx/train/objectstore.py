@@ -207,6 +207,10 @@ class ObjectStoreAllReduce:
         return n
 
     def _present(self, key: str) -> list[str]:
+        # Never from fsspec's listings cache: a listing that raced another
+        # writer's put (s3fs caches per instance, shared by threads) would
+        # hide that object until the deadline.
+        self.fs.invalidate_cache(key)
         try:
             names = self.fs.ls(key, detail=False)
         except FileNotFoundError:
