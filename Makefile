@@ -17,6 +17,11 @@ $(STAMP):
 		&& (apt-get install -y -q redis-server >/dev/null 2>&1 \
 		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) \
 		|| echo "redis-server not installed (needs root and apt-get): the Redis transport tests will skip"; }
+	@# The dashboard's browser test drives Debian's chromium (no browser download); it skips without one.
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q chromium >/dev/null 2>&1 \
+		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+		|| echo "chromium not installed (needs root and apt-get): the dashboard browser test will skip"; }
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -40,9 +41,27 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.launch.poll import fetch_status
     from phalanx.launch.view import status_text
 
-    st = fetch_status(_controller_of(args, "status"))
-    print(json.dumps(st, indent=2) if args.json else status_text(st))
-    return 0
+    controller = _controller_of(args, "status")
+    if args.watch and not args.json:
+        from phalanx.launch.status_view import watch
+
+        watch(lambda: fetch_status(controller), args.interval)
+        return 0
+    while True:
+        st = fetch_status(controller)
+        if args.json:
+            print(json.dumps(st, indent=2 if not args.watch else None), flush=True)
+        elif sys.stdout.isatty():
+            from rich.console import Console
+
+            from phalanx.launch.status_view import status_tables
+
+            Console().print(status_tables(st))
+        else:
+            print(status_text(st))
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
 
 
 def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -265,12 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "status",
-        help="print a job's status (a short summary, or JSON)",
+        help="show a job's status: rich tables, --watch to follow it live, or --json",
         description="Print a job's roles, replica counts and step; for an RL job also the "
         "prompt/rollout ledger and the latest reward and exact match.",
     )
     s.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
-    s.add_argument("--json", action="store_true", help="the full status as JSON")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="the full status as JSON (documented in docs/operations.md); with --watch, "
+        "one JSON object per line",
+    )
+    s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    s.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (--watch)"
+    )
     s.set_defaults(fn=_status)
 
     k = sub.add_parser(

@@ -121,6 +121,8 @@ class ControllerClient:
         self.epoch: int | None = None
         self.incarnations = 0
         self.step: int | None = None
+        self.loss: float | None = None
+        """The loss of the last committed step, sent with heartbeats (for the dashboard)."""
         """Committed step, reported with each heartbeat (set by the training loop)."""
         self.timeouts: dict[str, float] = {}
         self.who = Who(role=role, replica_id=name, rank=rank)
@@ -257,7 +259,7 @@ class ControllerClient:
             try:
                 data = self._call(
                     "/v1/heartbeat",
-                    {"replica_id": rid, "step": self.step, "wait_s": interval},
+                    {"replica_id": rid, "step": self.step, "loss": self.loss, "wait_s": interval},
                     timeout=interval + 10,
                     http=self._hb_http,
                 )

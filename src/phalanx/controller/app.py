@@ -1,6 +1,7 @@
 """The controller's HTTP API (FastAPI): versioned JSON under ``/v1``.
 
-Every endpoint but ``/healthz`` needs the job token as a bearer token.
+Every endpoint but ``/healthz`` and the dashboard's static files (``/``,
+``/dashboard/*``, which hold no job data) needs the job token as a bearer token.
 Rejected input gets a 4xx JSON body ``{"error": ..., "fields": [...]}`` that
 names the field, and never changes state (the state machine validates
 before it mutates). Every reply carries the controller epoch, in the body
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from phalanx.controller.dashboard import dashboard_routes, is_public
 from phalanx.controller.service import ControllerService
 from phalanx.controller.state import QUORUM_HISTORY, Quorum, StateError
 
@@ -91,6 +93,8 @@ class RegisterReq(_Req):
 class HeartbeatReq(_Req):
     replica_id: ReplicaId
     step: int | None = Field(None, ge=0, le=2**62)
+    loss: float | None = None
+    """Training loss at ``step`` (optional; charted by the dashboard)."""
     wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
 
 
@@ -300,7 +304,7 @@ class AuthAndEpoch:
                 msg = {**msg, "headers": headers}
             await send(msg)
 
-        if scope["path"] != "/healthz":
+        if not is_public(scope["path"]):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, given = get_authorization_scheme_param(header.decode("latin-1"))
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
@@ -481,7 +485,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     @app.get(f"/{API_VERSION}/status", dependencies=[authorized])
     async def status() -> dict[str, Any]:
-        return reply(**st.status(service.clock()))
+        return reply(**st.status(service.clock(), service.wall()))
 
     @app.post(f"/{API_VERSION}/register", dependencies=[authorized])
     async def register(req: RegisterReq) -> dict[str, Any]:
@@ -505,7 +509,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     @app.post(f"/{API_VERSION}/heartbeat", dependencies=[authorized])
     async def heartbeat(req: HeartbeatReq) -> dict[str, Any]:
-        service.apply(st.heartbeat, req.replica_id, step=req.step)
+        service.apply(st.heartbeat, req.replica_id, step=req.step, loss=req.loss)
         service.metrics.heartbeats.inc()
         wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
         woken = await service.wait("heartbeat", req.replica_id, wait)
@@ -632,6 +636,8 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         """A replica committed a checkpoint; the status's ``checkpoints`` lists it."""
         rec = service.apply(st.record_checkpoint, req.replica_id, req.step, req.url, req.nbytes)
         return reply(checkpoint=rec)
+
+    app.include_router(dashboard_routes(service, reply, authorized))
 
     def dropped(req: HeartbeatReq | QuorumReq) -> None:
         service.apply(st.suspect, req.replica_id, "held connection dropped")

@@ -12,49 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx.config import JobConfig
 from phalanx.controller.journal import Journal
-from phalanx.controller.state import ControllerState, RoleState, Tick
-
-
-def _count(role: RoleState) -> int:
-    return len(role.member_ids)
-
-
-class Metrics:
-    def __init__(self, service: ControllerService):
-        r = self.registry = CollectorRegistry()
-        self.heartbeats = Counter("phalanx_heartbeats", "Heartbeats received.", registry=r)
-        self.quorums = Counter("phalanx_quorums", "Quorums formed.", ["role"], registry=r)
-        self.evictions = Counter(
-            "phalanx_evictions", "Replicas evicted.", ["role", "reason"], registry=r
-        )
-        self.reports = Counter("phalanx_failure_reports", "Failure reports received.", registry=r)
-        self.commands = Counter("phalanx_commands", "Commands queued.", ["kind"], registry=r)
-        self.journal_writes = Counter(
-            "phalanx_journal_writes", "Journal transactions committed.", registry=r
-        )
-        self.quorum_wait = Histogram(
-            "phalanx_quorum_wait_seconds",
-            "Time from a quorum request to its answer.",
-            ["role"],
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        replicas = Gauge("phalanx_replicas", "Live replicas.", ["role"], registry=r)
-        quorum_id = Gauge("phalanx_quorum_id", "Current quorum id.", ["role"], registry=r)
-        step = Gauge("phalanx_step", "Highest committed step seen.", ["role"], registry=r)
-        epoch = Gauge("phalanx_controller_epoch", "Controller epoch.", registry=r)
-        epoch.set_function(lambda: service.state.epoch)
-        for role in service.state.roles.values():
-            replicas.labels(role.name).set_function(partial(_count, role))
-            quorum_id.labels(role.name).set_function(partial(getattr, role, "quorum_id"))
-            step.labels(role.name).set_function(partial(getattr, role, "step"))
+from phalanx.controller.metrics import Metrics
+from phalanx.controller.state import ControllerState, Tick
 
 
 class ControllerService:
@@ -77,6 +40,8 @@ class ControllerService:
         self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._ledger_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._status_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        """Open dashboards (server-sent events): woken by every journaled change."""
         self._ticker: asyncio.Task[None] | None = None
 
     @property
@@ -102,6 +67,9 @@ class ControllerService:
         if changes:
             self.journal.write(changes)
             self.metrics.journal_writes.inc()
+            if self._status_waiters:
+                for key in list(self._status_waiters):
+                    self._wake(self._status_waiters, key)
         if tick is None:
             return
         for q in tick.formed:
@@ -113,6 +81,9 @@ class ControllerService:
                 (e for e in reversed(self.state.events) if e.get("replica_id") == rid), {}
             )
             self.metrics.evictions.labels(ev.get("role", "?"), ev.get("reason", "?")).inc()
+            self.metrics.evictions_by_detector.labels(
+                ev.get("role", "?"), ev.get("detector", "?")
+            ).inc()
             for waiters in (
                 self._quorum_waiters,
                 self._heartbeat_waiters,
@@ -141,6 +112,7 @@ class ControllerService:
             "heartbeat": self._heartbeat_waiters,
             "commands": self._command_waiters,
             "ledger": self._ledger_waiters,
+            "status": self._status_waiters,
         }[kind]
         if timeout <= 0:
             return False

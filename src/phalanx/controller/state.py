@@ -18,11 +18,13 @@ quorum, which the client does by itself.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phalanx.config import JobConfig, RoleSection
 from phalanx.controller.ledger import Ledger
+from phalanx.controller.overview import detector_of, overview
 from phalanx.controller.rl_requests import RLRequests
 from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
 
@@ -46,14 +48,18 @@ class Member:
     step: int = 0
     last_request_id: str | None = None
     last_round: int | None = None
-    # Liveness: not durable, reset on restore.
+    active_at: float | None = None
+    """Wall-clock time it first took part in a quorum without being healed (None while
+    it joins or heals)."""
+    # Liveness and figures for people: not durable, reset on restore.
     last_seen: float = field(default=0.0, compare=False)
     suspect_since: float | None = field(default=None, compare=False)
     suspect_reason: str = field(default="", compare=False)
+    loss: float | None = field(default=None, compare=False)
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["last_seen"], d["suspect_since"], d["suspect_reason"]
+        del d["last_seen"], d["suspect_since"], d["suspect_reason"], d["loss"]
         return d
 
 
@@ -129,6 +135,13 @@ class RoleState:
     prev_pending: int = 0
     """How many of the previous quorum's members are pending (kept incrementally,
     so that each quorum request is O(1) and a round of N requests is O(N))."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """Evictions not yet followed by a quorum: the next quorum reports, for each,
+    the time from the failure to it (not durable)."""
+    steps_seen: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    """(monotonic time, step) whenever the role's step grew: the steps-per-second rate."""
+    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=500))
+    """(step, loss) as the replicas report them with their heartbeats (not durable)."""
 
     @property
     def last_quorum(self) -> Quorum | None:
@@ -324,23 +337,35 @@ class ControllerState(RLRequests):
         return m, tick
 
     def heartbeat(
-        self, replica_id: str, *, now: float, wall: float = 0.0, step: int | None = None
+        self,
+        replica_id: str,
+        *,
+        now: float,
+        wall: float = 0.0,
+        step: int | None = None,
+        loss: float | None = None,
     ) -> None:
         m = self.member(replica_id)
         m.last_seen = now
         m.suspect_since = None
+        rs = self.roles[m.role]
+        if loss is not None and step is not None:
+            m.loss = loss
+            if not rs.losses or step > rs.losses[-1][0]:
+                rs.losses.append((step, loss))
         if step is not None and step > m.step:
             m.step = step
             self._put("members", replica_id, m.record())
-            self._bump_step(self.roles[m.role], step)
+            self._bump_step(rs, step, now)
 
     def deregister(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
         self.member(replica_id)
         return self._evict(replica_id, f"left: {reason}" if reason else "left", now, wall)
 
-    def _bump_step(self, rs: RoleState, step: int) -> None:
+    def _bump_step(self, rs: RoleState, step: int, now: float) -> None:
         if step > rs.step:
             rs.step = step
+            rs.steps_seen.append((now, step))
             self._save_role(rs)
 
     def _evict(self, replica_id: str, reason: str, now: float, wall: float) -> Tick:
@@ -352,7 +377,25 @@ class ControllerState(RLRequests):
         rs = self.roles[m.role]
         rs.member_ids.discard(replica_id)
         rs.drop_pending(replica_id)
-        self._event("evict", wall, role=m.role, replica_id=replica_id, reason=reason)
+        # When it failed, as well as the controller can tell: the suspicion's start,
+        # else its last heartbeat (for a timeout), else now.
+        detector = detector_of(reason)
+        since = m.suspect_since if m.suspect_since is not None else m.last_seen
+        failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
+        if detector not in ("left", "operator"):
+            rs.failures.append(
+                {"replica_id": replica_id, "detector": detector, "failed_at": failed_at}
+            )
+        self._event(
+            "evict",
+            wall,
+            role=m.role,
+            replica_id=replica_id,
+            reason=reason,
+            detector=detector,
+            failed_at=round(failed_at, 3),
+            uptime_s=round(wall - m.registered_at, 3),
+        )
         tick = Tick(evicted=[replica_id])
         if self.ledger is not None and self.ledger.drop_replica(replica_id, wall):
             tick.ledger_for |= self.roles["rollout"].member_ids
@@ -516,6 +559,7 @@ class ControllerState(RLRequests):
         fresh = [rid for rid in ids if steps[rid] == max_step]
         lagging = [rid for rid in ids if steps[rid] < max_step]
         heal = {rid: fresh[i % len(fresh)] for i, rid in enumerate(lagging)}
+        ready = []
         members = tuple(
             QuorumMember(
                 rid,
@@ -535,14 +579,28 @@ class ControllerState(RLRequests):
             m.last_request_id = rs.pending[rid].request_id
             m.last_round = q.round
             m.step = max(m.step, steps[rid])
+            if m.active_at is None and rid not in heal:
+                m.active_at = wall
+                ready.append(m)
             self._put("members", rid, m.record())
         rs.set_formed(q)
         self._put("quorums", f"{rs.name}/{q.round:012d}", q.record())
         if len(rs.quorums) > QUORUM_HISTORY:
             old = rs.quorums.pop(0)
             self._put("quorums", f"{rs.name}/{old.round:012d}", None)
+        if max_step > rs.step:
+            rs.steps_seen.append((now, max_step))
         rs.step = max(rs.step, max_step)
         self._save_role(rs)
+        recovered = [
+            {
+                "replica_id": f["replica_id"],
+                "detector": f["detector"],
+                "seconds": round(wall - f["failed_at"], 3),
+            }
+            for f in rs.failures
+        ]
+        rs.failures.clear()
         self._event(
             "quorum",
             wall,
@@ -552,7 +610,17 @@ class ControllerState(RLRequests):
             size=len(ids),
             max_step=max_step,
             healing=len(heal),
+            **({"heal": dict(heal)} if heal else {}),
+            **({"recovered": recovered} if recovered else {}),
         )
+        for m in ready:
+            self._event(
+                "active",
+                wall,
+                role=rs.name,
+                replica_id=m.replica_id,
+                join_s=round(wall - m.registered_at, 3),
+            )
         return q
 
     # -- commands --------------------------------------------------------
@@ -612,7 +680,7 @@ class ControllerState(RLRequests):
         m = self.member(replica_id)
         # The saver knows its step committed before the controller does (it learns
         # of commits from the next quorum request or heartbeat).
-        self._bump_step(self.roles[m.role], step)
+        self._bump_step(self.roles[m.role], step, now)
         rec = {
             "step": step,
             "url": url,
@@ -633,7 +701,42 @@ class ControllerState(RLRequests):
 
     # -- status ----------------------------------------------------------
 
-    def status(self, now: float) -> dict[str, Any]:
+    # -- operator actions (the dashboard) -----------------------------------
+
+    def evict_replica(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
+        """An operator evicts a replica. The process, if alive, gets 410 at its next
+        call and registers again as a new incarnation."""
+        self.member(replica_id)
+        return self._evict(
+            replica_id, f"evicted by operator: {reason or 'no reason given'}", now, wall
+        )
+
+    def drain_replica(
+        self, replica_id: str, *, now: float, wall: float
+    ) -> tuple[list[Command], Tick]:
+        """Ask a replica to leave at its next step boundary (a ``drain`` command)."""
+        cmds, tick = self.enqueue(replica_id, "drain", {}, now=now, wall=wall)
+        self._event("drain", wall, role=self.members[replica_id].role, replica_id=replica_id)
+        return cmds, tick
+
+    def request_checkpoint(
+        self, lead: int, *, now: float, wall: float
+    ) -> tuple[list[Command], Tick]:
+        """Ask the policy replicas to checkpoint the step ``lead`` steps from the
+        role's current one: the same step on every replica, far enough ahead that
+        each has polled its commands by then."""
+        rs = self._role("policy")
+        if not self.cfg.checkpoint.url:
+            raise Conflict(
+                "checkpoint.url must be set to trigger a checkpoint: got none. Set "
+                "[checkpoint] url in the job config."
+            )
+        step = rs.step + max(1, lead)
+        cmds, tick = self.enqueue("policy", "checkpoint", {"step": step}, now=now, wall=wall)
+        self._event("checkpoint_requested", wall, role="policy", step=step, replicas=len(cmds))
+        return cmds, tick
+
+    def status(self, now: float, wall: float | None = None) -> dict[str, Any]:
         roles = {}
         for name, rs in self.roles.items():
             last = rs.last_quorum
@@ -666,4 +769,5 @@ class ControllerState(RLRequests):
         }
         if self.ledger is not None:
             out["rl"] = self.ledger.status()
+        out["overview"] = overview(self, now, wall)
         return out

@@ -247,6 +247,7 @@ def run_policy(
             metrics[batch["index"]] = (batch["reward"], batch["exact_match"])
             while len(metrics) > rl.loop.window:
                 metrics.popitem(last=False)
+            client.loss = total
             emit(
                 {
                     "event": "step",

@@ -65,6 +65,7 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
                     }
                 )
                 continue
+            client.loss = r.loss
             extra = {"samples": r.samples} if tc.log_samples else {}
             emit(
                 {

@@ -345,6 +345,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                 emit_finished_elsewhere(s)
                 return 0
             if r.committed:
+                client.loss = r.loss
                 extra = {"samples": manager.last_indices} if tc.log_samples else {}
                 emit(
                     {

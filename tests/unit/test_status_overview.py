@@ -1,0 +1,104 @@
+"""The job overview (dashboard, ``phalanx status``, ``/metrics``) from the pure state
+machine: replica states, the eviction detector and the time from failure to quorum,
+steps per second, and the terminal tables."""
+
+from __future__ import annotations
+
+from phalanx.config import load_config
+from phalanx.controller.overview import detector_of
+from phalanx.controller.state import ControllerState
+
+GRACE_S = 0.25
+
+
+def make_state() -> ControllerState:
+    cfg = load_config(
+        overrides=[
+            "timeouts.heartbeat_s=10",
+            f"timeouts.suspect_grace_s={GRACE_S}",
+            "roles.policy.min_replicas=1",
+            "roles.policy.n_init_replicas=2",
+            "roles.policy.join_timeout_s=1",
+            "roles.rollout.min_replicas=1",
+        ]
+    )
+    return ControllerState(cfg)
+
+
+def form(st: ControllerState, rids: list[str], step: int, now: float) -> None:
+    for rid in rids:
+        st.request_quorum(rid, step, f"{rid}@{now}", 60.0, now=now, wall=1000 + now)
+
+
+def states(st: ControllerState, now: float) -> dict[str, str]:
+    reps = st.status(now, 1000 + now)["overview"]["roles"]["policy"]["replicas"]
+    return {r["name"]: r["state"] for r in reps}
+
+
+def test_replica_states_detector_and_recovery_time():
+    st = make_state()
+    a, b = (st.register("policy", n, "i0", now=0, wall=1000)[0].replica_id for n in ("a", "b"))
+    assert states(st, 0) == {"a": "joining", "b": "joining"}
+    form(st, [a, b], step=0, now=1)
+    assert states(st, 1) == {"a": "active", "b": "active"}
+    kinds = [e["kind"] for e in st.events]
+    assert kinds.count("active") == 2
+    st.heartbeat(a, now=2, wall=1002, step=5, loss=0.5)
+    form(st, [a], step=5, now=2.5)
+    form(st, [b], step=0, now=2.5)  # b is behind: a heals it
+    assert states(st, 2.5) == {"a": "active", "b": "healing"}
+
+    # A peer reports b: suspected, then evicted by the failure-report detector.
+    st.report_failure(a, [b], now=3, wall=1003, reason="allreduce failed")
+    assert states(st, 3) == {"a": "active", "b": "suspected"}
+    st.tick(now=3 + GRACE_S, wall=1003 + GRACE_S)
+    ev = next(e for e in st.events if e["kind"] == "evict")
+    assert ev["detector"] == "failure_report" and ev["failed_at"] == 1003
+    st.heartbeat(a, now=3.5, wall=1003.5, step=6)
+    form(st, [a], step=6, now=4)
+    q = [e for e in st.events if e["kind"] == "quorum"][-1]
+    assert q["recovered"] == [{"replica_id": b, "detector": "failure_report", "seconds": 1.0}]
+
+    ov = st.status(4, 1004)["overview"]
+    assert ov["roles"]["policy"]["evicted"][0]["detector"] == "failure_report"
+    assert ov["job"]["step"] == 6 and ov["job"]["steps_per_s"] == 0.5  # (6 - 5) / (4 - 2)
+    assert ov["series"]["loss"] == [[5, 0.5]]
+    rep = ov["roles"]["policy"]["replicas"][0]
+    assert rep["incarnation"] == "i0" and rep["uptime_s"] == 4.0 and rep["weights_version"] == 6
+    assert any(e["kind"] == "evict" for e in ov["timeline"])
+
+
+def test_detector_of_each_reason():
+    assert detector_of("heartbeat timeout") == "heartbeat"
+    assert detector_of("failure report, no heartbeat in grace") == "failure_report"
+    assert detector_of("held connection dropped, no heartbeat in grace") == "disconnect"
+    assert detector_of("left: exit -9 (reported by agent n1)") == "agent"
+    assert detector_of("replaced by a new incarnation") == "replaced"
+    assert detector_of("evicted by operator: x") == "operator"
+    assert detector_of("left: finished") == "left"
+
+
+def test_operator_actions():
+    st = make_state()
+    a = st.register("policy", "a", "i0", now=0, wall=1000)[0].replica_id
+    cmds, _ = st.drain_replica(a, now=1, wall=1001)
+    assert [c.kind for c in cmds] == ["drain"]
+    st.evict_replica(a, "test", now=2, wall=1002)
+    ev = st.events[-1]
+    assert ev["kind"] == "evict" and ev["detector"] == "operator" and a not in st.members
+    assert not st.roles["policy"].failures  # an operator's eviction is no failure to time
+
+
+def test_status_tables_render():
+    from rich.console import Console
+
+    from phalanx.launch.status_view import status_tables
+
+    st = make_state()
+    a = st.register("policy", "a", "i0", now=0, wall=1000)[0].replica_id
+    st.evict_replica(a, "test", now=1, wall=1001)
+    st.register("policy", "a", "i1", now=1, wall=1001)
+    console = Console(width=140, record=True)
+    console.print(status_tables({"job_id": "j", "epoch": 1, **st.status(2, 1002)}))
+    out = console.export_text()
+    assert "joining" in out and "evicted" in out and "by operator" in out
