@@ -21,13 +21,16 @@ from phalanx.train.diloco_sync import SyncDiLoCo
 from phalanx.train.job import (
     close_replica,
     emit,
+    emit_drained,
     emit_finished_elsewhere,
     finish_replica,
     maybe_checkpoint,
+    save_checkpoint,
     setup_replica,
     start_checkpoints,
 )
 from phalanx.train.manager import JobFinished
+from phalanx.train.orders import Orders
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -44,6 +47,7 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
     start_checkpoints(cfg, s)
     m, client = s.manager, s.client
     saved = s.resumed
+    orders = Orders(client)
     try:
         while m.step < rounds:
             try:
@@ -84,8 +88,15 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
                     "t": time.time(),
                 }
             )
+            orders.poll(r.round)
             if maybe_checkpoint(cfg, s, r.round):
                 saved = r.round
+            elif orders.checkpoint_due(r.round) and s.ckpt is not None:
+                save_checkpoint(s.ckpt, cfg, m, final=False)
+                saved = r.round
+            if orders.drain:
+                emit_drained(s)
+                return 0
         finish_replica(cfg, s, saved, out)
     finally:
         close_replica(s)

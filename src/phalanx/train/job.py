@@ -27,6 +27,7 @@ from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig, TrainSection
 from phalanx.data.sampler import ElasticSampler
 from phalanx.train.manager import Compute, JobFinished, Manager
+from phalanx.train.orders import Orders
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
@@ -282,6 +283,21 @@ def emit_finished_elsewhere(s: ReplicaSetup) -> None:
     )
 
 
+def emit_drained(s: ReplicaSetup) -> None:
+    """``done`` for a replica drained by the operator: it leaves after a commit
+    (the others go on; the next quorum re-forms without it)."""
+    log.info("drained at step %d: leaving the job", s.manager.step)
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+            "drained": True,
+        }
+    )
+
+
 def close_replica(s: ReplicaSetup) -> None:
     if s.ckpt is not None:
         s.ckpt.close()
@@ -298,31 +314,6 @@ def maybe_checkpoint(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
     return False
 
 
-class CheckpointOrders:
-    """``checkpoint`` commands (the dashboard's "checkpoint now", ``POST
-    /v1/checkpoints/trigger``): each names a step a little ahead, and the replica
-    saves after committing that step. Polled without waiting, at most once a
-    second, and only where checkpoints are configured."""
-
-    def __init__(self, client: ControllerClient):
-        self.client, self.steps, self.next_poll = client, set[int](), 0.0
-
-    def due(self, step: int) -> bool:
-        now = time.monotonic()
-        if now >= self.next_poll:
-            self.next_poll = now + 1.0
-            try:
-                cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] == "checkpoint"]
-                if cmds:
-                    self.steps.update(int(c["payload"].get("step", step)) for c in cmds)
-                    self.client.ack([c["id"] for c in cmds])
-            except (ControllerError, ValueError) as e:
-                log.warning("could not read checkpoint orders: %s", e)
-        hit = step in self.steps
-        self.steps = {x for x in self.steps if x > step}
-        return hit
-
-
 def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = None) -> int:
     tc = cfg.train
     s = setup_replica(cfg, controller, name, tc.global_batch_size)
@@ -332,7 +323,7 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
     manager, client, sampler = s.manager, s.client, s.manager.sampler
     assert sampler is not None
     saved = s.resumed
-    orders = CheckpointOrders(client) if s.ckpt is not None else None
+    orders = Orders(client)
     try:
         while manager.step < tc.steps:
             try:
@@ -361,12 +352,15 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "t": time.time(),
                     }
                 )
-                ordered = orders is not None and orders.due(r.step)
+                orders.poll(r.step)
                 if maybe_checkpoint(cfg, s, r.step):
                     saved = r.step
-                elif ordered and s.ckpt is not None:
+                elif orders.checkpoint_due(r.step) and s.ckpt is not None:
                     save_checkpoint(s.ckpt, cfg, manager, final=False)
                     saved = r.step
+                if orders.drain:
+                    emit_drained(s)
+                    return 0
             else:
                 emit(
                     {

@@ -1,0 +1,56 @@
+"""Operator commands a training replica honours at step boundaries, from the
+controller's command queue (the dashboard's actions):
+
+- ``checkpoint`` (``POST /v1/checkpoints/trigger``): names a step a little
+  ahead; every replica learns it, and the quorum's rank 0 saves after
+  committing that step, so the saved state is the same whoever saves;
+- ``drain`` (``POST /v1/replicas/drain``): the replica leaves the job after
+  its next commit; the others go on without it.
+
+Polled without waiting, at most once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from phalanx.client import ControllerClient, ControllerError
+
+log = logging.getLogger("phalanx.train")
+
+KINDS = ("checkpoint", "drain")
+
+
+class Orders:
+    """Who calls: the replica's training loop, after each committed step. Not thread-safe."""
+
+    def __init__(self, client: ControllerClient, every_s: float = 1.0):
+        self.client, self.every_s = client, every_s
+        self.checkpoints: set[int] = set()
+        self.drain = False
+        self.next_poll = 0.0
+
+    def poll(self, step: int) -> None:
+        """Take in new commands (at most every ``every_s``); ack them."""
+        now = time.monotonic()
+        if now < self.next_poll:
+            return
+        self.next_poll = now + self.every_s
+        try:
+            cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] in KINDS]
+            for c in cmds:
+                if c["kind"] == "checkpoint":
+                    self.checkpoints.add(int(c["payload"].get("step", step)))
+                else:
+                    self.drain = True
+            if cmds:
+                self.client.ack([c["id"] for c in cmds])
+        except (ControllerError, ValueError) as e:
+            log.warning("could not read operator commands: %s", e)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint was ordered at ``step`` (or at a step already passed)."""
+        hit = any(x <= step for x in self.checkpoints)
+        self.checkpoints = {x for x in self.checkpoints if x > step}
+        return hit
