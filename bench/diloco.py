@@ -105,7 +105,7 @@ class Settings:
     d_model: int = 128
     layers: int = 2
     heads: int = 4
-    lr: float = 4e-3
+    lr: float = 8e-3
     """Peak inner LR (AdamW), the same for the warm-up, DDP and DiLoCo."""
     lr_final_ratio: float = 0.1
     wd: float = 0.1
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     if a.quick:
-        kw.update(steps=100, warmup_steps=20, batch=4, ctx=64, d_model=64, layers=2, val_windows=64)
+        kw.update(steps=100, warmup_steps=50, batch=8, ctx=64, d_model=64, layers=2, val_windows=64)
     s = Settings(**kw)
     log = (lambda *_: None) if a.json else (lambda msg: print(msg, flush=True))
     out = run(s, log)
