@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from phalanx import env
-from phalanx.controller.state import Quorum
+from phalanx.controller.records import Quorum
 from phalanx.log import ReplicaLogger, Who
 
 log = logging.getLogger("phalanx.client")

@@ -97,7 +97,9 @@ def test_resume_with_another_replica_count_after_everything_was_killed(
         lines = _lineage(killed, latest, resumed)
         check_steps(lines, STEPS, BATCH)
         check_samples(lines, TRAIN["dataset_size"], SEED, BATCH)
-        assert {e["participants"] for s in range(latest + 1, STEPS + 1) for e in lines[s].values()} == {new}
+        assert {
+            e["participants"] for s in range(latest + 1, STEPS + 1) for e in lines[s].values()
+        } == {new}
         assert_identical(finals)
         assert_close(finals[0], ref_replica.finish(), 1e-9)
         # The new job's controller knows its checkpoints; the last one is the final step.

@@ -279,7 +279,7 @@ def test_the_same_decoupled_diloco_job_runs_on_either_executor(tmp_path: Path, r
     job = tmp_path / "job.toml"
     job.write_text(
         '[job]\nid = "dl"\nseed = 3\n\n[train]\nsteps = 12\nglobal_batch_size = 12\n'
-        'dataset_size = 256\nin_dim = 8\nhidden = [16]\nout_dim = 2\n\n'
+        "dataset_size = 256\nin_dim = 8\nhidden = [16]\nout_dim = 2\n\n"
         '[diloco]\nmode = "objectstore"\nurl = "unset"\nsync_every = 4\nreplicas = 3\n'
         "min_replicas = 3\ngrace_s = 0.0\nray_cpus_per_replica = 0.5\n"
     )

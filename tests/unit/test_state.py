@@ -13,15 +13,10 @@ import pytest
 
 from phalanx.config import JobConfig, load_config
 from phalanx.controller.journal import Journal
-from phalanx.controller.state import (
-    QUORUM_HISTORY,
-    Conflict,
-    ControllerState,
-    Quorum,
-    StateError,
-    Tick,
-    UnknownReplica,
-)
+from phalanx.controller.quorum import QUORUM_HISTORY
+from phalanx.controller.records import Quorum
+from phalanx.controller.state import ControllerState
+from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
 
 HEARTBEAT_S = 10.0
 GRACE_S = 0.25
@@ -796,7 +791,7 @@ def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
 
 
 def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, journal):
-    from phalanx.controller.state import CHECKPOINT_HISTORY
+    from phalanx.controller.commands import CHECKPOINT_HISTORY
 
     st = make_state()
     st.start(0, 0)

@@ -22,7 +22,9 @@ from hypothesis.stateful import (
 
 from phalanx.config import JobConfig, load_config
 from phalanx.controller.journal import Journal
-from phalanx.controller.state import ControllerState, Quorum, RoleState, Tick
+from phalanx.controller.records import Quorum, RoleState
+from phalanx.controller.state import ControllerState
+from phalanx.controller.tick import Tick
 
 ROLES = ("policy", "rollout")
 NAMES = ("a", "b", "c", "d", "e")

@@ -13,7 +13,9 @@ from phalanx.train.manager import rng_state, set_rng_state
 
 def test_model_optimizer_and_rng_state_round_trip_exactly():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)
+    ).double()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
     opt.step()
@@ -22,14 +24,21 @@ def test_model_optimizer_and_rng_state_round_trip_exactly():
         "optimizer": opt.state_dict(),
         "step": 7,
         "rng": rng_state(),
-        "extra": {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "flag": True, "none": None},
+        "extra": {
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4),
+            "flag": True,
+            "none": None,
+        },
     }
     header, buf = pack(tree)
     assert b"pickle" not in header
     got = unpack(header, buf)
     for k, v in tree["model"].items():
         assert torch.equal(got["model"][k], v)
-    assert got["optimizer"]["param_groups"][0]["betas"] == opt.state_dict()["param_groups"][0]["betas"]
+    assert (
+        got["optimizer"]["param_groups"][0]["betas"] == opt.state_dict()["param_groups"][0]["betas"]
+    )
     assert set(got["optimizer"]["state"]) == {0, 1, 2, 3}  # int keys kept
     for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():

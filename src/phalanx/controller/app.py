@@ -33,8 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx.controller.dashboard import dashboard_routes, is_public
+from phalanx.controller.quorum import QUORUM_HISTORY
+from phalanx.controller.records import Quorum
 from phalanx.controller.service import ControllerService
-from phalanx.controller.state import QUORUM_HISTORY, Quorum, StateError
+from phalanx.controller.tick import StateError
 
 API_VERSION = "v1"
 MAX_WAIT_S = 30.0

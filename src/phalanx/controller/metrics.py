@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector
 from phalanx.controller.overview import overview
 
 if TYPE_CHECKING:
+    from phalanx.controller.records import RoleState
     from phalanx.controller.service import ControllerService
-    from phalanx.controller.state import RoleState
 
 REPLICA_STATES = ("joining", "healing", "active", "suspected")
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from phalanx.controller.state import ControllerState, Member, RoleState
+    from phalanx.controller.records import Member, RoleState
+    from phalanx.controller.state import ControllerState
 
 RATE_WINDOW_S = 30.0
 """Steps per second are measured over the last this-many seconds of step growth."""

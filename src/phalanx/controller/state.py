@@ -14,220 +14,45 @@ rebuilds the state from the journal's tables. Liveness (last heartbeat,
 suspicion, pending quorum requests) is deliberately not durable: after a
 restart every member gets a fresh heartbeat grace and re-asks for its
 quorum, which the client does by itself.
+
+This module holds membership, failure detection, the deadlines, restore and
+the status. The rest is put together from:
+
+- :mod:`~phalanx.controller.records`: the records and their journaling;
+- :mod:`~phalanx.controller.quorum`: quorum formation and heal assignment;
+- :mod:`~phalanx.controller.commands`: command queues, operator actions and
+  checkpoint records;
+- :mod:`~phalanx.controller.rl_requests`: the RL ledger's requests.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phalanx.config import JobConfig, RoleSection
-from phalanx.controller.ledger import Ledger
+from phalanx.config import JobConfig
+from phalanx.controller.commands import CommandQueues
 from phalanx.controller.overview import detector_of, overview
+from phalanx.controller.quorum import QuorumRequests
+from phalanx.controller.records import Command, Member, Quorum, RoleState
 from phalanx.controller.rl_requests import RLRequests
 from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
 
-__all__ = ["Conflict", "ControllerState", "Quorum", "StateError", "Tick", "UnknownReplica"]
-
-QUORUM_HISTORY = 8
-CHECKPOINT_HISTORY = 20
-"""Formed quorums kept per role, so that a retried request finds its answer."""
-
-
-@dataclass
-class Member:
-    replica_id: str
-    role: str
-    name: str
-    ranks: int
-    address: str
-    capabilities: dict[str, Any]
-    registered_at: float
-    """Wall-clock time of registration (for people; never used in decisions)."""
-    step: int = 0
-    last_request_id: str | None = None
-    last_round: int | None = None
-    active_at: float | None = None
-    """Wall-clock time it first took part in a quorum without being healed (None while
-    it joins or heals)."""
-    # Liveness and figures for people: not durable, reset on restore.
-    last_seen: float = field(default=0.0, compare=False)
-    suspect_since: float | None = field(default=None, compare=False)
-    suspect_reason: str = field(default="", compare=False)
-    loss: float | None = field(default=None, compare=False)
-
-    def record(self) -> dict[str, Any]:
-        d = asdict(self)
-        del d["last_seen"], d["suspect_since"], d["suspect_reason"], d["loss"]
-        return d
+# Besides ControllerState, this module's API re-exports the names its callers
+# handle (the records live in records.py, the refusals and Tick in tick.py).
+__all__ = [
+    "Conflict",
+    "ControllerState",
+    "Member",
+    "Quorum",
+    "RoleState",
+    "StateError",
+    "Tick",
+    "UnknownReplica",
+]
 
 
-@dataclass(frozen=True)
-class QuorumMember:
-    replica_id: str
-    name: str
-    address: str
-    ranks: int
-    step: int
-    rank: int
-    """This replica's rank within the quorum (sorted by replica id)."""
-
-
-@dataclass(frozen=True)
-class Quorum:
-    role: str
-    quorum_id: int
-    """Epoch of the membership: changes iff membership changes or a commit failed."""
-    round: int
-    """Formation counter: one more for every quorum formed for this role."""
-    members: tuple[QuorumMember, ...]
-    max_step: int
-    heal: dict[str, str]
-    """Lagging replica id -> the up-to-date replica id that heals it."""
-    formed_at: float
-    job_step: int = 0
-    """Highest step the role ever committed (survives restarts). A quorum whose
-    ``max_step`` is below it means no live replica holds the job's latest state."""
-
-    @property
-    def replica_ids(self) -> list[str]:
-        return [m.replica_id for m in self.members]
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_record(d: dict[str, Any]) -> Quorum:
-        members = tuple(QuorumMember(**m) for m in d["members"])
-        return Quorum(**{**d, "members": members})
-
-
-@dataclass
-class Pending:
-    step: int
-    request_id: str
-    deadline: float
-
-
-@dataclass
-class Command:
-    id: int
-    replica_id: str
-    kind: str
-    payload: dict[str, Any]
-    created_at: float
-
-
-@dataclass
-class RoleState:
-    name: str
-    cfg: RoleSection
-    quorum_id: int = 0
-    round: int = 0
-    step: int = 0
-    force_bump: bool = False
-    quorums: list[Quorum] = field(default_factory=list)
-    pending: dict[str, Pending] = field(default_factory=dict)
-    pending_since: float | None = None
-    member_ids: set[str] = field(default_factory=set)
-    prev_ids: frozenset[str] = frozenset()
-    prev_pending: int = 0
-    """How many of the previous quorum's members are pending (kept incrementally,
-    so that each quorum request is O(1) and a round of N requests is O(N))."""
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    """Evictions not yet followed by a quorum: the next quorum reports, for each,
-    the time from the failure to it (not durable)."""
-    steps_seen: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
-    """(monotonic time, step) whenever the role's step grew: the steps-per-second rate."""
-    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=500))
-    """(step, loss) as the replicas report them with their heartbeats (not durable)."""
-
-    @property
-    def last_quorum(self) -> Quorum | None:
-        return self.quorums[-1] if self.quorums else None
-
-    def add_pending(self, replica_id: str, p: Pending, now: float) -> None:
-        if replica_id not in self.pending and replica_id in self.prev_ids:
-            self.prev_pending += 1
-        self.pending[replica_id] = p
-        if self.pending_since is None:
-            self.pending_since = now
-
-    def drop_pending(self, replica_id: str) -> None:
-        if self.pending.pop(replica_id, None) is not None and replica_id in self.prev_ids:
-            self.prev_pending -= 1
-        if not self.pending:
-            self.pending_since = None
-
-    def set_formed(self, q: Quorum) -> None:
-        self.quorums.append(q)
-        self.prev_ids = frozenset(q.replica_ids)
-        self.pending.clear()
-        self.pending_since = None
-        self.prev_pending = 0
-
-    def meta(self) -> dict[str, Any]:
-        return {
-            "quorum_id": self.quorum_id,
-            "round": self.round,
-            "step": self.step,
-            "force_bump": self.force_bump,
-        }
-
-
-class ControllerState(RLRequests):
+class ControllerState(QuorumRequests, CommandQueues, RLRequests):
     """Membership, quorums and command queues of one job."""
-
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        self.epoch = 0
-        self.members: dict[str, Member] = {}
-        self.roles = {name: RoleState(name, rc) for name, rc in cfg.roles.items()}
-        self.commands: dict[str, dict[int, Command]] = {}
-        self.command_seq = 0
-        self.event_seq = 0
-        self.events: list[dict[str, Any]] = []
-        self.changes: list[tuple[str, str, dict[str, Any] | None]] = []
-        self._by_name: dict[tuple[str, str], str] = {}
-        self.checkpoints: list[dict[str, Any]] = []
-        """The last CHECKPOINT_HISTORY committed checkpoints, oldest first."""
-        self.desired: dict[str, int] = {}
-        """Replica count per role that an operator asked for (``phalanx scale``); a
-        launcher that can start and stop replicas follows it."""
-        self.ledger = (
-            Ledger(
-                cfg.rl,
-                self._put,
-                self._event,
-                sync_timeout_s=2 * cfg.rl.loop.sync_timeout_s + cfg.timeouts.heartbeat_s,
-            )
-            if cfg.rl is not None
-            else None
-        )
-
-    # -- durable records -------------------------------------------------
-
-    def _put(self, table: str, key: str, record: dict[str, Any] | None) -> None:
-        self.changes.append((table, key, record))
-
-    def drain(self) -> list[tuple[str, str, dict[str, Any] | None]]:
-        out, self.changes = self.changes, []
-        return out
-
-    def _event(self, kind: str, wall: float, **fields: Any) -> None:
-        self.event_seq += 1
-        ev = {"seq": self.event_seq, "kind": kind, "at": wall, **fields}
-        self.events.append(ev)
-        self._put("events", f"{self.event_seq:012d}", ev)
-        keep = self.cfg.controller.history
-        while len(self.events) > keep:
-            old = self.events.pop(0)
-            self._put("events", f"{old['seq']:012d}", None)
-        self._put("meta", "event_seq", {"value": self.event_seq})
-
-    def _save_role(self, role: RoleState) -> None:
-        self._put("meta", f"role/{role.name}", role.meta())
 
     def start(self, now: float, wall: float) -> None:
         """Begin a new controller epoch (call once per process start, after restore)."""
@@ -275,31 +100,6 @@ class ControllerState(RLRequests):
         if st.ledger is not None:
             st.ledger.restore(tables, now)
         return st
-
-    # -- lookups ---------------------------------------------------------
-
-    def _role(self, role: str) -> RoleState:
-        try:
-            return self.roles[role]
-        except KeyError:
-            raise StateError(
-                f"role must be one of the job's roles {sorted(self.roles)}: got {role!r}. "
-                f"Add a [roles.{role}] section to the job config or register with another role.",
-                field="role",
-            ) from None
-
-    def member(self, replica_id: str, field: str = "replica_id") -> Member:
-        m = self.members.get(replica_id)
-        if m is None:
-            raise UnknownReplica(
-                f"replica {replica_id!r} is not a member of this job (never registered, or "
-                f"evicted). Register again to get a new incarnation.",
-                field=field,
-            )
-        return m
-
-    def alive(self, role: str) -> list[Member]:
-        return [self.members[rid] for rid in sorted(self.roles[role].member_ids)]
 
     # -- membership ------------------------------------------------------
 
@@ -361,12 +161,6 @@ class ControllerState(RLRequests):
     def deregister(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
         self.member(replica_id)
         return self._evict(replica_id, f"left: {reason}" if reason else "left", now, wall)
-
-    def _bump_step(self, rs: RoleState, step: int, now: float) -> None:
-        if step > rs.step:
-            rs.step = step
-            rs.steps_seen.append((now, step))
-            self._save_role(rs)
 
     def _evict(self, replica_id: str, reason: str, now: float, wall: float) -> Tick:
         m = self.members.pop(replica_id)
@@ -490,251 +284,7 @@ class ControllerState(RLRequests):
             tick.merge(self._maybe_sync(now, wall))
         return tick
 
-    # -- quorum ----------------------------------------------------------
-
-    def request_quorum(
-        self,
-        replica_id: str,
-        step: int,
-        request_id: str,
-        timeout_s: float,
-        *,
-        now: float,
-        wall: float,
-    ) -> tuple[Quorum | None, Tick]:
-        """Ask to take part in the role's next quorum, at ``step`` (this replica's
-        committed step). Returns the quorum if it formed now (or was formed
-        earlier for the same ``request_id``: retries are idempotent), else None
-        and the caller waits for a :class:`Tick` that names it."""
-        m = self.member(replica_id)
-        m.last_seen = now
-        done = self.answer(replica_id, request_id)
-        if done is not None:
-            return done, Tick()
-        rs = self.roles[m.role]
-        rs.add_pending(replica_id, Pending(step, request_id, now + timeout_s), now)
-        tick = Tick()
-        q = self._try_form(rs, now, wall)
-        if q is not None:
-            tick.formed.append(q)
-        return self.answer(replica_id, request_id), tick
-
-    def answer(self, replica_id: str, request_id: str) -> Quorum | None:
-        m = self.members.get(replica_id)
-        if m is None or m.last_request_id != request_id or m.last_round is None:
-            return None
-        for q in reversed(self.roles[m.role].quorums):
-            if q.round == m.last_round:
-                return q
-        return None
-
-    def _ready(self, rs: RoleState, now: float) -> bool:
-        pend = len(rs.pending)
-        if pend == 0:
-            return False
-        n_alive = len(rs.member_ids)
-        first = rs.last_quorum is None
-        need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
-        if pend < need or 2 * pend <= n_alive:
-            return False  # too few, or not a majority of the heartbeating replicas
-        if pend == n_alive:
-            return True  # everyone who is alive has asked
-        last = rs.last_quorum
-        if last is not None and rs.prev_pending == len(rs.prev_ids):
-            return True  # fast path: the previous quorum rejoined in full
-        assert rs.pending_since is not None
-        return now - rs.pending_since >= rs.cfg.join_timeout_s
-
-    def _try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
-        if not self._ready(rs, now):
-            return None
-        ids = sorted(rs.pending)
-        last = rs.last_quorum
-        if last is None or rs.force_bump or ids != sorted(last.replica_ids):
-            rs.quorum_id += 1
-        rs.force_bump = False
-        rs.round += 1
-        steps = {rid: rs.pending[rid].step for rid in ids}
-        max_step = max(steps.values())
-        fresh = [rid for rid in ids if steps[rid] == max_step]
-        lagging = [rid for rid in ids if steps[rid] < max_step]
-        heal = {rid: fresh[i % len(fresh)] for i, rid in enumerate(lagging)}
-        ready = []
-        members = tuple(
-            QuorumMember(
-                rid,
-                self.members[rid].name,
-                self.members[rid].address,
-                self.members[rid].ranks,
-                steps[rid],
-                rank,
-            )
-            for rank, rid in enumerate(ids)
-        )
-        q = Quorum(
-            rs.name, rs.quorum_id, rs.round, members, max_step, heal, wall, max(rs.step, max_step)
-        )
-        for rid in ids:
-            m = self.members[rid]
-            m.last_request_id = rs.pending[rid].request_id
-            m.last_round = q.round
-            m.step = max(m.step, steps[rid])
-            if m.active_at is None and rid not in heal:
-                m.active_at = wall
-                ready.append(m)
-            self._put("members", rid, m.record())
-        rs.set_formed(q)
-        self._put("quorums", f"{rs.name}/{q.round:012d}", q.record())
-        if len(rs.quorums) > QUORUM_HISTORY:
-            old = rs.quorums.pop(0)
-            self._put("quorums", f"{rs.name}/{old.round:012d}", None)
-        if max_step > rs.step:
-            rs.steps_seen.append((now, max_step))
-        rs.step = max(rs.step, max_step)
-        self._save_role(rs)
-        recovered = [
-            {
-                "replica_id": f["replica_id"],
-                "detector": f["detector"],
-                "seconds": round(wall - f["failed_at"], 3),
-            }
-            for f in rs.failures
-        ]
-        rs.failures.clear()
-        self._event(
-            "quorum",
-            wall,
-            role=rs.name,
-            quorum_id=q.quorum_id,
-            round=q.round,
-            size=len(ids),
-            max_step=max_step,
-            healing=len(heal),
-            **({"heal": dict(heal)} if heal else {}),
-            **({"recovered": recovered} if recovered else {}),
-        )
-        for m in ready:
-            self._event(
-                "active",
-                wall,
-                role=rs.name,
-                replica_id=m.replica_id,
-                join_s=round(wall - m.registered_at, 3),
-            )
-        return q
-
-    # -- commands --------------------------------------------------------
-
-    def enqueue(
-        self, target: str, kind: str, payload: dict[str, Any], *, now: float, wall: float
-    ) -> tuple[list[Command], Tick]:
-        """Queue a command for one replica (by id) or every member of a role (by name)."""
-        if target in self.roles:
-            ids = sorted(m.replica_id for m in self.alive(target))
-        else:
-            ids = [self.member(target, field="target").replica_id]
-        out = []
-        for rid in ids:
-            self.command_seq += 1
-            c = Command(self.command_seq, rid, kind, dict(payload), wall)
-            self.commands.setdefault(rid, {})[c.id] = c
-            self._put("commands", f"{c.id:012d}", asdict(c))
-            out.append(c)
-        self._put("meta", "command_seq", {"value": self.command_seq})
-        return out, Tick(commands_for=set(ids))
-
-    def pending_commands(self, replica_id: str, after: int = 0) -> list[Command]:
-        self.member(replica_id)
-        q = self.commands.get(replica_id, {})
-        return [q[cid] for cid in sorted(q) if cid > after]
-
-    def ack(self, replica_id: str, command_ids: list[int]) -> list[int]:
-        """Acknowledge commands; returns the ids that were not pending (already acked)."""
-        self.member(replica_id)
-        q = self.commands.get(replica_id, {})
-        missing = []
-        for cid in command_ids:
-            if q.pop(cid, None) is None:
-                missing.append(cid)
-            else:
-                self._put("commands", f"{cid:012d}", None)
-        return missing
-
-    # -- scale -----------------------------------------------------------
-
-    def set_desired(self, role: str, replicas: int, *, now: float, wall: float) -> dict[str, int]:
-        """Record the replica count an operator wants for ``role``."""
-        self._role(role)
-        self.desired[role] = replicas
-        self._put("meta", f"desired/{role}", {"value": replicas})
-        self._event("scale", wall, role=role, replicas=replicas)
-        return dict(self.desired)
-
-    # -- checkpoints -----------------------------------------------------
-
-    def record_checkpoint(
-        self, replica_id: str, step: int, url: str, nbytes: int, *, now: float, wall: float
-    ) -> dict[str, Any]:
-        """A replica committed a checkpoint of ``step`` at ``url``: remember it
-        (the job's latest restorable step is in the status)."""
-        m = self.member(replica_id)
-        # The saver knows its step committed before the controller does (it learns
-        # of commits from the next quorum request or heartbeat).
-        self._bump_step(self.roles[m.role], step, now)
-        rec = {
-            "step": step,
-            "url": url,
-            "nbytes": nbytes,
-            "by": replica_id,
-            "role": m.role,
-            "at": wall,
-        }
-        self.checkpoints = sorted(
-            [c for c in self.checkpoints if c["step"] != step] + [rec], key=lambda c: c["step"]
-        )
-        self._put("checkpoints", f"{step:012d}", rec)
-        while len(self.checkpoints) > CHECKPOINT_HISTORY:
-            old = self.checkpoints.pop(0)
-            self._put("checkpoints", f"{old['step']:012d}", None)
-        self._event("checkpoint", wall, replica_id=replica_id, step=step, url=url, nbytes=nbytes)
-        return rec
-
     # -- status ----------------------------------------------------------
-
-    # -- operator actions (the dashboard) -----------------------------------
-
-    def evict_replica(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
-        """An operator evicts a replica. The process, if alive, gets 410 at its next
-        call and registers again as a new incarnation."""
-        self.member(replica_id)
-        return self._evict(
-            replica_id, f"evicted by operator: {reason or 'no reason given'}", now, wall
-        )
-
-    def drain_replica(
-        self, replica_id: str, *, now: float, wall: float
-    ) -> tuple[list[Command], Tick]:
-        """Ask a replica to leave at its next step boundary (a ``drain`` command)."""
-        cmds, tick = self.enqueue(replica_id, "drain", {}, now=now, wall=wall)
-        self._event("drain", wall, role=self.members[replica_id].role, replica_id=replica_id)
-        return cmds, tick
-
-    def request_checkpoint(
-        self, lead: int, *, now: float, wall: float
-    ) -> tuple[list[Command], Tick]:
-        """Ask the policy replicas to checkpoint the step ``lead`` steps from the
-        role's current one: the same step on every replica, far enough ahead that
-        each has polled its commands by then."""
-        rs = self._role("policy")
-        if not self.cfg.checkpoint.url:
-            raise Conflict(
-                "checkpoint.url must be set to trigger a checkpoint: got none. Set "
-                "[checkpoint] url in the job config."
-            )
-        step = rs.step + max(1, lead)
-        cmds, tick = self.enqueue("policy", "checkpoint", {"step": step}, now=now, wall=wall)
-        self._event("checkpoint_requested", wall, role="policy", step=step, replicas=len(cmds))
-        return cmds, tick
 
     def status(self, now: float, wall: float | None = None) -> dict[str, Any]:
         roles = {}

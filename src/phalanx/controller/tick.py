@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from phalanx.controller.state import Quorum
+    from phalanx.controller.records import Quorum
 
 
 class StateError(Exception):

@@ -19,18 +19,16 @@ from phalanx.client import QuorumTimeout
 from phalanx.config import JobConfig
 from phalanx.train.diloco_sync import SyncDiLoCo
 from phalanx.train.job import (
+    after_commit,
     close_replica,
     emit,
-    emit_drained,
     emit_finished_elsewhere,
+    emit_retry,
     finish_replica,
-    maybe_checkpoint,
-    save_checkpoint,
     setup_replica,
     start_checkpoints,
 )
 from phalanx.train.manager import JobFinished
-from phalanx.train.orders import Orders
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -46,8 +44,6 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
     loop = SyncDiLoCo(s.manager, dc.outer(), tc.global_batch_size)
     start_checkpoints(cfg, s)
     m, client = s.manager, s.client
-    saved = s.resumed
-    orders = Orders(client)
     try:
         while m.step < rounds:
             try:
@@ -60,14 +56,7 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
                 emit_finished_elsewhere(s)
                 return 0
             if not r.committed:
-                emit(
-                    {
-                        "event": "retry",
-                        "replica": client.replica_id,
-                        "step": r.round,
-                        "error": (r.error or "")[:200],
-                    }
-                )
+                emit_retry(s, r.round, r.error)
                 continue
             client.loss = r.loss
             extra = {"samples": r.samples} if tc.log_samples else {}
@@ -88,16 +77,9 @@ def run_sync_replica(cfg: JobConfig, controller: str, name: str, out: Path | Non
                     "t": time.time(),
                 }
             )
-            orders.poll(r.round)
-            if maybe_checkpoint(cfg, s, r.round):
-                saved = r.round
-            elif orders.checkpoint_due(r.round) and s.ckpt is not None:
-                save_checkpoint(s.ckpt, cfg, m, final=False)
-                saved = r.round
-            if orders.drain:
-                emit_drained(s)
+            if after_commit(cfg, s, r.round):
                 return 0
-        finish_replica(cfg, s, saved, out)
+        finish_replica(cfg, s, out)
     finally:
         close_replica(s)
     return 0

@@ -190,6 +190,10 @@ class ReplicaSetup:
     compute: Compute
     ckpt: Checkpointer | None
     resumed: int | None
+    orders: Orders
+    saved: int | None = None
+    """The last step durable in a checkpoint by this replica's doing (saved, or
+    resumed from): :func:`finish_replica` saves the final step unless it is this one."""
 
 
 def setup_replica(
@@ -227,8 +231,9 @@ def setup_replica(
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
     manager.total_steps = total
+    compute = make_compute(model, x, y, tc.step_delay_s)
     return ReplicaSetup(
-        client, store, manager, make_compute(model, x, y, tc.step_delay_s), None, None
+        client, store, manager, compute, ckpt=None, resumed=None, orders=Orders(client)
     )
 
 
@@ -237,7 +242,7 @@ def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
     Call after every piece of state is registered with the manager."""
     s.ckpt = make_checkpointer(cfg, s.client)
     if s.ckpt is not None and cfg.checkpoint.resume:
-        s.resumed = resume(s.ckpt, s.manager)
+        s.resumed = s.saved = resume(s.ckpt, s.manager)
     emit(
         {
             "event": "start",
@@ -248,14 +253,14 @@ def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
     )
 
 
-def finish_replica(cfg: JobConfig, s: ReplicaSetup, saved: int | None, out: Path | None) -> None:
+def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
     """End of the job: the last step durable in a checkpoint, the final state
     written, ``done`` printed."""
     if s.ckpt is not None:
         # The last step is always durable before ``done``: a save in flight
         # (the final step may be a multiple of every_steps) is waited for.
         s.ckpt.wait()
-        if saved != s.manager.step:
+        if s.saved != s.manager.step:
             save_checkpoint(s.ckpt, cfg, s.manager, final=True)
     if out is not None:
         save_final(out, s.manager)
@@ -298,6 +303,19 @@ def emit_drained(s: ReplicaSetup) -> None:
     )
 
 
+def emit_retry(s: ReplicaSetup, step: int, error: str | None) -> None:
+    """``retry`` for a step (or round) that did not commit: it runs again with the
+    next quorum."""
+    emit(
+        {
+            "event": "retry",
+            "replica": s.client.replica_id,
+            "step": step,
+            "error": (error or "")[:200],
+        }
+    )
+
+
 def close_replica(s: ReplicaSetup) -> None:
     if s.ckpt is not None:
         s.ckpt.close()
@@ -305,11 +323,23 @@ def close_replica(s: ReplicaSetup) -> None:
     s.client.close("finished")
 
 
-def maybe_checkpoint(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
-    """Save after a committed ``step`` when it is due. Returns whether it saved."""
-    every = cfg.checkpoint.every_steps
-    if s.ckpt is not None and every and step % every == 0:
-        save_checkpoint(s.ckpt, cfg, s.manager, final=False)
+def after_commit(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
+    """The step boundary after a committed ``step`` (an FT-DDP step or a DiLoCo
+    round): take in operator commands, save a checkpoint when one is due
+    (``checkpoint.every_steps``) or was ordered, and leave if drained. Call it on
+    every replica of the quorum, after printing the ``step`` line. Returns True
+    when the replica must leave the job (its ``done`` line already printed)."""
+    s.orders.poll(step)
+    ckpt, every = s.ckpt, cfg.checkpoint.every_steps
+    scheduled = ckpt is not None and bool(every) and step % every == 0
+    # An order for a step that a scheduled save covers stays pending, and saves
+    # again at the next commit: redundant, not wrong.
+    ordered = not scheduled and s.orders.checkpoint_due(step)
+    if ckpt is not None and (scheduled or ordered):
+        save_checkpoint(ckpt, cfg, s.manager, final=False)
+        s.saved = step
+    if s.orders.drain:
+        emit_drained(s)
         return True
     return False
 
@@ -322,8 +352,6 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
     start_checkpoints(cfg, s)
     manager, client, sampler = s.manager, s.client, s.manager.sampler
     assert sampler is not None
-    saved = s.resumed
-    orders = Orders(client)
     try:
         while manager.step < tc.steps:
             try:
@@ -352,25 +380,11 @@ def run_replica(cfg: JobConfig, controller: str, name: str, out: Path | None = N
                         "t": time.time(),
                     }
                 )
-                orders.poll(r.step)
-                if maybe_checkpoint(cfg, s, r.step):
-                    saved = r.step
-                elif orders.checkpoint_due(r.step) and s.ckpt is not None:
-                    save_checkpoint(s.ckpt, cfg, manager, final=False)
-                    saved = r.step
-                if orders.drain:
-                    emit_drained(s)
+                if after_commit(cfg, s, r.step):
                     return 0
             else:
-                emit(
-                    {
-                        "event": "retry",
-                        "replica": client.replica_id,
-                        "step": r.step,
-                        "error": (r.error or "")[:200],
-                    }
-                )
-        finish_replica(cfg, s, saved, out)
+                emit_retry(s, r.step, r.error)
+        finish_replica(cfg, s, out)
     finally:
         close_replica(s)
     return 0

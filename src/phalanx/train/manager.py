@@ -37,7 +37,7 @@ import torch
 from phalanx.client import ControllerClient
 from phalanx.comm.base import CommError, Communicator
 from phalanx.comm.transfer import recv_state, send_state
-from phalanx.controller.state import Quorum
+from phalanx.controller.records import Quorum
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.train.batch import micro_batches, split
