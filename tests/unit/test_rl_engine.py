@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from phalanx.rl.config import ModelSection
+from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.tokenizer import CharTokenizer
@@ -141,3 +142,40 @@ def test_generate_argument_errors(model):
         engine.generate(PROMPTS, 0, 1)
     with pytest.raises(ValueError, match="temperature must be in"):
         engine.generate(PROMPTS, 1, 1, temperature=-1.0)
+
+
+def test_keyed_sampling_depends_on_the_prompt_key_alone(model):
+    keys = [prompt_key(0, i) for i in range(len(PROMPTS))]
+    # Two engines with different own seeds, the prompts batched differently.
+    whole = HFEngine(model, TOK.eos_id, TOK.pad_id, seed=1).generate(PROMPTS, 3, 5, 1.0, keys)
+    engine = HFEngine(model, TOK.eos_id, TOK.pad_id, seed=2)
+    parts = engine.generate(PROMPTS[2:], 3, 5, 1.0, keys[2:]) + engine.generate(
+        PROMPTS[:2], 3, 5, 1.0, keys[:2]
+    )
+    parts = parts[6:] + parts[:6]
+    assert [c.token_ids for c in whole] == [c.token_ids for c in parts]
+    flat = [lp for c in parts for lp in c.logprobs]
+    assert [lp for c in whole for lp in c.logprobs] == pytest.approx(flat, abs=1e-5)
+    # Another key draws something else; the samples of one prompt differ.
+    other = engine.generate(PROMPTS[:1], 3, 5, 1.0, [prompt_key(1, 0)])
+    assert [c.token_ids for c in other] != [c.token_ids for c in whole[:3]]
+    assert len({tuple(c.token_ids) for c in whole[:3]}) > 1
+
+
+def test_keyed_sampling_draws_from_the_model_distribution():
+    # One step, a known distribution: the keyed inverse-CDF draw's frequencies.
+    logits = torch.log(torch.tensor([[0.5, 0.0, 0.3, 0.2]])).expand(4000, 4)
+    model = build_model(ModelSection(arch="gpt2", seed=7), TOK)
+    engine = HFEngine(model, TOK.eos_id, TOK.pad_id)
+    u = torch.rand(4000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tok, lp = engine._sample(logits, 1.0, u)
+    freq = torch.bincount(tok, minlength=4).double() / 4000
+    assert freq[1] == 0
+    assert freq.tolist() == pytest.approx([0.5, 0.0, 0.3, 0.2], abs=0.03)
+    assert torch.allclose(lp, logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1))
+
+
+def test_keys_must_match_the_prompts(model):
+    engine = HFEngine(model, TOK.eos_id, TOK.pad_id)
+    with pytest.raises(ValueError, match="one sampling key per prompt"):
+        engine.generate(PROMPTS, 1, 1, 1.0, keys=[1])

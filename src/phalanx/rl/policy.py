@@ -36,6 +36,7 @@ import torch
 from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig
+from phalanx.controller.ledger import rollout_prompt
 from phalanx.log import ReplicaLogger
 from phalanx.rl.config import RLConfig
 from phalanx.rl.engine.base import Completion
@@ -55,9 +56,13 @@ log = logging.getLogger("phalanx.rl.policy")
 
 
 def completions_of(batch: dict[str, Any]) -> tuple[list[Completion], list[float]]:
-    """The batch's completions, prompt-major, and their rewards."""
+    """The batch's completions, prompt-major in prompt order, and their rewards.
+
+    The ledger lists a batch's rollouts in arrival order, which depends on
+    timing; prompt order makes the loss's sums (and so the trained weights) the
+    same whichever replica submitted first or how often a prompt was dispatched."""
     comps, rewards = [], []
-    for r in batch["rollouts"]:
+    for r in sorted(batch["rollouts"], key=lambda r: rollout_prompt(r["rollout_id"])[0]):
         for c in r["completions"]:
             comps.append(
                 Completion(

@@ -7,8 +7,9 @@ The loop, between two generation batches:
    a lease);
 2. if a sync order names this replica, join it first and swap the weights
    (:class:`WeightChannel`), then report the version now held;
-3. generate ``group_size`` completions per leased prompt with the engine,
-   score them with the task, and submit them against the lease (or put them
+3. generate ``group_size`` completions per leased prompt with the engine
+   (keyed by the job seed and the prompt's index, so that a prompt dispatched
+   again regenerates the same completions under the same weights), score them with the task, and submit them against the lease (or put them
    in the job's rollout queue, ``rl.transport.rollouts``, from which the
    policy replicas drain them into the ledger). Every rollout carries the
    version that made it.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from phalanx.config import JobConfig
 from phalanx.log import ReplicaLogger
 from phalanx.rl.base import Task, Tokenizer
 from phalanx.rl.config import RLConfig
-from phalanx.rl.engine.base import GenerationEngine
+from phalanx.rl.engine.base import GenerationEngine, prompt_key
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
@@ -60,7 +60,11 @@ def make_rollouts(
     g = rl.grpo
     texts = [task.prompt(p["index"]) for p in prompts]
     comps = engine.generate(
-        [tok.encode(t) for t in texts], g.group_size, g.max_new_tokens, g.temperature
+        [tok.encode(t) for t in texts],
+        g.group_size,
+        g.max_new_tokens,
+        g.temperature,
+        keys=[prompt_key(g.seed, p["index"]) for p in prompts],
     )
     out = []
     for i, p in enumerate(prompts):
@@ -107,9 +111,9 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
     tok = load_tokenizer(rl.task.tokenizer_path)
     task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
     model = build_model(rl.model, tok, device)
-    # Every replica (and every incarnation) samples its own stream.
-    seed = g.seed * 1_000_003 + zlib.crc32(str(client.replica_id).encode())
-    engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=seed, version=-1)
+    # Completions are keyed by prompt (make_rollouts), so which replica draws a
+    # prompt, and how often it was dispatched, changes nothing.
+    engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
     weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
     queue = rollout_queue(rl.transport, queue_name(cfg.job.id, client), str(client.replica_id))
     synced = 0

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from phalanx.rl.config import GRPOSection, RLConfig, load_rl_config
+from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.grpo import collate, group_advantages, grpo_loss, reference_logprobs
 from phalanx.rl.model import build_model, num_params
@@ -121,8 +122,15 @@ def _train(
         # The weights version is the policy's optimizer-step count (DESIGN.md).
         engine.load_weights(policy.state_dict(), version=step * g.inner_epochs)
         prompts = task.prompts(step * g.prompts_per_step, g.prompts_per_step)
+        first = step * g.prompts_per_step
         comps = engine.generate(
-            [tok.encode(p) for p in prompts], g.group_size, g.max_new_tokens, g.temperature
+            [tok.encode(p) for p in prompts],
+            g.group_size,
+            g.max_new_tokens,
+            g.temperature,
+            # Keyed as the rollout replicas key them: the same weights draw the same
+            # completions here as in a phalanx job.
+            keys=[prompt_key(g.seed, first + i) for i in range(len(prompts))],
         )
         rewards, em = [], []
         for c in comps:

@@ -19,6 +19,18 @@ engine then records ``log_softmax(logits)`` (T = 1) of the argmax for
 diagnostics, and such rollouts are for evaluation, not for importance-weighted
 training.
 
+Sampling keys
+-------------
+``generate(..., keys=...)`` gives each prompt a sampling key: the ``j``-th
+sample of prompt ``i`` is then drawn from a random stream fixed by
+``(keys[i], j)`` alone, so a completion depends only on the weights, the
+prompt and its key, never on the other prompts in the batch, the replica that
+draws it, or how often the prompt was dispatched. Rollout replicas key each
+prompt by :func:`prompt_key` of the job seed and the prompt's index, and the
+single-process baseline does the same: a prompt dispatched again after its
+replica died is regenerated exactly, and a run is reproducible whatever the
+membership did.
+
 Engines
 -------
 - ``hf.py``: :class:`~phalanx.rl.engine.hf.HFEngine`, a KV-cached sampling loop
@@ -41,6 +53,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+
+def prompt_key(seed: int, index: int) -> int:
+    """The sampling key of prompt ``index`` in a job seeded with ``seed`` (63 bits)."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & (2**63 - 1)
+
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """A full state dict, or a stream of (name, tensor) pairs that may cover part of the model."""
@@ -87,13 +105,17 @@ class GenerationEngine(ABC):
         n: int,
         max_new_tokens: int,
         temperature: float = 1.0,
+        keys: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions for each prompt (token ids, BOS included where used).
 
         Returns ``len(prompts) * n`` completions, prompt-major: the ``j``-th
         sample of prompt ``i`` is at ``i * n + j``. Each completion stops at its
         own EOS or after ``max_new_tokens`` tokens. ``temperature == 0`` is
-        greedy. Raises ValueError on empty prompts or arguments out of range.
+        greedy. ``keys`` (one per prompt) makes each completion a function of
+        its prompt's key (see "Sampling keys"); without them the engine's own
+        seeded stream is used. Raises ValueError on empty prompts or arguments
+        out of range.
         """
 
     @abstractmethod

@@ -42,7 +42,8 @@ class HFEngine(GenerationEngine):
     """Samples from ``model`` (a ``transformers`` causal LM) with a KV cache.
 
     The engine owns its RNG (``seed``), so the same weights, prompts and seed
-    give the same completions. The model is put in eval mode and used under
+    give the same completions; with sampling ``keys`` (see the engine interface)
+    each completion depends on its prompt's key alone. The model is put in eval mode and used under
     ``torch.no_grad``; pass a copy when the trainer keeps training the original
     (the single-process loop does, and syncs it with :meth:`load_weights`).
     """
@@ -62,8 +63,14 @@ class HFEngine(GenerationEngine):
         n: int,
         max_new_tokens: int,
         temperature: float = 1.0,
+        keys: Sequence[int] | None = None,
     ) -> list[Completion]:
         _check_args(prompts, n, max_new_tokens, temperature)
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(
+                f"keys must hold one sampling key per prompt: got {len(keys)} keys for "
+                f"{len(prompts)} prompts. Use prompt_key(seed, index) for each prompt."
+            )
         rows = [list(p) for p in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id, self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -72,8 +79,13 @@ class HFEngine(GenerationEngine):
         past, logits = out.past_key_values, out.logits[:, -1, :]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         toks, lps = [], []
+        noise = None
+        if keys is not None and temperature > 0:
+            noise = _uniforms(keys, n, max_new_tokens).to(self.device)
         for t in range(max_new_tokens):
-            tok, lp = self._sample(logits.float(), temperature)
+            tok, lp = self._sample(
+                logits.float(), temperature, None if noise is None else noise[:, t]
+            )
             # Finished rows emit PAD with log-prob 0; both are dropped below.
             tok = tok.masked_fill(done, self.pad_id)
             toks.append(tok)
@@ -94,14 +106,20 @@ class HFEngine(GenerationEngine):
         return self._completions(rows, n, torch.stack(toks, 1), torch.stack(lps, 1))
 
     def _sample(
-        self, logits: torch.Tensor, temperature: float
+        self, logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if temperature == 0:
             tok = logits.argmax(-1)
             logp = torch.log_softmax(logits, -1)
         else:
             logp = torch.log_softmax(logits / temperature, -1)
-            tok = torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(1)
+            if uniform is None:
+                tok = torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(1)
+            else:  # inverse CDF: one keyed uniform per row and token
+                cdf = logp.double().exp().cumsum(-1)
+                u = uniform[:, None] * cdf[:, -1:]
+                tok = torch.searchsorted(cdf, u, right=True).squeeze(1)
+                tok = tok.clamp_(max=logp.shape[-1] - 1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
     def _completions(
@@ -143,6 +161,19 @@ class HFEngine(GenerationEngine):
             _check_names(own, [(name, tensor)])
             own[name].copy_(tensor)
         self.version = int(version)
+
+
+def _uniforms(keys: Sequence[int], n: int, steps: int) -> torch.Tensor:
+    """Uniforms in [0, 1) of shape (len(keys) * n, steps), prompt-major: one per
+    sampled token. Each prompt's block comes from a generator seeded with its key,
+    so token t of sample j of prompt i depends on (keys[i], j, steps) only. Drawn
+    on CPU in float64: the same values on any device."""
+    out = torch.empty((len(keys), n, steps), dtype=torch.float64)
+    g = torch.Generator()
+    for i, key in enumerate(keys):
+        g.manual_seed(int(key) & (2**63 - 1))
+        out[i].uniform_(generator=g)
+    return out.view(-1, steps)
 
 
 def _check_names(own: Mapping[str, torch.Tensor], pairs: Any) -> None:
