@@ -16,9 +16,10 @@ Arms, run one after another (never side by side), each from a fresh process:
   SIGKILLed every 15 s, restarted 2 s later).
 
 With ``--repeats N`` each arm runs N times; repeat r runs the single arm with
-``--grpo.seed r`` (its sampling seed; the phalanx arms' rollout replicas seed
-their sampling from their random replica ids, so every phalanx run is a new
-draw) and ratios are taken per repeat, then the median is reported.
+``--grpo.seed r`` and the phalanx arms with ``--rl.grpo.seed r`` (the sampling
+seed: completions are keyed by (seed, prompt index), whichever replica draws
+them, so repeat r of every arm samples from the same stream) and ratios are
+taken per repeat, then the median is reported.
 
 Figures (the target: the trailing ``window``-batch mean exact match reaches T):
 
@@ -44,6 +45,11 @@ Figures (the target: the trailing ``window``-batch mean exact match reaches T):
   ``loopback_broadcast_gbps``: a plain gloo broadcast of the same bytes among
   the same number of processes, measured after a barrier (``rl_workers.py``).
   **gbps here means GB/s, 1e9 bytes per second** (as in ``ft_ddp.py``).
+- ``same_batch_rewards_as_single`` (per repeat): batches whose mean reward equals
+  the single arm's. Sampling is keyed by (seed, prompt index) and every batch is
+  generated with the weights of the step it starts at, so a phalanx run, chaos
+  included, trains on the same rollouts as the single-process loop, batch for
+  batch, unless float reduction order (batch shapes differ) flips a sample.
 - ``sim``: control-plane scaling with simulated generation, ``rl_sim.run_sim``
   for 8, 32 and 64 rollout replicas (goal: efficiency >= 0.9 at 64).
 - ``loadavg_start`` / ``loadavg_end`` (and per arm): this is a shared, noisy
@@ -182,6 +188,7 @@ def arm_single(tmp: Path, config: Path, rl: dict[str, Any], seed: int, timeout_s
     out: dict[str, Any] = {
         "reached": hit is not None,
         "seed": seed,
+        "batch_rewards": [e["reward"] for _, e in events if "exact_match_avg" in e],
         "batches_run": summary["steps"],
         "startup_s": _r(start - run["t0"]),
         "wall_s": _r(run["lines"][-1][0] - run["t0"]),
@@ -206,9 +213,12 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def arm_phalanx(tmp: Path, config: Path, label: str, chaos: str | None, timeout_s: float):
+def arm_phalanx(
+    tmp: Path, config: Path, label: str, chaos: str | None, seed: int, timeout_s: float
+):
     run_dir = tmp / label
     cmd = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain", "--json"]
+    cmd += ["--rl.grpo.seed", str(seed)]
     cmd += ["--run-dir", str(run_dir)] + (["--chaos", chaos] if chaos else [])
     run = launch(cmd, tmp / f"{label}.err", timeout_s)
     found = [(t, e) for t, e in json_lines(run["lines"]) if e.get("event") == "summary"]
@@ -243,7 +253,29 @@ def arm_phalanx(tmp: Path, config: Path, label: str, chaos: str | None, timeout_
             "s_per_batch": _r(train / (s["target_batch"] + 1), 4) if train else None,
         }
     out["sync_events"] = sync_events(run_dir)
+    out["batch_rewards"] = batch_rewards(run_dir)
     return out
+
+
+def batch_rewards(run_dir: Path) -> list[float]:
+    """Each trained batch's mean reward, from the policy replicas' ``step`` lines
+    (every commit of a batch reports it; a batch retried after a kill, too)."""
+    by_batch: dict[int, float] = {}
+    for p in sorted(run_dir.glob("policy-*.log")):
+        for e in read_log(p):
+            if e.get("event") == "step":
+                by_batch.setdefault(e["batch"], e["reward"])
+    return [by_batch[b] for b in sorted(by_batch)]
+
+
+def same_rewards(run: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Batches whose mean reward equals the single arm's (to the logs' 4 decimals,
+    give or take one unit of rounding), out of the batches both ran."""
+    a, b = run.get("batch_rewards"), base.get("batch_rewards")
+    if not a or not b:
+        return None
+    n = min(len(a), len(b))
+    return f"{sum(abs(x - y) < 2e-4 for x, y in zip(a[:n], b[:n], strict=True))}/{n}"
 
 
 def sync_events(run_dir: Path) -> dict[str, list[Any]]:
@@ -293,10 +325,12 @@ def summarize(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None, goa
         out["ratio_vs_single_training_only"] = med([ratio(r, b, keys[1]) for r, b in per])
         out["batches_ratio_vs_single"] = med([ratio(r, b, "batches") for r, b in per])
         out["s_per_batch_ratio_vs_single"] = med([ratio(r, b, "s_per_batch") for r, b in per])
+        out["same_batch_rewards_as_single"] = [same_rewards(r, b) for r, b in per]
         out["goal"] = goal
         rs = out["ratio_vs_single"]
         out["meets_goal"] = None if rs is None else rs <= goal
-    out["runs"] = [{k: v for k, v in r.items() if k != "sync_events"} for r in runs]
+    drop = ("sync_events", "batch_rewards")
+    out["runs"] = [{k: v for k, v in r.items() if k not in drop} for r in runs]
     return out
 
 
@@ -356,6 +390,12 @@ def table(res: dict[str, Any]) -> None:
         "start s: launch to first generation; ratio: launch s over single's, ratio tr: train s "
         "over single's (medians over repeats)"
     )
+    for name, a in res["arms"].items():
+        if a.get("same_batch_rewards_as_single"):
+            print(
+                f"{name}: batches with the single arm's mean reward, per repeat: "
+                f"{', '.join(str(x) for x in a['same_batch_rewards_as_single'])}"
+            )
     ws = res.get("weight_sync")
     if ws and ws.get("count", 1):
         m = ws["weight_sync_ms"]
@@ -422,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = arm_single(d, config, rl, i, args.arm_timeout_s)
                 else:
                     chaos = CHAOS if arm == "phalanx_chaos" else None
-                    r = arm_phalanx(d, config, arm, chaos, args.arm_timeout_s)
+                    r = arm_phalanx(d, config, arm, chaos, i, args.arm_timeout_s)
                 runs[arm].append(r | {"loadavg_1m_start": la, "loadavg_1m_end": loadavg()[0]})
         loopback = None
         members_bytes = [r["sync_events"]["bytes"] for r in runs["phalanx"] if "sync_events" in r]

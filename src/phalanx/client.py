@@ -179,6 +179,14 @@ class ControllerClient:
                 except ControllerError:
                     pass
 
+    def request(
+        self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """One call of the controller's API that needs no membership (the job token
+        is enough), with this client's retries: GET without ``body``, else POST.
+        Raises like every call here (:class:`Rejected`, :class:`ControllerUnreachable`)."""
+        return self._call(path, body, timeout=timeout)
+
     def _handle(self, r: httpx.Response) -> dict[str, Any]:
         try:
             data = r.json()

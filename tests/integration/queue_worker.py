@@ -5,7 +5,9 @@ suite's cross-process cases). Prints JSON lines; nothing is pickled.
     python queue_worker.py consume SPEC STOPFILE      # acks until STOPFILE exists and nothing is left
     python queue_worker.py crash SPEC N               # leases N, prints them, dies without acking
 
-SPEC is JSON: {"kind": "redis" | "spool", "url": ..., "name": ..., "lease_s": ...}.
+SPEC is JSON: {"kind": "controller" | "redis" | "spool", "url": ..., "name": ..., "lease_s": ...,
+"options": {...}} (``url``: the controller's state dir for ``controller``; ``options``: fsspec
+storage options for a spool).
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from phalanx.transport.base import RolloutQueue
 
 
 def open_queue(spec: dict[str, Any], consumer: str) -> RolloutQueue:
+    if spec["kind"] == "controller":
+        from phalanx.transport.controller_queue import ControllerRolloutQueue
+
+        return ControllerRolloutQueue(spec["url"], spec["name"], consumer, lease_s=spec["lease_s"])
     if spec["kind"] == "redis":
         from phalanx.transport.redis_queue import RedisRolloutQueue
 
         return RedisRolloutQueue(spec["url"], spec["name"], consumer, lease_s=spec["lease_s"])
     from phalanx.transport.spool import SpoolRolloutQueue
 
-    return SpoolRolloutQueue(spec["url"], consumer, lease_s=spec["lease_s"])
+    return SpoolRolloutQueue(
+        spec["url"], consumer, lease_s=spec["lease_s"], storage_options=spec.get("options")
+    )
 
 
 def rollout(rid: str) -> dict[str, Any]:

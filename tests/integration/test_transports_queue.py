@@ -1,5 +1,8 @@
-"""The rollout-queue contract, run against every backend: Redis Streams (a real
-``redis-server``), the storage spool on ``file://`` and on ``memory://``.
+"""The rollout-queue contract, run against every backend: the controller's own
+queue (a real ``phalanx controller`` process on port 0, shared by the module,
+each test on a queue of its own), Redis Streams (a real ``redis-server``), the
+storage spool on ``file://``, on ``memory://`` and on ``s3://`` (a real local
+S3-compatible server: moto's, reached through s3fs as a job reaches S3).
 
 Ordering is not part of the contract. What is: no loss; no delivery of an id
 after it was acked; redelivery after a lease expires (and after a nack); a
@@ -11,52 +14,121 @@ processes together deliver every rollout exactly once.
 from __future__ import annotations
 
 import json
+import signal
+import sqlite3
 import struct
 import subprocess
 import sys
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import child_env, wait_for
+from procs import Controller, Procs, child_env, wait_for, write_job_toml
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
+from s3 import S3Root, s3_server  # noqa: F401  (a pytest fixture)
 
-from phalanx.transport.base import RolloutQueue
+from phalanx.launch.view import status_text
+from phalanx.transport.base import RolloutQueue, TransportError
+from phalanx.transport.controller_queue import ControllerRolloutQueue
 from phalanx.transport.redis_queue import RedisRolloutQueue
 from phalanx.transport.spool import MAGIC, SpoolRolloutQueue, encode
 
 WORKER = Path(__file__).with_name("queue_worker.py")
-BACKENDS = ["redis", "file", "memory"]
-
-Make = Callable[..., RolloutQueue]
+BACKENDS = ["controller", "redis", "file", "memory", "s3"]
+CROSS_PROCESS = [
+    "controller",
+    "redis",
+    "file",
+    "s3",
+    pytest.param(
+        "memory",
+        marks=pytest.mark.skip(reason="memory:// lives in one process: no other can reach it"),
+    ),
+]
 
 
 class Backend:
-    def __init__(self, kind: str, url: str, name: str):
-        self.kind, self.url, self.name = kind, url, name
+    def __init__(
+        self,
+        kind: str,
+        url: str,
+        name: str,
+        ctl: Controller | None = None,
+        options: dict[str, Any] | None = None,
+    ):
+        self.kind, self.url, self.name, self.ctl = kind, url, name, ctl
+        self.options = options or {}
+        """fsspec storage options (the S3 endpoint and credentials)."""
 
     def make(self, consumer: str = "c0", lease_s: float = 30.0) -> RolloutQueue:
+        if self.kind == "controller":
+            return ControllerRolloutQueue(self.url, self.name, consumer, lease_s=lease_s)
         if self.kind == "redis":
             return RedisRolloutQueue(self.url, self.name, consumer, lease_s=lease_s)
-        return SpoolRolloutQueue(self.url, consumer, lease_s=lease_s, poll_s=0.01)
+        return SpoolRolloutQueue(
+            self.url, consumer, lease_s=lease_s, poll_s=0.01, storage_options=self.options
+        )
 
     def spec(self, lease_s: float) -> str:
-        kind = "redis" if self.kind == "redis" else "spool"
-        return json.dumps({"kind": kind, "url": self.url, "name": self.name, "lease_s": lease_s})
+        kind = self.kind if self.kind in ("controller", "redis") else "spool"
+        return json.dumps(
+            {
+                "kind": kind,
+                "url": self.url,
+                "name": self.name,
+                "lease_s": lease_s,
+                "options": self.options,
+            }
+        )
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
+    """One controller process for the module (each test uses a queue of its own);
+    a test may kill and restart it on its state dir."""
+    work = tmp_path_factory.mktemp("queue-controller")
+    procs = Procs(work)
+    config = write_job_toml(
+        work / "job.toml",
+        {
+            "job": {"id": "queue-contract"},
+            "controller": {"tick_s": 0.05},
+            "roles.policy": {"min_replicas": 1},
+        },
+    )
+    try:
+        yield Controller(procs, work / "state", config).start()
+    finally:
+        procs.cleanup()
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     name = f"t-{uuid.uuid4().hex[:10]}"
+    if request.param == "controller":
+        ctl: Controller = request.getfixturevalue("controller")
+        # Named by its state dir: a client re-reads the URL there if it restarts.
+        return Backend("controller", str(ctl.state_dir), name, ctl=ctl)
     if request.param == "redis":
         return Backend("redis", request.getfixturevalue("redis_url"), name)
     if request.param == "file":
         return Backend("file", f"file://{tmp_path}/spool", name)
+    if request.param == "s3":
+        root: S3Root = request.getfixturevalue("s3_server")
+        url, options = root.sub(name)
+        return Backend("s3", url, name, options=options)
     return Backend("memory", f"memory://{name}/spool", name)
+
+
+@pytest.fixture
+def backend_controller(controller: Controller) -> Backend:
+    """The controller backend alone, for the cases only it has (a restart, its API)."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    return Backend("controller", str(controller.state_dir), name, ctl=controller)
 
 
 def rollouts(ids: list[str]) -> list[dict[str, Any]]:
@@ -99,7 +171,7 @@ def test_duplicate_puts_are_delivered_once(backend: Backend):
     first = q.put(rollouts(["p1.0", "p2.0"]))
     again = q.put(rollouts(["p2.0", "p3.0"]))
     assert first == ["p1.0", "p2.0"]
-    if backend.kind == "redis":
+    if backend.kind in ("redis", "controller"):
         assert again == ["p3.0"]  # deduplicated at put
     assert sorted(drain(q)) == ["p1.0", "p2.0", "p3.0"]
 
@@ -138,8 +210,44 @@ def test_discard_is_counted_with_its_reason(backend: Backend):
     assert q.pending() == 0 and drain(q) == []
 
 
+def _corrupt_journal(backend: Backend) -> int:
+    """Damage the controller's journal while it is down: a queued record whose bytes
+    changed (checksum mismatch), one that is not a rollout, one that is not even
+    JSON. Restart it on the damaged journal. Returns how many are corrupt."""
+    ctl = backend.ctl
+    assert ctl is not None
+    ctl.kill(signal.SIGKILL)
+    good = {"rollout_id": "p100.0", "version": 1}
+    crc = zlib.crc32(json.dumps(good, separators=(",", ":")).encode())
+    flipped = {**good, "version": 7}  # the bytes changed after the checksum was taken
+    rows = [
+        (
+            "p100.0",
+            json.dumps(
+                {"q": backend.name, "id": "p100.0", "seq": 90, "crc": crc, "rollout": flipped}
+            ),
+        ),
+        (
+            "p101.0",
+            json.dumps({"q": backend.name, "id": "p101.0", "seq": 91, "crc": 0, "rollout": [1, 2]}),
+        ),
+        ("p102.0", '{"q": "' + backend.name + '", "id": "p102.0", "rollout": {"rollo'),
+    ]
+    db = sqlite3.connect(ctl.state_dir / "journal.sqlite")
+    with db:
+        db.executemany(
+            "INSERT INTO records VALUES ('rq_items', ?, ?)",
+            [(f"{backend.name}/{rid}", value) for rid, value in rows],
+        )
+    db.close()
+    ctl.start()
+    return len(rows)
+
+
 def _corrupt(backend: Backend, q: RolloutQueue) -> int:
     """Inject corrupt records next to good ones; returns how many are corrupt."""
+    if backend.kind == "controller":
+        return _corrupt_journal(backend)
     if isinstance(q, RedisRolloutQueue):
         q.r.xadd(q.stream, {"id": "p100.0", "data": b'{"rollout_id":"p100.0"}', "crc": "1"})
         q.r.xadd(
@@ -164,8 +272,8 @@ def test_corrupt_records_are_quarantined_and_counted(backend: Backend):
     bad = _corrupt(backend, q)
     got = drain(q)  # never raises
     assert {"p1.0", "p2.0"} <= set(got)
-    assert not {"p100.0", "p101.0", "p51.0", "p52.0", "p53.0"} & set(got)
-    if backend.kind != "redis":
+    assert not {"p100.0", "p101.0", "p102.0", "p51.0", "p52.0", "p53.0"} & set(got)
+    if backend.kind not in ("redis", "controller"):
         assert {"p50.0", "p54.0"} <= set(got)
     assert q.counts()["corrupt"] == bad
     assert q.pending() == 0
@@ -185,7 +293,7 @@ def _lines(out: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
 
 
-@pytest.mark.parametrize("backend", ["redis", "file"], indirect=True)
+@pytest.mark.parametrize("backend", CROSS_PROCESS, indirect=True)
 def test_consumer_killed_between_lease_and_ack_loses_nothing(backend: Backend):
     q = backend.make("survivor", lease_s=1.0)
     q.put(rollouts([f"p{i}.0" for i in range(10)]))
@@ -201,7 +309,7 @@ def test_consumer_killed_between_lease_and_ack_loses_nothing(backend: Backend):
     assert sorted(got) == sorted(f"p{i}.0" for i in range(10))
 
 
-@pytest.mark.parametrize("backend", ["redis", "file"], indirect=True)
+@pytest.mark.parametrize("backend", CROSS_PROCESS, indirect=True)
 def test_producers_and_consumers_in_separate_processes(backend: Backend, tmp_path: Path):
     stop = tmp_path / "stop"
     spec = backend.spec(30.0)
@@ -227,3 +335,84 @@ def test_producers_and_consumers_in_separate_processes(backend: Backend, tmp_pat
     assert len(puts) == 120
     assert sorted(acked) == sorted(puts), "each rollout must be delivered exactly once"
     assert backend.make().pending() == 0
+
+
+def test_controller_queue_survives_a_controller_restart(backend_controller: Backend):
+    b = backend_controller
+    a, c = b.make("a"), b.make("c")
+    ids = [f"p{i}.0" for i in range(10)]
+    a.put(rollouts(ids))
+    held = a.lease(4)
+    a.ack(held[:2])
+    a.discard(held[2:3], "stale")
+    assert b.ctl is not None
+    b.ctl.kill(signal.SIGKILL)  # nothing flushed on the way out
+    b.ctl.start()
+    assert a.pending() == 7  # queued or leased; the settled ones are gone
+    others = c.lease(10)  # the lease held across the restart is still held
+    assert sorted(d.rollout_id for d in others) == sorted(set(ids) - {d.rollout_id for d in held})
+    assert a.ack(held[3:]) == 1  # its holder acks it after the restart
+    assert c.ack(others) == 6
+    assert a.put(rollouts(ids[:3])) == []  # settled before the restart: duplicates
+    assert drain(c) == [] and a.pending() == 0
+    counts = a.counts()
+    assert counts["put"] == 10 and counts["acked"] == 9 and counts["duplicates"] == 3
+    assert counts["discarded"] == {"stale": 1} and counts["corrupt"] == 0
+    st = b.ctl.status()
+    assert st["queues"][b.name]["pending"] == 0 and st["queues"][b.name]["acked"] == 9
+    assert f"queue {b.name}: pending 0 (leased 0), put 10, acked 9" in status_text(st)
+
+
+def test_controller_queue_refuses_malformed_requests_naming_the_field(
+    backend_controller: Backend,
+):
+    ctl = backend_controller.ctl
+    assert ctl is not None
+    bad = [
+        ("/v1/queue/put", {"queue": "q", "rollouts": [{"version": 1}]}, "rollouts"),
+        ("/v1/queue/put", {"queue": "no/slash", "rollouts": [{"rollout_id": "p1.0"}]}, "queue"),
+        ("/v1/queue/lease", {"queue": "q", "consumer": "c", "n": 0}, "n"),
+        ("/v1/queue/lease", {"queue": "q", "consumer": "c", "lease_s": -1}, "lease_s"),
+        (
+            "/v1/queue/ack",
+            {"queue": "q", "deliveries": [{"rollout_id": "p1.0"}]},
+            "deliveries.0.attempt",
+        ),
+        (
+            "/v1/queue/discard",
+            {"queue": "q", "deliveries": [{"rollout_id": "p", "attempt": 1}]},
+            "reason",
+        ),
+    ]
+    for path, body, field in bad:
+        r = ctl.post(path, body)
+        assert r.status_code == 422, (path, body, r.text)
+        assert field in [f["field"] for f in r.json()["fields"]], (path, r.json())
+    assert "q" not in ctl.status().get("queues", {}), "a refused request changed nothing"
+    assert (
+        ctl.post(
+            "/v1/queue/put", {"queue": "q", "rollouts": [{"rollout_id": "x"}]}, headers={}
+        ).status_code
+        == 401
+    )
+
+
+def test_controller_queue_splits_a_put_over_the_body_limit(backend_controller: Backend):
+    q = backend_controller.make()
+    big = [{**r, "payload": "x" * 100_000} for r in rollouts([f"p{i}.0" for i in range(25)])]
+    assert q.put(big) == [r["rollout_id"] for r in big]  # 2.5 MB: over the 1 MiB limit
+    assert sorted(drain(q)) == sorted(r["rollout_id"] for r in big)
+    huge = {**rollouts(["p99.0"])[0], "payload": "x" * (1 << 20)}
+    with pytest.raises(TransportError, match="must fit in one request"):
+        q.put([huge])
+
+
+@pytest.mark.parametrize("backend", ["file", "memory", "s3"], indirect=True)
+def test_spool_markers_are_created_exclusively(backend: Backend):
+    # Two consumers must never both take one attempt of a rollout: a lease marker is
+    # created only if absent. On S3 that needs If-None-Match on a non-empty body.
+    q = backend.make()
+    assert isinstance(q, SpoolRolloutQueue)
+    path = f"{q.root}/leases/p1.0@1"
+    assert q._create(path) is True
+    assert q._create(path) is False

@@ -266,7 +266,7 @@ def test_abandoned_partial_saves_are_never_listed_and_are_cleaned(tmp_path: Path
 def test_async_save_snapshots_then_persists_while_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ck = Checkpointer(str(tmp_path))
+    ck = Checkpointer(str(tmp_path), layout={"replicas": 3})
     w = torch.arange(1 << 20, dtype=torch.float32)  # 4 MB
     state = {"model": {"w": w}, "step": 7}
     expected = w.clone()
@@ -287,11 +287,13 @@ def test_async_save_snapshots_then_persists_while_training_goes_on(
     for _ in range(3):  # training steps, in place, while the save is in flight
         w.mul_(0.5).add_(1.0)
     state["step"] = 8
+    ck.layout = {"replicas": 2}  # the next save's layout (a replica left)
     assert not fut.done()
     gate.set()
     manifest = fut.result(timeout=30)
     monkeypatch.undo()
     assert manifest is not None and manifest.step == 7
+    assert manifest.layout == {"replicas": 3}, "a save records the layout it began with"
     res = Checkpointer(str(tmp_path)).load()
     assert res is not None and res.step == 7 and res.state["step"] == 7
     assert torch.equal(res.state["model"]["w"], expected)

@@ -120,6 +120,8 @@ class Checkpointer:
         self.store = CheckpointStore(url, storage_options)
         self.keep_last = keep_last
         self.layout = dict(layout or {})
+        """The saving layout, recorded in each manifest (free-form JSON). A caller may
+        change it between saves; each save records the value it had when it began."""
         self.on_commit = on_commit
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed and group is None:
@@ -144,7 +146,7 @@ class Checkpointer:
         Returns the manifest on the coordinator (None elsewhere)."""
         self.wait()
         skeleton, tensors = flatten(state, keyed=True)
-        return self._persist(step, skeleton, tensors, extra or {})
+        return self._persist(step, skeleton, tensors, extra or {}, dict(self.layout))
 
     def save_async(
         self, step: int, state: Any, extra: dict[str, Any] | None = None
@@ -157,7 +159,9 @@ class Checkpointer:
         skeleton, tensors = flatten(state, keyed=True)
         snap = snapshot(tensors, self._buffers)
         self.last_stall_s = time.perf_counter() - t0
-        self._inflight = self._pool.submit(self._persist, step, skeleton, snap, extra or {})
+        self._inflight = self._pool.submit(
+            self._persist, step, skeleton, snap, extra or {}, dict(self.layout)
+        )
         return self._inflight
 
     def wait(self) -> Manifest | None:
@@ -166,7 +170,12 @@ class Checkpointer:
         return fut.result() if fut is not None else None
 
     def _persist(
-        self, step: int, skeleton: Any, tensors: dict[str, torch.Tensor], extra: dict[str, Any]
+        self,
+        step: int,
+        skeleton: Any,
+        tensors: dict[str, torch.Tensor],
+        extra: dict[str, Any],
+        layout: dict[str, Any],
     ) -> Manifest | None:
         t0 = time.perf_counter()
         save_id = self._agree_id()
@@ -185,7 +194,7 @@ class Checkpointer:
         ok = 1
         if self.coordinator:
             try:
-                manifest = self._manifest(step, save_id, skeleton, writer, staging, extra)
+                manifest = self._manifest(step, save_id, skeleton, writer, staging, extra, layout)
                 self.store.commit(staging, manifest)
             except Exception:
                 ok = 0
@@ -215,6 +224,7 @@ class Checkpointer:
         writer: JsonStorageWriter,
         staging: str,
         extra: dict[str, Any],
+        layout: dict[str, Any],
     ) -> Manifest:
         md = self.store.fs.cat_file(f"{staging}/{METADATA}")
         chunks = dict(writer.chunks)
@@ -227,7 +237,7 @@ class Checkpointer:
             save_id=save_id,
             created_at=time.time(),
             world_size=self.world,
-            layout=self.layout,
+            layout=layout,
             files=files,
             chunks=chunks,
             tensors={

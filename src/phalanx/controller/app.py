@@ -10,6 +10,7 @@ controller restarted.
 
 Long-polls (heartbeat, quorum, commands) hold the request open for at most
 ``wait_s`` and answer early when the state machine has news for the caller.
+The rollout-queue routes (``/v1/queue/*``) live in ``queue_api.py``.
 """
 
 from __future__ import annotations
@@ -640,6 +641,9 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         return reply(checkpoint=rec)
 
     app.include_router(dashboard_routes(service, reply, authorized))
+    from phalanx.controller.queue_api import queue_routes  # it imports this module's models
+
+    app.include_router(queue_routes(service, reply, authorized))
 
     def dropped(req: HeartbeatReq | QuorumReq) -> None:
         service.apply(st.suspect, req.replica_id, "held connection dropped")

@@ -26,6 +26,11 @@ from typing import Any
 
 Change = tuple[str, str, dict[str, Any] | None]
 
+LENIENT_TABLES = ("rq_items",)
+"""Tables whose records are checked by their reader (a checksum), which sets a damaged
+one aside: a record there that is not even JSON is handed over as ``{"unreadable": text}``
+instead of failing the load."""
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     tbl   TEXT NOT NULL,
@@ -87,7 +92,13 @@ class Journal:
     def load(self) -> dict[str, dict[str, dict[str, Any]]]:
         tables: dict[str, dict[str, dict[str, Any]]] = {}
         for tbl, key, value in self.db.execute("SELECT tbl, key, value FROM records"):
-            tables.setdefault(tbl, {})[key] = json.loads(value)
+            try:
+                rec = json.loads(value)
+            except ValueError:
+                if tbl not in LENIENT_TABLES:
+                    raise
+                rec = {"unreadable": value}  # its reader quarantines it (queue_book.py)
+            tables.setdefault(tbl, {})[key] = rec
         return tables
 
     def write(self, changes: list[Change]) -> None:

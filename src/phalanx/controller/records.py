@@ -19,6 +19,7 @@ from typing import Any
 
 from phalanx.config import JobConfig, RoleSection
 from phalanx.controller.ledger import Ledger
+from phalanx.controller.queue_book import RolloutQueues
 from phalanx.controller.tick import StateError, Tick, UnknownReplica
 
 Change = tuple[str, str, dict[str, Any] | None]
@@ -197,6 +198,8 @@ class StateRecords:
             if cfg.rl is not None
             else None
         )
+        self.queues = RolloutQueues(self._put)
+        """The controller's named rollout queues (the ``controller`` queue backend)."""
 
     # -- durable records -------------------------------------------------
 

@@ -40,6 +40,8 @@ class ControllerService:
         self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._ledger_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._queue_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        """Rollout-queue lease long-polls, by queue name."""
         self._status_waiters: dict[str, list[asyncio.Future[None]]] = {}
         """Open dashboards (server-sent events): woken by every journaled change."""
         self._ticker: asyncio.Task[None] | None = None
@@ -97,6 +99,8 @@ class ControllerService:
             self._wake(self._command_waiters, rid)
         for rid in tick.ledger_for:
             self._wake(self._ledger_waiters, rid)
+        for name in tick.queues:
+            self._wake(self._queue_waiters, name)
 
     @staticmethod
     def _wake(waiters: dict[str, list[asyncio.Future[None]]], rid: str) -> None:
@@ -105,13 +109,14 @@ class ControllerService:
                 fut.set_result(None)
 
     async def wait(self, kind: str, replica_id: str, timeout: float) -> bool:
-        """Wait until ``replica_id`` is woken for ``kind`` or ``timeout`` passes.
-        Returns True when woken."""
+        """Wait until ``replica_id`` (a queue's name for ``queue``) is woken for ``kind``
+        or ``timeout`` passes. Returns True when woken."""
         waiters = {
             "quorum": self._quorum_waiters,
             "heartbeat": self._heartbeat_waiters,
             "commands": self._command_waiters,
             "ledger": self._ledger_waiters,
+            "queue": self._queue_waiters,
             "status": self._status_waiters,
         }[kind]
         if timeout <= 0:

@@ -99,6 +99,7 @@ class ControllerState(QuorumRequests, CommandQueues, RLRequests):
         st.checkpoints = [tables["checkpoints"][k] for k in sorted(tables.get("checkpoints", {}))]
         if st.ledger is not None:
             st.ledger.restore(tables, now)
+        st.queues.restore(tables, now)
         return st
 
     # -- membership ------------------------------------------------------
@@ -319,5 +320,7 @@ class ControllerState(QuorumRequests, CommandQueues, RLRequests):
         }
         if self.ledger is not None:
             out["rl"] = self.ledger.status()
+        if self.queues.books:
+            out["queues"] = self.queues.status()
         out["overview"] = overview(self, now, wall)
         return out

@@ -40,6 +40,8 @@ class Tick:
     commands_for: set[str] = field(default_factory=set)
     ledger_for: set[str] = field(default_factory=set)
     """Replicas whose ledger long-poll (prompt or batch lease) may now have an answer."""
+    queues: set[str] = field(default_factory=set)
+    """Rollout queues (by name) whose lease long-polls may now have an answer."""
 
     def merge(self, other: Tick) -> Tick:
         self.formed += other.formed
@@ -47,4 +49,5 @@ class Tick:
         self.probe += other.probe
         self.commands_for |= other.commands_for
         self.ledger_for |= other.ledger_for
+        self.queues |= other.queues
         return self

@@ -151,7 +151,7 @@ def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer 
         cc.url,
         keep_last=cc.keep_last,
         storage_options=cc.storage_options,
-        layout={"kind": "ft-ddp", "replicas": 1},
+        layout={"kind": "ft-ddp"},
         on_commit=committed,
     )
     return ckpt
@@ -173,6 +173,9 @@ def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, fin
     if manager.rank != 0:
         return
     extra = {"config": cfg.model_dump(mode="json"), "job_id": cfg.job.id}
+    # Every replica of the quorum holds the whole state: one process (rank 0) writes
+    # it, and the layout says how many replicas trained the step.
+    ckpt.layout = {"kind": "ft-ddp", "replicas": manager.world_size}
     if final or not cfg.checkpoint.async_save:
         ckpt.save(manager.step, manager.state_dict(), extra)
     else:

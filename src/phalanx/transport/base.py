@@ -2,8 +2,11 @@
 
 - :class:`RolloutQueue` carries rollouts from rollout replicas to the policy:
   at-least-once with acknowledgement, deduplicated by rollout id. Backends:
-  the controller's ledger (the embedded default, ``ingest.py`` feeds it from a
-  queue), Redis Streams (``redis_queue.py``), a storage spool (``spool.py``).
+  a queue held by the controller (``controller_queue.py``), Redis Streams
+  (``redis_queue.py``), a storage spool (``spool.py``). An RL job's default,
+  ``controller``, submits straight to the controller's ledger, which is a
+  queue of its own kind (``factory.rollout_queue`` says why); with another
+  backend, ``ingest.py`` drains the queue into the ledger.
 - :class:`WeightChannel` moves versioned policy weights to rollout replicas
   under the controller's sync orders: a collective broadcast
   (``collective.py``), or a :class:`WeightStore` (``published.py``).

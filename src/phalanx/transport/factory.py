@@ -1,4 +1,5 @@
-"""Pick each transport backend from the URL in the job's ``[rl.transport]``.
+"""Pick each transport backend from the URL in the job's ``[rl.transport]``
+(or, for a rollout queue outside an RL job, from a URL: :func:`open_queue`).
 
 Heavy and optional imports (redis, fsspec backends) happen only for the
 backend asked for.
@@ -6,13 +7,15 @@ backend asked for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.transport.base import ReplayBuffer, RolloutQueue, WeightChannel
+from phalanx.transport.base import ReplayBuffer, RolloutQueue, TransportError, WeightChannel
 
 if TYPE_CHECKING:
+    from phalanx.client import ControllerClient
     from phalanx.rl.config import TransportSection
 
 
@@ -26,21 +29,73 @@ def queue_name(job_id: str, client: Any) -> str:
     return f"{job_id}.{client.status()['rl']['run']}"
 
 
-def rollout_queue(
-    t: TransportSection, name: str, consumer: str, group: str = "policy"
-) -> RolloutQueue | None:
-    """The job's rollout queue, or None for the controller's embedded ledger.
-    ``name`` (the job id) keeps jobs sharing a Redis server apart."""
-    if t.rollouts == "controller":
-        return None
-    if is_redis(t.rollouts):
+def open_queue(
+    url: str,
+    name: str,
+    consumer: str,
+    *,
+    group: str = "policy",
+    lease_s: float = 30.0,
+    keep_segments: bool = False,
+    controller: str | ControllerClient | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> RolloutQueue:
+    """The rollout queue at ``url``, under the contract of
+    :class:`~phalanx.transport.base.RolloutQueue`: ``controller`` (a queue held by
+    the controller named by ``controller``: its URL, state dir or a client),
+    ``redis://host:port/db`` or a storage URL (a spool). ``name`` keeps jobs (and
+    runs) sharing a server or a bucket apart."""
+    if url == "controller":
+        if controller is None:
+            raise TransportError(
+                "the controller rollout queue must know its controller: got none. Pass "
+                "controller= (its URL or state dir, or a ControllerClient)."
+            )
+        from phalanx.transport.controller_queue import ControllerRolloutQueue
+
+        return ControllerRolloutQueue(controller, name, consumer, lease_s=lease_s)
+    if is_redis(url):
         from phalanx.transport.redis_queue import RedisRolloutQueue
 
-        return RedisRolloutQueue(t.rollouts, name, consumer, group=group, lease_s=t.lease_s)
+        return RedisRolloutQueue(url, name, consumer, group=group, lease_s=lease_s)
     from phalanx.transport.spool import SpoolRolloutQueue
 
     return SpoolRolloutQueue(
-        t.rollouts, consumer, name=name, lease_s=t.lease_s, keep_segments=t.keep_segments
+        url,
+        consumer,
+        name=name,
+        lease_s=lease_s,
+        keep_segments=keep_segments,
+        storage_options=storage_options,
+    )
+
+
+def rollout_queue(
+    t: TransportSection, name: str, consumer: str, group: str = "policy"
+) -> RolloutQueue | None:
+    """The RL job's rollout queue, or None when its rollouts go to the controller.
+
+    With ``controller`` (the default) the rollout replicas submit to the RL
+    ledger itself, and the ledger is the queue: a submit is the put (recorded
+    once by id, refused or discarded with a reason that the submitter gets back
+    at once, such as ``stale``), a step's frozen batch is the lease (shared by
+    the policy quorum, and given again on a retried step), the commit's ack is
+    the ack, and an expired prompt lease is the redelivery. Routing the rollouts
+    through a :class:`~phalanx.transport.controller_queue.ControllerRolloutQueue`
+    instead would send each one through the controller three times (put, lease
+    by the policy's :class:`~phalanx.transport.ingest.Ingest`, submit), journal
+    it twice, and hide the ledger's verdict from the rollout replica. That queue
+    serves what is not the ledger: tools, benchmarks, and off-policy consumers
+    (``open_queue("controller", ...)``)."""
+    if t.rollouts == "controller":
+        return None
+    return open_queue(
+        t.rollouts,
+        name,
+        consumer,
+        group=group,
+        lease_s=t.lease_s,
+        keep_segments=t.keep_segments,
     )
 
 

@@ -127,6 +127,10 @@ class SpoolRolloutQueue(RolloutQueue):
 
     def _create(self, path: str, data: bytes = b"") -> bool:
         """Create ``path`` only if absent (True), atomically where the filesystem can."""
+        # Never empty: s3fs commits an empty file with a plain PUT (its touch), without
+        # If-None-Match, so an empty "exclusive" create would overwrite a marker that
+        # another consumer made (two consumers would hold one attempt).
+        data = data or b"-"
         try:
             with self.fs.open(path, "xb") as f:
                 f.write(data)
@@ -135,10 +139,16 @@ class SpoolRolloutQueue(RolloutQueue):
             return False
         except (ValueError, NotImplementedError):
             # No exclusive create on this filesystem: best effort (check, then write).
-            if self.fs.exists(path):
+            if self._exists_now(path):
                 return False
             self.fs.pipe_file(path, data)
             return True
+
+    def _exists_now(self, path: str) -> bool:
+        """Whether ``path`` exists now, asking the store itself: s3fs answers ``exists``
+        from the listing it cached, which misses what another process made since."""
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
 
     # -- producer --------------------------------------------------------
 
@@ -239,7 +249,7 @@ class SpoolRolloutQueue(RolloutQueue):
                 continue  # another consumer took this attempt first
             until = now + self.lease_s
             self._create(f"{self.root}/leases/{key}@{k + 1}@{int(until * 1e3)}")
-            if self.fs.exists(f"{self.root}/acks/{key}"):
+            if self._exists_now(f"{self.root}/acks/{key}"):
                 self._acked.add(rid)  # acked since our listing: never deliver it again
                 self._data.pop(rid, None)
                 continue
