@@ -36,8 +36,15 @@ from phalanx.transport.base import WeightStore
 
 
 def to_bytes(weights: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of a CPU copy (tied tensors become separate copies)."""
-    return save({k: t.detach().to("cpu", copy=True).contiguous() for k, t in weights.items()})
+    """safetensors bytes of the tensors on the CPU. safetensors refuses tensors that
+    share memory (tied weights): the second and later views of a storage are copied."""
+    out, seen = {}, set()
+    for k, t in weights.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return save(out)
 
 
 def from_bytes(blob: bytes, sha256: str, where: str) -> dict[str, torch.Tensor]:
