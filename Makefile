@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check src tests bench examples scripts
 
 demo: $(STAMP)
 	$(BIN)/phalanx run examples/sort_grpo.toml

@@ -1,30 +1,52 @@
 """The dashboard in a real browser (Debian's chromium driven by Playwright, no browser
-download) against a running RL job: the launcher with stand-in replicas (see
-test_rl_launch.py), a real controller and real processes. A replica is SIGKILLed;
-the page must show it evicted and its new incarnation. Screenshots go to
+download) against the real RL main job: ``phalanx run examples/sort_grpo.toml``, as
+``make demo`` runs it, shrunk by config overrides (a 1-layer model, 4 prompts x 4
+samples per batch) so that it starts and trains fast on 2 cores. A controller, one
+policy and two rollout replicas, all real processes.
+
+The test opens the dashboard URL the launcher prints, SIGKILLs a rollout replica (by
+the pid its ``start`` line gives) and follows the page: both roles' replicas, the
+eviction and the new incarnation, the step, the charts, and the ledger, which must
+show exactly the numbers of ``phalanx status --json`` once the job holds still (the
+rollout role scaled to 0 from the page itself). The browser console must stay free
+of errors. The job is then stopped as Ctrl-C stops it. Screenshots go to
 ``test-artifacts/dashboard/``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
-from procs import child_env, wait_for
-from test_rl_launch import fake_job
+from procs import Procs, child_env, wait_for
 
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "sort_grpo.toml"
+ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+
+# The main job, smaller and without an end of its own (the test stops it): ~15k
+# parameters, 4 prompts x 4 samples per batch, generation paced at 0.05 s per prompt
+# so that the job leaves the browser some of the 2 cores.
+SHRINK = [
+    *("--rl.model.hidden_size", "32", "--rl.model.num_layers", "1"),
+    *("--rl.model.num_heads", "2", "--rl.model.intermediate_size", "64"),
+    *("--rl.grpo.prompts_per_step", "4", "--rl.grpo.group_size", "4"),
+    *("--rl.grpo.inner_epochs", "1", "--rl.grpo.steps", "1000000"),
+    *("--rl.loop.prompts_per_lease", "2", "--rl.loop.sync_every", "1"),
+    *("--rl.loop.window", "2", "--rl.loop.target_exact_match=null"),
+    *("--rl.loop.gen_delay_s", "0.05"),
+]
 
 try:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import Page, sync_playwright
 except ImportError:  # pragma: no cover - the dev extra installs it
     sync_playwright = None  # type: ignore[assignment]
 
@@ -34,13 +56,11 @@ pytestmark = [
         reason="no chromium: `make install` installs Debian's chromium as root with apt-get",
     ),
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (dev extra)"),
-    pytest.mark.timeout(150),
+    pytest.mark.timeout(240),
 ]
 
-LEDGER_KEYS = ("prompts_leased", "prompts_done", "rollouts_pending", "rollouts_trained")
 
-
-def _cli_status(state: Path) -> dict:
+def _cli_status(state: Path) -> dict[str, Any]:
     p = subprocess.run(
         [sys.executable, "-m", "phalanx.cli", "status", "--json", "--controller", str(state)],
         capture_output=True,
@@ -52,114 +72,179 @@ def _cli_status(state: Path) -> dict:
     return json.loads(p.stdout)
 
 
-def test_dashboard_follows_a_job_through_a_kill(tmp_path: Path, capsys, monkeypatch):
-    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+def _starts(log: Path) -> list[dict[str, Any]]:
+    """The ``start`` lines of a replica's incarnations, from its log in the run dir."""
+    lines = log.read_text().split("\n")[:-1] if log.exists() else []
+    return [e for x in lines if x.startswith("{") for e in [json.loads(x)] if e["event"] == "start"]
+
+
+def _ledger_cards(ledger: dict[str, Any]) -> dict[str, str]:
+    """What the page's ledger cards must read for the ``overview.ledger`` of a status."""
+    discarded = ledger["rollouts_discarded"]
+    keys = ("prompts_leased", "prompts_done", "prompts_trained", "rollouts_pending")
+    return {
+        **{k: str(ledger[k]) for k in (*keys, "rollouts_trained")},
+        "rollouts_discarded": str(sum(discarded.values())),
+        **{f"discarded_{why}": str(n) for why, n in discarded.items()},
+        "ok": "balanced" if ledger["ok"] else "UNBALANCED",
+    }
+
+
+def _shown(page: Page) -> dict[str, str]:
+    return page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('#ledger [data-k]')]"
+        ".map((c) => [c.dataset.k, c.querySelector('b').textContent]))"
+    )
+
+
+def _still(state: Path) -> dict[str, Any]:
+    """``phalanx status --json`` once the job holds still: no rollout replica left and
+    the ledger and step the same in two reads half a second apart."""
+    last: dict[str, Any] = {}
+
+    def same() -> dict[str, Any] | None:
+        nonlocal last
+        prev, last = last, _cli_status(state)
+        ov = last["overview"]
+        if ov["roles"]["rollout"]["replicas"] or not prev:
+            return None
+        before = prev["overview"]
+        return (
+            last
+            if (before["ledger"], before["job"]["step"]) == (ov["ledger"], ov["job"]["step"])
+            else None
+        )
+
+    return wait_for(same, 60, "the job to hold still", interval=0.5)
+
+
+def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Procs):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    job = fake_job(tmp_path, {"policy": 1, "rollout": 2}, steps=150, target=None)
-    state = tmp_path / "run" / "controller"
-    errors: list[BaseException] = []
+    run = tmp_path / "run"
+    state = run / "controller"
+    cmd = [sys.executable, "-m", "phalanx.cli", "run", str(EXAMPLE), "--plain", "--json"]
+    launcher, out, err = procs.spawn([*cmd, "--run-dir", str(run), *SHRINK], "launcher")
     console: list[str] = []
+    try:
+        # The launcher prints the dashboard's URL first thing, the token in the fragment.
+        def printed() -> str | None:
+            assert launcher.poll() is None, f"phalanx run exited:\n{err.read_text()[-3000:]}"
+            m = re.search(r"dashboard: (\S+)", out.read_text())
+            return m.group(1) if m else None
 
-    def browse() -> None:
-        try:
-            wait_for(lambda: (state / "url").exists() and (state / "token").exists(), 30, "url")
-            url = (state / "url").read_text().strip()
-            token = (state / "token").read_text().strip()
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-                # The page's CSP forbids eval, which polling wait_for_function needs.
-                page = browser.new_page(viewport={"width": 1300, "height": 1600}, bypass_csp=True)
-                page.on(
-                    "console",
-                    lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None,
-                )
-                page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-                # Without a token: only the prompt.
-                page.goto(url + "/")
-                page.wait_for_selector("#token-prompt:not([hidden])")
-                assert page.is_hidden("#app")
-                page.screenshot(path=str(ARTIFACTS / "0-token-prompt.png"))
-                # 1. The token from the URL fragment (never sent to the server).
-                page.goto(f"{url}/#token={token}")
-                page.wait_for_selector("#app:not([hidden])")
-                assert "token" not in page.url
-                # 2. Replicas of both roles.
-                for role, n in (("policy", 1), ("rollout", 2)):
-                    page.wait_for_function(
-                        f"document.querySelectorAll('table[data-role={role}] "
-                        f"tr[data-state=active]').length >= {n}",
-                        timeout=30_000,
-                    )
-                page.screenshot(path=str(ARTIFACTS / "1-running.png"))
-                # 3. SIGKILL a rollout replica: evicted on the page, then a new incarnation.
-                victim = job.replicas["rollout-1"]
-                wait_for(lambda: victim.proc is not None, 10, "rollout-1 to run")
-                assert victim.proc is not None
-                old = next(
-                    r["replica_id"]
-                    for r in job.status()["overview"]["roles"]["rollout"]["replicas"]
-                    if r["name"] == "rollout-1"
-                )
-                os.kill(victim.proc.pid, signal.SIGKILL)
-                page.wait_for_selector(
-                    f"table[data-role=rollout] tr[data-state=evicted][data-replica='{old}']",
-                    timeout=30_000,
-                )
+        dashboard = wait_for(printed, 60, "phalanx run to print the dashboard URL")
+        url = (state / "url").read_text().strip()
+        assert dashboard == f"{url}/#token={(state / 'token').read_text().strip()}"
+        assert "?" not in dashboard
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1300, "height": 1600}, bypass_csp=True)
+            page.set_default_timeout(60_000)
+            page.on(
+                "console",
+                lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None,
+            )
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            # Without a token: only the prompt.
+            page.goto(url + "/")
+            page.wait_for_selector("#token-prompt:not([hidden])")
+            assert page.is_hidden("#app")
+            page.screenshot(path=str(ARTIFACTS / "0-token-prompt.png"))
+
+            # 1. The page loads with the token from the printed URL's fragment, which it
+            # then drops from the address bar.
+            page.goto(dashboard)
+            page.wait_for_selector("#app:not([hidden])")
+            assert "token" not in page.url
+
+            # 2. Replicas of both roles, active (a rollout replica once it holds weights).
+            for role, n in (("policy", 1), ("rollout", 2)):
                 page.wait_for_function(
-                    "(old) => [...document.querySelectorAll('table[data-role=rollout] "
-                    "tr[data-state=active]')].some(r => r.dataset.replica.startsWith('rollout-1:')"
-                    " && r.dataset.replica !== old)",
-                    arg=old,
-                    timeout=30_000,
+                    f"document.querySelectorAll('table[data-role={role}] "
+                    f"tr[data-state=active]').length >= {n}"
                 )
-                page.screenshot(path=str(ARTIFACTS / "2-after-kill.png"))
-                # 4. The step advances and the charts have points.
-                step0 = int(page.inner_text("[data-k=step] b"))
-                page.wait_for_function(
-                    f"Number(document.querySelector('[data-k=step] b').textContent) > {step0}"
-                )
-                page.wait_for_function(
-                    "Number(document.getElementById('chart-reward').dataset.points) > 1 && "
-                    "Number(document.getElementById('chart-exact_match').dataset.points) > 1"
-                )
-                # Actions ask first: cancelling an eviction changes nothing.
-                page.click("table[data-role=policy] tr[data-state=active] button:text('evict')")
-                page.wait_for_selector("#confirm[open]")
-                page.click("#confirm-cancel")
-                assert job.status()["overview"]["roles"]["policy"]["replicas"]
-                # 5. The ledger as `phalanx status --json` says it. Stop the rollout
-                # replicas (scale to 0) so that it holds still, compare, scale back.
-                auth = {"Authorization": f"Bearer {token}"}
-                body = {"role": "rollout", "replicas": 0}
-                assert httpx.post(url + "/v1/scale", json=body, headers=auth).status_code == 200
-                cli: dict = {}
+            page.screenshot(path=str(ARTIFACTS / "1-running.png"))
 
-                def settled() -> bool:
-                    nonlocal cli
-                    before, cli = cli, _cli_status(state)
-                    still = not cli["overview"]["roles"]["rollout"]["replicas"]
-                    return (
-                        still
-                        and before.get("overview", {}).get("ledger") == (cli["overview"]["ledger"])
-                    )
+            # 3. SIGKILL rollout-1 (the pid its start line printed): the page shows it
+            # evicted, with the detector, then its new incarnation, active.
+            (start,) = _starts(run / "rollout-1.log")
+            old = start["replica"]
+            os.kill(start["pid"], signal.SIGKILL)
+            gone = f"table[data-role=rollout] tr[data-state=evicted][data-replica='{old}']"
+            page.wait_for_selector(gone)
+            assert re.search(r"by (disconnect|heartbeat)", page.inner_text(gone))
+            new = page.wait_for_function(
+                "(old) => [...document.querySelectorAll('table[data-role=rollout] "
+                "tr[data-state=active]')].map(r => r.dataset.replica).find(r => "
+                "r.startsWith('rollout-1:') && r !== old)",
+                arg=old,
+            ).json_value()
+            assert [e["replica"] for e in _starts(run / "rollout-1.log")] == [old, new]
+            timeline = page.inner_text("#timeline")
+            assert f"{old} evicted by" in timeline and f"{new} joined rollout" in timeline
+            page.screenshot(path=str(ARTIFACTS / "2-after-kill.png"), full_page=True)
 
-                wait_for(settled, 30, "the ledger to hold still", interval=0.5)
-                page.wait_for_timeout(2500)  # at least one more stream event
-                shown = {k: int(page.inner_text(f"[data-k={k}] b")) for k in LEDGER_KEYS}
-                ledger = cli["overview"]["ledger"]
-                assert shown == {k: ledger[k] for k in LEDGER_KEYS}
-                assert ledger["prompts_done"] + ledger["rollouts_trained"] > 0
-                body = {"role": "rollout", "replicas": 2}
-                assert httpx.post(url + "/v1/scale", json=body, headers=auth).status_code == 200
-                page.screenshot(path=str(ARTIFACTS / "3-finished.png"), full_page=True)
-                browser.close()
-        except BaseException as e:
-            errors.append(e)
+            # 4. The step advances and the charts have points.
+            step0 = int(page.inner_text("[data-k=step] b"))
+            page.wait_for_function(
+                f"Number(document.querySelector('[data-k=step] b').textContent) > {step0}"
+            )
+            page.wait_for_function(
+                "['loss', 'reward', 'exact_match'].every((c) => "
+                "Number(document.getElementById(`chart-${c}`).dataset.points) > 1)"
+            )
 
-    t = threading.Thread(target=browse, daemon=True)
-    t.start()
-    assert job.run(live=False, as_json=True) == 0
-    t.join(60)
-    assert not errors, errors
+            # Actions ask first: cancelling an eviction changes nothing.
+            policy = page.get_attribute(
+                "table[data-role=policy] tr[data-state=active]", "data-replica"
+            )
+            page.click("table[data-role=policy] tr[data-state=active] button:text('evict')")
+            page.wait_for_selector("#confirm[open]")
+            page.click("#confirm-cancel")
+            page.wait_for_timeout(500)
+            roles = _cli_status(state)["overview"]["roles"]
+            assert [r["replica_id"] for r in roles["policy"]["replicas"]] == [policy]
+
+            # 5. The ledger as `phalanx status --json` says it. Scale the rollout role to
+            # 0 from the page (the launcher stops both), so that the job holds still.
+            head = "div.role:has(table[data-role=rollout]) h3"
+            page.fill(f"{head} input", "0")
+            page.click(f"{head} button:text('scale')")
+            page.wait_for_selector("#confirm[open]")
+            assert "Scale rollout to 0 replicas?" in page.inner_text("#confirm-text")
+            page.click("#confirm-ok")
+            page.wait_for_selector("#conn:text('done: Scale rollout to 0 replicas')")
+            cli = _still(state)
+            want = _ledger_cards(cli["overview"]["ledger"])
+            assert int(want["prompts_trained"]) > 0 and want["prompts_leased"] == "0"
+            try:
+                wait_for(lambda: _shown(page) == want, 15, "the page to show the ledger")
+            except AssertionError:
+                assert _shown(page) == want  # the difference, if it never matched
+            assert page.inner_text("[data-k=step] b") == str(cli["overview"]["job"]["step"])
+            assert _cli_status(state)["overview"]["ledger"] == cli["overview"]["ledger"]
+            page.screenshot(path=str(ARTIFACTS / "3-ledger.png"), full_page=True)
+            browser.close()
+
+        # The job stops as Ctrl-C stops it: replicas and controller first, then the
+        # summary, with the ledger balanced.
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 130, err.read_text()[-3000:]
+        summary = json.loads(out.read_text().strip().splitlines()[-1])
+        assert summary["event"] == "summary" and summary["error"] == "interrupted"
+        assert summary["ledger_ok"] is True and summary["restarts"] >= 1
+        notes = out.read_text().splitlines()
+        first = next(i for i, x in enumerate(notes) if "dashboard: " in x)
+        assert all(" batch " not in x for x in notes[:first]), notes[: first + 1]
+        assert any("rollout-1 exited with -9; restarting" in x for x in notes)
+        assert any("rollout-1: stopping (scale rollout to 0)" in x for x in notes)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)  # it stops its replicas and controller
+            try:
+                launcher.wait(60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
     # 6. No errors in the browser's console.
     assert console == [], console

@@ -21,7 +21,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+from phalanx.client import find_token
 from phalanx.config import JobConfig
 from phalanx.launch.options import Chaos
 from phalanx.launch.poll import StatusPoller
@@ -108,6 +110,8 @@ class LocalJob:
         self.commit_times: list[float] = []
         self.finished_at: float | None = None
         self.error: str | None = None
+        self.dashboard: str | None = None
+        """The controller's dashboard, with the job token in the URL fragment."""
         self._rng = random.Random(chaos.seed if chaos else 0)
 
     # -- processes -------------------------------------------------------
@@ -220,6 +224,11 @@ class LocalJob:
     def _start(self) -> None:
         url = self.start_controller()
         self.note(f"controller at {url}")
+        # The token goes in the fragment, which browsers never send to the server (nor
+        # put in a Referer); the page moves it to the tab's sessionStorage at once.
+        token = quote(find_token(self.run_dir / "controller"), safe="")
+        self.dashboard = f"{url}/#token={token}"
+        self.note(f"dashboard: {self.dashboard}")
         loop = self.cfg.rl.loop if self.cfg.rl is not None else None
         self.poller = StatusPoller(
             self.run_dir / "controller",
@@ -298,7 +307,9 @@ class LocalJob:
         if code is None or r.done:
             return
         if self.rl and code == 0:
-            r.done = True  # RL replicas exit 0 only when the controller says the job is over
+            # RL replicas exit 0 only when the controller says the job is over, or when
+            # an operator drained them: either way, not to be restarted.
+            r.done = True
             return
         if finished:
             r.proc = None

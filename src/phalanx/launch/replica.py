@@ -105,4 +105,8 @@ class Replica:
             return f"{self.name}: step {ev.get('step')} not committed; retrying"
         elif kind == "done":
             self.done = True
+            if ev.get("drained"):
+                return f"{self.name} drained: left the job" + (
+                    f" at step {ev['step']}" if "step" in ev else ""
+                )
         return None

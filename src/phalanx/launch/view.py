@@ -63,7 +63,13 @@ class View:
         with self.job.lock:
             table = self._rl_table() if self.job.rl else self._ft_table()
             lines = [*self._rl_lines()] if self.job.rl else []
-            events = "\n".join(self.job.events[-6:])
+            notes = self.job.events
+            if self.job.dashboard:
+                # Always in sight, not scrolled away with the notes.
+                link = f"dashboard: {self.job.dashboard}"
+                lines.append(link)
+                notes = [e for e in notes if not e.endswith(link)]
+            events = "\n".join(notes[-6:])
         return Group(table, *lines, events)
 
     def _ft_table(self) -> Any:
@@ -389,4 +395,11 @@ def status_text(st: dict[str, Any]) -> str:
                 f"{last['reward_avg']:.3f}), exact match {last['exact_match']:.3f} (avg "
                 f"{last['exact_match_avg']:.3f}), staleness {last['staleness']}"
             )
+    for name, q in (st.get("queues") or {}).items():
+        lines.append(
+            f"  queue {name}: pending {q['pending']} (leased {q['leased']}), put {q['put']}, "
+            f"acked {q['acked']}, discarded {sum(q['discarded'].values())} "
+            f"({_discards(q['discarded'])}), corrupt {q['corrupt']}, duplicates dropped "
+            f"{q['duplicates']}"
+        )
     return "\n".join(lines)

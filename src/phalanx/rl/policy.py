@@ -21,11 +21,17 @@ boundary, and training goes on while they are sent.
 With ``state`` set, the replica writes its committed state to that file
 before every ack (so the file is never behind the controller), and resumes
 from it when restarted: a lone policy replica that is killed loses nothing.
+
+An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured after a
+committed step that was acknowledged (its batch trained, the state file
+written): the replica finishes any weight send it leads, prints ``done``
+with ``drained``, and deregisters; the other policy replicas go on without it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -47,6 +53,7 @@ from phalanx.rl.tokenizer import load_tokenizer
 from phalanx.train.batch import split
 from phalanx.train.job import emit, keep_freed_memory
 from phalanx.train.manager import Manager
+from phalanx.train.orders import Orders
 from phalanx.train.snapshot import load_state, save_state
 from phalanx.transport.base import SyncOrder, SyncResult
 from phalanx.transport.factory import queue_name, rollout_queue, weight_channel
@@ -195,13 +202,15 @@ def run_policy(
             "event": "start",
             "role": "policy",
             "replica": client.replica_id,
+            "pid": os.getpid(),
             "params": num_params(model),
         }
     )
-    finished = False
+    orders = Orders(client, kinds=("drain",))
+    finished = drained = False
     batch: dict[str, Any] | None = None
     try:
-        while not finished:
+        while not finished and not drained:
             try:
                 manager.start_quorum()
                 q = manager.wait_quorum()
@@ -239,7 +248,8 @@ def run_policy(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
             opt.step()
             sched.step()
-            if manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0:
+            acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
+            if acked:
                 # Saved before the ack, so the file is never behind the controller: a
                 # restart from it retrains at most the unacknowledged steps, whose
                 # batch is still frozen for them.
@@ -281,9 +291,17 @@ def run_policy(
                     "t": time.time(),
                 }
             )
+            if acked and not finished:
+                # Leave only at an acknowledged step: the controller counts the batch
+                # trained and the state file holds it, so nothing is trained twice.
+                orders.poll(manager.step)
+                drained = orders.drain
         if weights.pending is not None:
+            # A drained leader too: the rollout replicas of its last sync wait for it.
             weights.pending.result(timeout=rl.loop.sync_timeout_s * 2)
-        if out is not None:
+        if drained:
+            rlog.info("drained at step %d: leaving the job", manager.step)
+        elif out is not None:
             save_state(out, {"model": model.state_dict(), "step": manager.step})
         emit(
             {
@@ -292,6 +310,7 @@ def run_policy(
                 "replica": client.replica_id,
                 "step": manager.step,
                 "heals": manager.heals,
+                **({"drained": True} if drained else {}),
             }
         )
     finally:
@@ -299,6 +318,6 @@ def run_policy(
             ingest.stop()
         weights.close()
         manager.close()
-        client.close("finished")
+        client.close("drained" if drained else "finished")
         del store
     return 0

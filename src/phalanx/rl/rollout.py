@@ -20,11 +20,22 @@ start (nothing trained yet) it builds version 0 itself from the model
 config, exactly as the policy did. A replica killed mid-lease loses
 nothing: the controller dispatches its prompts again once it is evicted or
 the lease's deadline passes.
+
+An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured between
+two generation batches: after the last batch was submitted and the next
+lease reply (with any weight sync it orders) was taken, the replica prints
+``done`` with ``drained`` and deregisters without generating, and that
+lease's prompts go back to the front of the queue at once. It leaves
+holding a lease on purpose: the controller names only idle replicas (no
+lease) in weight-sync orders, so leaving right after a submit could let a
+sync name it on its way out, and the others would wait for it until
+``sync_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -42,6 +53,7 @@ from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
 from phalanx.train.job import emit, keep_freed_memory
+from phalanx.train.orders import Orders
 from phalanx.transport.base import SyncOrder
 from phalanx.transport.factory import queue_name, rollout_queue, weight_channel
 from phalanx.transport.ingest import LEASE_KEY
@@ -116,8 +128,10 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
     engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
     weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
     queue = rollout_queue(rl.transport, queue_name(cfg.job.id, client), str(client.replica_id))
-    synced = 0
-    emit({"event": "start", "role": "rollout", "replica": client.replica_id})
+    orders = Orders(client, kinds=("drain",))
+    synced = released = 0
+    drained = False
+    emit({"event": "start", "role": "rollout", "replica": client.replica_id, "pid": os.getpid()})
     try:
         while True:
             r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
@@ -150,6 +164,14 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
             if engine.version < 0 and r["init_weights"]:
                 engine.version = 0  # the model was built from config: the policy's step 0
             lease = r["lease"]
+            orders.poll(0)
+            if orders.drain:
+                # Between two batches, after the sync (if any) this reply ordered: the
+                # lease, if one came, goes back when this replica deregisters below.
+                drained = True
+                released = len(lease["prompts"]) if lease is not None else 0
+                rlog.info("drained: leaving the job (%d leased prompts go back)", released)
+                break
             if lease is None or engine.version < 0:
                 continue
             t0 = time.perf_counter()
@@ -176,6 +198,8 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
                     "replica": client.replica_id,
                     "version": engine.version,
                     "prompts": n,
+                    # Audit trail: the rollouts (prompt.attempt) of this lease.
+                    "rollouts": [x["rollout_id"] for x in rollouts],
                     "accepted": len(res["accepted"]),
                     "duplicate": len(res["duplicate"]),
                     "stale": len(res["stale"]),
@@ -185,10 +209,13 @@ def run_rollout(cfg: JobConfig, controller: str, name: str) -> int:
                     "t": time.time(),
                 }
             )
-        emit({"event": "done", "role": "rollout", "replica": client.replica_id})
+        done: dict[str, Any] = {"event": "done", "role": "rollout", "replica": client.replica_id}
+        if drained:
+            done.update(drained=True, released=released)
+        emit(done)
     finally:
         weights.close()
         if queue is not None:
             queue.close()
-        client.close("finished")
+        client.close("drained" if drained else "finished")
     return 0

@@ -7,6 +7,10 @@ controller's command queue (the dashboard's actions):
 - ``drain`` (``POST /v1/replicas/drain``): the replica leaves the job after
   its next commit; the others go on without it.
 
+RL replicas take only ``drain`` (:mod:`phalanx.rl.policy` leaves after a
+committed and acknowledged step, :mod:`phalanx.rl.rollout` between two
+generation batches); a command of another kind stays pending for them.
+
 Polled without waiting, at most once a second.
 """
 
@@ -23,10 +27,14 @@ KINDS = ("checkpoint", "drain")
 
 
 class Orders:
-    """Who calls: the replica's training loop, after each committed step. Not thread-safe."""
+    """Who calls: the replica's main loop, at each step boundary (after a committed
+    step; for a rollout replica, between generation batches). Not thread-safe.
+    ``kinds``: the commands this replica acts on; others are left pending."""
 
-    def __init__(self, client: ControllerClient, every_s: float = 1.0):
-        self.client, self.every_s = client, every_s
+    def __init__(
+        self, client: ControllerClient, every_s: float = 1.0, kinds: tuple[str, ...] = KINDS
+    ):
+        self.client, self.every_s, self.kinds = client, every_s, kinds
         self.checkpoints: set[int] = set()
         self.drain = False
         self.next_poll = 0.0
@@ -38,7 +46,7 @@ class Orders:
             return
         self.next_poll = now + self.every_s
         try:
-            cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] in KINDS]
+            cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] in self.kinds]
             for c in cmds:
                 if c["kind"] == "checkpoint":
                     self.checkpoints.add(int(c["payload"].get("step", step)))
