@@ -3,10 +3,13 @@ SIGSTOPped one is evicted and comes back as a new incarnation."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 
-from procs import check_rounds, names, wait_for
+from procs import check_rounds, child_env, names, wait_for
 
 
 def _quorum_ids(replica, members: set[str]) -> list[int]:
@@ -81,5 +84,32 @@ def test_sigstopped_replica_is_evicted_then_rejoins_as_a_new_incarnation(
         reps[n].wait_line(lambda x: new_id in x["members"], 10, "a quorum with the new c")
     assert new_id in ctl.members() and old_id not in ctl.members()
     assert "registering a new incarnation" in c.err.read_text()
+
+    # `phalanx status --json` (the documented machine-readable form) tells the two
+    # incarnations of c apart: the old one evicted by the heartbeat detector, the new
+    # one live in the quorum.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "status",
+            "--json",
+            "--controller",
+            str(ctl.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=30,
+        check=True,
+    )
+    policy = json.loads(out.stdout)["overview"]["roles"]["policy"]
+    live = {r["replica_id"]: r for r in policy["replicas"]}
+    assert live[new_id]["name"] == "c" and live[new_id]["state"] in ("active", "healing")
+    assert live[new_id]["incarnation"] == new_id.rpartition(":")[2] != old_id.rpartition(":")[2]
+    assert old_id not in live
+    (gone,) = [e for e in policy["evicted"] if e["replica_id"] == old_id]
+    assert (gone["state"], gone["detector"]) == ("evicted", "heartbeat")
 
     check_rounds([r.lines() for r in reps.values()])
