@@ -137,24 +137,26 @@ def chunk_rows(ckpt: Path, key: str) -> list[tuple[int, int]]:
     return sorted((offsets[0], sizes[0]) for offsets, sizes in chunks)
 
 
-# Three launches in a row (12 processes): generous for a loaded 2-core CI
+# Four launches in a row (16 processes): generous for a loaded 2-core CI
 # machine; a hung collective still fails each rank after its 60 s timeout.
-@pytest.mark.timeout(300)
-def test_reshard_bit_exact_2_to_8_and_8_to_2(tmp_path: Path, procs: Procs) -> None:
-    """2 ranks (dp 2 x tp 1) train and save; 8 ranks (dp 2 x tp 4) load it
-    bit-exact, train on and save with uneven shards (MLP 66 rows and vocab 30
-    over TP 4) and the fused QKV split per head; 2 ranks (dp 1 x tp 2) load
-    that bit-exact."""
-    a, b = f"file://{tmp_path}/ckpt-a", f"file://{tmp_path}/ckpt-b"
+@pytest.mark.timeout(360)
+def test_reshard_bit_exact_2_to_8_to_2_and_uneven_tp4(tmp_path: Path, procs: Procs) -> None:
+    """2 ranks (dp 2 x tp 1) train and save; 8 ranks (dp 4 x tp 2) load it
+    bit-exact, train on and save; 2 ranks (dp 2 x tp 1) load that bit-exact; 4
+    ranks (dp 1 x tp 4) load it bit-exact too, into uneven shards (MLP 66 rows
+    and vocab 30 over TP 4) and the fused QKV split per head, and save it so."""
+    a, b, c = (f"file://{tmp_path}/ckpt-{x}" for x in "abc")
     reshard_run(procs, 2, 1, "s", "--train", "3", "--save", a, "--dump", str(tmp_path / "s.st"))
-    loaded, trained = str(tmp_path / "m0.st"), str(tmp_path / "m.st")
-    reshard_run(procs, 2, 4, "m", "--load", a, "--dump-loaded", loaded, "--train", "2",
-                "--save", b, "--dump", trained)  # fmt: skip
-    reshard_run(procs, 1, 2, "e", "--load", b, "--dump-loaded", str(tmp_path / "e0.st"))
+    reshard_run(procs, 4, 2, "m", "--load", a, "--dump-loaded", str(tmp_path / "m0.st"),
+                "--train", "2", "--save", b, "--dump", str(tmp_path / "m.st"))  # fmt: skip
+    reshard_run(procs, 2, 1, "e", "--load", b, "--dump-loaded", str(tmp_path / "e0.st"))
+    reshard_run(procs, 1, 4, "u", "--load", b, "--dump-loaded", str(tmp_path / "u0.st"),
+                "--save", c)  # fmt: skip
 
     m0 = assert_same_state(tmp_path / "s.st", tmp_path / "m0.st")  # 2 -> 8
     e0 = assert_same_state(tmp_path / "m.st", tmp_path / "e0.st")  # 8 -> 2
-    assert (m0["step"], e0["step"]) == (3, 5)
+    u0 = assert_same_state(tmp_path / "m.st", tmp_path / "u0.st")  # 8 -> 4, uneven
+    assert (m0["step"], e0["step"], u0["step"]) == (3, 5, 5)
     assert differences(m0["model"], e0["model"]), "the 8-rank run must have trained"
     optim = e0["optim"]
     assert optim["state"]["blocks.0.attn.qkv.k"]["step"] == 5.0
@@ -174,14 +176,17 @@ def test_reshard_bit_exact_2_to_8_and_8_to_2(tmp_path: Path, procs: Procs) -> No
     for key, t in tp.gathered_state(model)["model"].items():
         torch.testing.assert_close(e0["model"][key], t, rtol=1e-8, atol=1e-10, msg=key)
 
-    # The 8-rank checkpoint really is sharded, unevenly, by logical tensor.
-    ckpt_b = tmp_path / "ckpt-b"
+    # Each checkpoint really is sharded by logical tensor as its layout says:
+    # TP 2 evenly, TP 4 unevenly.
     up, v = "model/blocks.0.mlp.up.weight", "optim/state/blocks.1.attn.qkv.v/exp_avg"
-    assert chunk_rows(ckpt_b, up) == [(0, 17), (17, 17), (34, 17), (51, 15)]
-    assert chunk_rows(ckpt_b, v) == [(0, 6), (6, 6), (12, 6), (18, 6)]
-    assert chunk_rows(ckpt_b, "model/head.weight") == [(0, 8), (8, 8), (16, 8), (24, 6)]
-    manifest = json.loads(next(ckpt_b.glob("step-*/phalanx.json")).read_text())
-    assert (manifest["world_size"], manifest["layout"]) == (8, {"dp": 2, "tp": 4})
+    ckpt_b, ckpt_c = tmp_path / "ckpt-b", tmp_path / "ckpt-c"
+    assert chunk_rows(ckpt_b, up) == [(0, 33), (33, 33)]
+    assert chunk_rows(ckpt_c, up) == [(0, 17), (17, 17), (34, 17), (51, 15)]
+    assert chunk_rows(ckpt_c, v) == [(0, 6), (6, 6), (12, 6), (18, 6)]
+    assert chunk_rows(ckpt_c, "model/head.weight") == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    for ckpt, world, layout in ((ckpt_b, 8, {"dp": 4, "tp": 2}), (ckpt_c, 4, {"dp": 1, "tp": 4})):
+        manifest = json.loads(next(ckpt.glob("step-*/phalanx.json")).read_text())
+        assert (manifest["world_size"], manifest["layout"]) == (world, layout)
 
 
 @pytest.mark.timeout(200)

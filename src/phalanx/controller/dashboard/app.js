@@ -177,12 +177,14 @@ function renderRoles(ov) {
   const out = [];
   for (const [role, r] of Object.entries(ov.roles)) {
     const scale = el("input", { type: "number", min: "0", max: "1000", value: String(r.desired ?? r.replicas.length), "aria-label": `${role} replicas` });
-    const head = el("h3", {}, `${role}: ${r.replicas.length} live, step ${r.step}, quorum ${r.quorum_id}` + (r.desired !== null ? `, desired ${r.desired}` : "") + " ",
+    // A role that forms no quorums (RL rollout replicas) has no step of its own to show.
+    const quorate = r.quorum_id > 0;
+    const head = el("h3", {}, `${role}: ${r.replicas.length} live` + (quorate ? `, step ${r.step}, quorum ${r.quorum_id}` : "") + (r.desired !== null ? `, desired ${r.desired}` : "") + " ",
       scale, el("button", { type: "button", onclick: () => act(`Scale ${role} to ${scale.value} replicas? (phalanx run follows it)`, "/v1/scale", { role, replicas: Number(scale.value) }) }, "scale"));
     const rows = r.replicas.map((x) => el("tr", { "data-replica": x.replica_id, "data-state": x.state },
       el("td", {}, x.name), el("td", {}, el("span", { class: `state ${x.state}` }, x.state)), el("td", {}, x.incarnation),
       el("td", {}, ago(x.uptime_s)), el("td", {}, x.weights_version ?? "-"), el("td", {}, ago(x.heartbeat_age_s)),
-      el("td", {}, x.address || "-"), el("td", {}, x.step),
+      el("td", {}, x.address || "-"), el("td", {}, quorate ? x.step : "-"),
       el("td", {},
         el("button", { type: "button", onclick: () => act(`Drain ${x.replica_id}? It leaves at its next step boundary.`, "/v1/replicas/drain", { replica_id: x.replica_id }) }, "drain"), " ",
         el("button", { type: "button", onclick: () => act(`Evict ${x.replica_id} now?`, "/v1/replicas/evict", { replica_id: x.replica_id, reason: "from the dashboard" }) }, "evict"))));
