@@ -575,11 +575,21 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         service.apply(st.deregister, req.replica_id, req.reason)
         return reply(ok=True)
 
-    async def _ledger_poll(rid: str, wait_s: float, call: Callable[[], dict[str, Any]]):
+    async def _ledger_poll(
+        rid: str,
+        wait_s: float,
+        call: Callable[[], dict[str, Any]],
+        news: Callable[[dict[str, Any]], bool] = lambda out: False,
+    ):
+        """Long-poll ``call`` until its reply holds a lease or batch, a sync order or
+        the job's end, or ``news``: something else the caller acts on at once."""
         deadline = time.monotonic() + wait_s
         out = call()
         while (
-            out.get("batch", out.get("lease")) is None and not out["sync"] and not out["finished"]
+            out.get("batch", out.get("lease")) is None
+            and not out["sync"]
+            and not out["finished"]
+            and not news(out)
         ):
             left = deadline - time.monotonic()
             if left <= 0 or not await service.wait("ledger", rid, left):
@@ -591,10 +601,14 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
     async def lease_prompts(req: PromptLeaseReq) -> dict[str, Any]:
         """Lease prompts (rollout replicas). Long-polls up to ``wait_s`` for a lease,
         a weight-sync order this replica must join, or the end of the job."""
+        # A replica without weights (version -1) is answered at once when it may build
+        # version 0 from the config itself: it then asks again, holding version 0.
+        # (Waiting here would hold every rollout replica up for wait_s at the start.)
         out = await _ledger_poll(
             req.replica_id,
             req.wait_s,
             lambda: service.apply(st.lease_prompts, req.replica_id, req.version, req.max_prompts),
+            news=lambda out: req.version < 0 and out["init_weights"],
         )
         return reply(**out)
 
