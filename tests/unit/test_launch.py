@@ -241,7 +241,8 @@ def test_status_text_of_an_rl_job():
     st.set_desired("rollout", 3, now=0.0, wall=0.0)
     text = status_text(st.status(0.0))
     assert "job job (controller epoch 1)" in text
-    assert "rollout: 0 replica(s) (desired 3), step 0" in text
+    assert "  rollout: 0 replica(s) (desired 3)\n" in text  # no quorums: no step
+    assert "  policy: 0 replica(s), step 0, quorum 0\n" in text
     assert "prompts: issued 0 = queued 0 + leased 0 + done 0 + trained 0" in text
     assert "ledger balanced" in text
     assert "checkpoint" not in text

@@ -102,3 +102,30 @@ def test_status_tables_render():
     console.print(status_tables({"job_id": "j", "epoch": 1, **st.status(2, 1002)}))
     out = console.export_text()
     assert "joining" in out and "evicted" in out and "by operator" in out
+
+
+def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
+    from rich.console import Console
+
+    from phalanx.controller.overview import _timeline
+    from phalanx.launch.status_view import describe, status_tables
+
+    def sync(seq: int) -> dict:
+        return {"kind": "sync_done", "seq": seq, "version": 2 * seq, "at": 1000.0 + seq}
+
+    join = {"kind": "join", "replica_id": "r:1", "role": "rollout", "at": 1003.5}
+    tl = _timeline([sync(1), sync(2), sync(3), join, sync(4), {"kind": "heartbeat"}])
+    assert [e["kind"] for e in tl] == ["sync_done", "join", "sync_done"]
+    assert (tl[0]["runs"], tl[0]["first_seq"], tl[0]["seq"], tl[0]["first_version"]) == (3, 1, 3, 2)
+    assert "runs" not in tl[2]  # a lone sync stays as it was
+    assert describe(tl[0]) == "weight syncs 1-3 done (3, v2 to v6)"
+    assert describe(tl[2]) == "weight sync 4 done (v8)"
+
+    st = make_state()
+    st.register("policy", "a", "i0", now=0, wall=1000)
+    status = {"job_id": "j", "epoch": 1, **st.status(2, 1002)}
+    status["overview"]["timeline"] = tl
+    console = Console(width=140, record=True)
+    console.print(status_tables(status))
+    out = console.export_text()
+    assert "weight syncs 1-3 done" in out and "r:1 joined rollout" in out

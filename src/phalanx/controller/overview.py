@@ -103,12 +103,24 @@ def _replica(st: ControllerState, rs: RoleState, m: Member, now: float, wall: fl
 
 
 def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    """The events worth a line. An RL job syncs weights after every batch: a run of
+    ``sync_done`` with nothing in between becomes one event (the last, with ``runs``,
+    ``first_seq`` and ``first_version``), so joins and evictions stay in sight."""
+    out: list[dict[str, Any]] = []
     for ev in events:
         if ev["kind"] not in TIMELINE_KINDS:
             continue
         if ev["kind"] == "quorum" and not (ev.get("recovered") or ev.get("healing")):
             continue  # a routine re-formation says nothing new
+        prev = out[-1] if out else None
+        if ev["kind"] == "sync_done" and prev is not None and prev["kind"] == "sync_done":
+            out[-1] = {
+                **ev,
+                "runs": prev.get("runs", 1) + 1,
+                "first_seq": prev.get("first_seq", prev.get("seq")),
+                "first_version": prev.get("first_version", prev.get("version")),
+            }
+            continue
         out.append(ev)
     return out[-TIMELINE:]
 

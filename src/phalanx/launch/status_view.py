@@ -54,6 +54,23 @@ def describe(e: dict[str, Any]) -> str:
         return f"controller started (epoch {e.get('epoch')})"
     if k == "join":
         return f"{who} joined {e.get('role', '')}"
+    if k == "checkpoint_requested":
+        return f"checkpoint asked for step {e.get('step')}"
+    if k == "sync_done":
+        if e.get("runs"):
+            return (
+                f"weight syncs {e['first_seq']}-{e['seq']} done ({e['runs']}, "
+                f"v{e['first_version']} to v{e['version']})"
+            )
+        return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
+    if k == "sync_failed":
+        return f"weight sync {e.get('seq', '')} failed"
+    if k == "scale":
+        return f"scale {e.get('role')} to {e.get('replicas')}"
+    if k == "drain":
+        return f"drain {who}"
+    if k == "rl_finished":
+        return "RL job finished"
     return f"{k} {who}".strip()
 
 
@@ -78,6 +95,7 @@ def status_tables(st: dict[str, Any], events: int = 8) -> Any:
         line += f"  DiLoCo outer {d['outer_step']} inner {d['inner_step']}"
     parts.append(Text(line, style="bold"))
     for role, r in (ov.get("roles") or {}).items():
+        quorate = r["quorum_id"] > 0  # RL rollout replicas form none: no step to show
         t = Table(title=f"{role}", title_justify="left", pad_edge=False)
         for col in (
             "replica",
@@ -100,7 +118,7 @@ def status_tables(st: dict[str, Any], events: int = 8) -> Any:
                 "-" if x["weights_version"] is None else f"v{x['weights_version']}",
                 _age(x["heartbeat_age_s"]),
                 x["address"] or "-",
-                str(x["step"]),
+                str(x["step"]) if quorate else "-",
             )
         for x in r["evicted"][-3:]:
             name, _, inc = x["replica_id"].rpartition(":")

@@ -357,11 +357,17 @@ def status_text(st: dict[str, Any]) -> str:
         reps = info.get("replicas", [])
         suspects = sum(1 for r in reps if r.get("suspect"))
         desired = info.get("desired")
+        # RL rollout replicas form no quorums: a step and quorum 0 would say nothing.
+        quorate = not (st.get("rl") and role == "rollout")
         lines.append(
             f"  {role}: {len(reps)} replica(s)"
             + (f" (desired {desired})" if desired is not None else "")
             + (f", {suspects} suspect" if suspects else "")
-            + f", step {info.get('step', 0)}, quorum {info.get('quorum_id', 0)}"
+            + (
+                f", step {info.get('step', 0)}, quorum {info.get('quorum_id', 0)}"
+                if quorate
+                else ""
+            )
         )
     ck = (st.get("checkpoints") or {}).get("latest")
     if ck:

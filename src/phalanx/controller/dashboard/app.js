@@ -154,23 +154,8 @@ function render(st) {
   $("checkpoint-now").hidden = !ov.actions.checkpoint;
   $("checkpoints").tBodies[0].replaceChildren(...ov.checkpoints.map((c) =>
     el("tr", {}, el("td", {}, c.step), el("td", {}, bytes(c.nbytes)), el("td", {}, c.url), el("td", {}, c.by), el("td", {}, clock(c.at)))));
-  $("timeline").replaceChildren(...collapseSyncs(ov.timeline).reverse().map((e) =>
+  $("timeline").replaceChildren(...ov.timeline.slice().reverse().map((e) =>
     el("li", { class: e.kind }, el("time", {}, clock(e.at)), describe(e))));
-}
-
-// An RL job syncs weights after every batch: a run of syncs with nothing in between
-// is one line, so that joins, evictions and checkpoints stay in sight.
-function collapseSyncs(events) {
-  const out = [];
-  for (const e of events) {
-    const prev = out[out.length - 1];
-    if (e.kind === "sync_done" && prev && prev.kind === "sync_done") {
-      out[out.length - 1] = { ...e, runs: (prev.runs || 1) + 1, first_seq: prev.first_seq ?? prev.seq, first_version: prev.first_version ?? prev.version };
-    } else {
-      out.push(e);
-    }
-  }
-  return out;
 }
 
 function renderRoles(ov) {
