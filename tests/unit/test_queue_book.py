@@ -101,3 +101,24 @@ def test_a_lease_creates_no_queue_and_the_number_of_queues_is_bounded():
         qs.put(f"q{i}", rolls("a"), now=0.0, wall=0.0)
     with pytest.raises(StateError, match="at most 64"):
         qs.put("one-more", rolls("a"), now=0.0, wall=0.0)
+
+
+def test_records_of_journals_written_with_the_old_encoder_still_check():
+    """The crc is taken over the journal's compact JSON. That encoder changed (the
+    standard library's to pydantic-core's, which spell some floats differently:
+    1e-05 vs 0.00001); a record whose crc the old one computed still restores."""
+    import json
+    import zlib
+
+    from phalanx.controller.journal import encode
+
+    odd = {"rollout_id": "a", "logprobs": [1e-05, -2.5e-07, 1e22, -0.0]}
+    assert json.loads(encode(odd)) == odd  # the same values, spelled another way
+    assert encode(odd) != json.dumps(odd, separators=(",", ":"))
+    j = Journal()
+    RolloutQueues(j.put).put("q", [odd], now=0.0, wall=0.0)
+    rec = j.tables["rq_items"]["q/a"]
+    rec["crc"] = zlib.crc32(json.dumps(odd, separators=(",", ":")).encode())  # as before
+    qs = j.restart(now=1.0)
+    assert qs.status("q")["corrupt"] == 0
+    assert [d["rollout"] for d in lease(qs, 1, now=1.0)] == [odd]

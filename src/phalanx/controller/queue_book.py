@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.controller.journal import encode
 from phalanx.controller.tick import StateError, Tick
 
 Put = Callable[[str, str, dict[str, Any] | None], None]
@@ -55,6 +56,12 @@ MAX_WAIT_S = 30.0
 
 def checksum(rollout: dict[str, Any]) -> int:
     """crc32 of the rollout's compact JSON (what the journal stores, re-encoded)."""
+    return zlib.crc32(encode(rollout).encode())
+
+
+def _legacy_checksum(rollout: dict[str, Any]) -> int:
+    """The crc of journals written before :func:`~phalanx.controller.journal.encode`
+    (the standard library's encoder, which spells some floats differently: 1e-05)."""
     return zlib.crc32(json.dumps(rollout, separators=(",", ":")).encode())
 
 
@@ -139,7 +146,7 @@ class QueueBook:
                 if (
                     not isinstance(rollout, dict)
                     or rollout.get("rollout_id") != rid
-                    or checksum(rollout) != rec["crc"]
+                    or rec["crc"] not in (checksum(rollout), _legacy_checksum(rollout))
                 ):
                     raise ValueError
                 good.append(Item(rid, rollout, int(rec["seq"]), int(rec["crc"])))
