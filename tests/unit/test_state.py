@@ -280,6 +280,44 @@ def test_no_fast_path_when_a_previous_member_is_gone(make_state):
     assert e in st.members
 
 
+def test_an_early_ask_does_not_start_the_straggler_clock(make_state):
+    """A joiner (or a replica left out of the last round) that asks long before the
+    previous quorum finishes its step must not make the next quorum form at the
+    first finisher's ask: join_timeout counts from that first finisher. (Before,
+    sync DiLoCo with a joiner formed every later round with 2 of 3 replicas.)"""
+    st = make_state(join_timeout_s=1.0)
+    a, b = join(st, "a", "b")
+    form(st, [a, b], now=0)
+    (c,) = join(st, "c", now=1)
+    assert ask(st, c, now=1) is None  # early: a and b are still in their step
+    assert st.tick(now=3, wall=3).formed == []  # no clock runs without a or b
+    assert ask(st, b, 1, now=4) is None  # the round starts: b finished first
+    assert st.tick(now=4.5, wall=4.5).formed == []
+    q = ask(st, a, 1, now=4.6)  # a, just behind b, is not left out
+    assert q is not None and q.replica_ids == sorted([a, b, c]) and q.heal == {c: a}
+
+    # A previous member that does not come back is a straggler, timed from the first
+    # ask of the previous quorum (c's, now that c was in it).
+    assert ask(st, c, 2, now=5) is None
+    assert ask(st, b, 2, now=5.5) is None
+    assert st.tick(now=5.99, wall=6).formed == []
+    (q,) = st.tick(now=6, wall=6).formed
+    assert q.replica_ids == sorted([b, c])
+
+
+def test_joiners_form_alone_once_the_previous_quorum_is_gone(make_state):
+    st = make_state(join_timeout_s=1.0)
+    (a,) = join(st, "a")
+    form(st, [a], now=0)
+    b, c = join(st, "b", "c", now=1)
+    assert ask(st, b, now=1) is None
+    assert st.tick(now=5, wall=5).formed == []  # a is alive, in its step
+    st.deregister(a, now=6, wall=6)  # gone: nobody of the previous quorum is left
+    assert [q.replica_ids for q in st.tick(now=6, wall=6).formed] == []  # 1 of 2: no majority
+    q = ask(st, c, now=6)  # everyone alive has asked
+    assert q is not None and q.replica_ids == sorted([b, c])
+
+
 def test_split_brain_guard_needs_majority_of_live(make_state):
     st = make_state(join_timeout_s=1.0)
     a, b, c, d = join(st, "a", "b", "c", "d")

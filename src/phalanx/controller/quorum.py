@@ -69,8 +69,18 @@ class QuorumRequests(StateRecords):
         last = rs.last_quorum
         if last is not None and rs.prev_pending == len(rs.prev_ids):
             return True  # fast path: the previous quorum rejoined in full
-        assert rs.pending_since is not None
-        return now - rs.pending_since >= rs.cfg.join_timeout_s
+        # Stragglers are timed from the round's start: the first of the previous
+        # quorum to ask again. Replicas that asked before it (a joiner, or one left
+        # out of the last round) must not start the clock, or the next quorum forms
+        # at the first finisher's request and leaves the others out; the one left
+        # out asks early in turn, and every later round forms short and heals.
+        since = rs.prev_since
+        if since is None:
+            if last is not None and any(rid in rs.member_ids for rid in rs.prev_ids):
+                return False  # the previous quorum's live members are still in their step
+            since = rs.pending_since
+        assert since is not None
+        return now - since >= rs.cfg.join_timeout_s
 
     def _try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
         if not self._ready(rs, now):

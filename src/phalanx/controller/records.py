@@ -47,10 +47,12 @@ class Member:
     suspect_since: float | None = field(default=None, compare=False)
     suspect_reason: str = field(default="", compare=False)
     loss: float | None = field(default=None, compare=False)
+    inner_step: int | None = field(default=None, compare=False)
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["last_seen"], d["suspect_since"], d["suspect_reason"], d["loss"]
+        for k in ("last_seen", "suspect_since", "suspect_reason", "loss", "inner_step"):
+            del d[k]
         return d
 
 
@@ -126,6 +128,9 @@ class RoleState:
     prev_pending: int = 0
     """How many of the previous quorum's members are pending (kept incrementally,
     so that each quorum request is O(1) and a round of N requests is O(N))."""
+    prev_since: float | None = None
+    """When the first of the previous quorum's members asked again: the start of the
+    round, from which stragglers are timed (``join_timeout_s``)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Evictions not yet followed by a quorum: the next quorum reports, for each,
     the time from the failure to it (not durable)."""
@@ -141,6 +146,8 @@ class RoleState:
     def add_pending(self, replica_id: str, p: Pending, now: float) -> None:
         if replica_id not in self.pending and replica_id in self.prev_ids:
             self.prev_pending += 1
+            if self.prev_since is None:
+                self.prev_since = now
         self.pending[replica_id] = p
         if self.pending_since is None:
             self.pending_since = now
@@ -148,6 +155,8 @@ class RoleState:
     def drop_pending(self, replica_id: str) -> None:
         if self.pending.pop(replica_id, None) is not None and replica_id in self.prev_ids:
             self.prev_pending -= 1
+            if self.prev_pending == 0:
+                self.prev_since = None
         if not self.pending:
             self.pending_since = None
 
@@ -157,6 +166,7 @@ class RoleState:
         self.pending.clear()
         self.pending_since = None
         self.prev_pending = 0
+        self.prev_since = None
 
     def meta(self) -> dict[str, Any]:
         return {
