@@ -121,9 +121,11 @@ class ControllerClient:
         self.epoch: int | None = None
         self.incarnations = 0
         self.step: int | None = None
+        """Committed step, reported with each heartbeat (set by the training loop)."""
         self.loss: float | None = None
         """The loss of the last committed step, sent with heartbeats (for the dashboard)."""
-        """Committed step, reported with each heartbeat (set by the training loop)."""
+        self.inner_step: int | None = None
+        """DiLoCo: inner steps taken so far, sent with heartbeats (for the dashboard)."""
         self.timeouts: dict[str, float] = {}
         self.who = Who(role=role, replica_id=name, rank=rank)
         self.log = ReplicaLogger(log, self.who)
@@ -267,7 +269,13 @@ class ControllerClient:
             try:
                 data = self._call(
                     "/v1/heartbeat",
-                    {"replica_id": rid, "step": self.step, "loss": self.loss, "wait_s": interval},
+                    {
+                        "replica_id": rid,
+                        "step": self.step,
+                        "loss": self.loss,
+                        "inner_step": self.inner_step,
+                        "wait_s": interval,
+                    },
                     timeout=interval + 10,
                     http=self._hb_http,
                 )

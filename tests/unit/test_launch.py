@@ -133,6 +133,23 @@ def test_scale_cli_needs_a_controller(monkeypatch):
         cli.main(["scale", "rollout=2"])
 
 
+def test_status_and_scale_say_when_the_controller_is_gone(tmp_path: Path, capsys):
+    """A state dir whose controller exited: one clear line and exit 1, no traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "url").write_text(f"http://127.0.0.1:{port}\n")
+    (tmp_path / "token").write_text("t\n")
+    for argv in (["status"], ["status", "--json"], ["scale", "rollout=2"]):
+        assert cli.main([*argv, "--controller", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"phalanx: controller at http://127.0.0.1:{port} is unreachable")
+        assert f"Is the job still running (state dir {tmp_path})?" in err
+        assert "Traceback" not in err
+
+
 def test_rollout_replica_needs_an_rl_job():
     with pytest.raises(SystemExit, match="Rollout replicas need an RL job"):
         cli.main(["replica", "--role", "rollout", "--controller", "/nonexistent"])

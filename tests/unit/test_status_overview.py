@@ -129,3 +129,22 @@ def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
     console.print(status_tables(status))
     out = console.export_text()
     assert "weight syncs 1-3 done" in out and "r:1 joined rollout" in out
+
+
+def test_diloco_inner_step_is_live_from_heartbeats():
+    """Committed rounds x H at a round's boundary; further while the replicas report
+    inner steps of the round in progress with their heartbeats (not journaled)."""
+    st = ControllerState(load_config("examples/diloco_sync.toml"))  # H = 20, 3 replicas
+    rids = [st.register("policy", n, "i0", now=0, wall=1000)[0].replica_id for n in "abc"]
+    form(st, rids, 0, now=0.1)
+
+    def diloco(now: float) -> dict:
+        return st.status(now, 1000 + now)["overview"]["job"]["diloco"]
+
+    assert diloco(0.2) == {"outer_step": 0, "inner_step": 0, "sync_every": 20}
+    st.heartbeat(rids[0], now=0.3, step=0, inner_step=7)
+    st.heartbeat(rids[1], now=0.3, step=0, inner_step=9)
+    assert diloco(0.4)["inner_step"] == 9
+    reps = st.status(0.4, 1000.4)["overview"]["roles"]["policy"]["replicas"]
+    assert {r["name"]: r["inner_step"] for r in reps} == {"a": 7, "b": 9, "c": None}
+    assert "inner_step" not in st.members[rids[0]].record()  # liveness only

@@ -106,6 +106,9 @@ class HeartbeatReq(_Req):
     step: int | None = Field(None, ge=0, le=2**62)
     loss: float | None = None
     """Training loss at ``step`` (optional; charted by the dashboard)."""
+    inner_step: int | None = Field(None, ge=0, le=2**62)
+    """DiLoCo: inner steps taken so far, the current round's included (optional;
+    shown by the dashboard while a round runs)."""
     wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
 
 
@@ -520,7 +523,9 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     @app.post(f"/{API_VERSION}/heartbeat", dependencies=[authorized])
     async def heartbeat(req: HeartbeatReq) -> dict[str, Any]:
-        service.apply(st.heartbeat, req.replica_id, step=req.step, loss=req.loss)
+        service.apply(
+            st.heartbeat, req.replica_id, step=req.step, loss=req.loss, inner_step=req.inner_step
+        )
         service.metrics.heartbeats.inc()
         wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
         woken = await service.wait("heartbeat", req.replica_id, wait)

@@ -98,6 +98,7 @@ def _replica(st: ControllerState, rs: RoleState, m: Member, now: float, wall: fl
         "address": m.address,
         "step": m.step,
         "loss": m.loss,
+        "inner_step": m.inner_step,
         "commands_pending": len(st.commands.get(m.replica_id, {})),
     }
 
@@ -194,7 +195,11 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> dict
         }
     if st.cfg.diloco is not None:
         h = st.cfg.diloco.sync_every
-        job["diloco"] = {"outer_step": job["step"], "inner_step": job["step"] * h, "sync_every": h}
+        # Committed rounds x H, or further while a round runs: the replicas report
+        # their inner steps with their heartbeats.
+        live = [m.inner_step for m in st.alive(main) if m.inner_step is not None]
+        inner = max([job["step"] * h, *live])
+        job["diloco"] = {"outer_step": job["step"], "inner_step": inner, "sync_every": h}
     return {
         "job": job,
         "roles": roles,

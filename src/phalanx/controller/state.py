@@ -145,10 +145,13 @@ class ControllerState(QuorumRequests, CommandQueues, RLRequests):
         wall: float = 0.0,
         step: int | None = None,
         loss: float | None = None,
+        inner_step: int | None = None,
     ) -> None:
         m = self.member(replica_id)
         m.last_seen = now
         m.suspect_since = None
+        if inner_step is not None:
+            m.inner_step = inner_step
         rs = self.roles[m.role]
         if loss is not None and step is not None:
             m.loss = loss

@@ -18,9 +18,20 @@ def fetch_status(controller: str, timeout_s: float = 10.0) -> dict[str, Any]:
     :class:`ControllerError` with the controller's message when it refuses."""
     url, state_dir = resolve(controller)
     token = find_token(state_dir)
-    r = httpx.get(
-        f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
-    )
+    try:
+        r = httpx.get(
+            f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+        )
+    except httpx.TransportError as e:
+        hint = (
+            f"Is the job still running (state dir {state_dir})?"
+            if state_dir is not None
+            else "Is the job still running? A restarted controller may listen on another "
+            "port: name it by its state dir, which always holds its current URL."
+        )
+        raise ControllerError(
+            f"controller at {url} is unreachable: {e or type(e).__name__}. {hint}"
+        ) from None
     if r.status_code >= 400:
         raise ControllerError(f"controller at {url} answered {r.status_code}: {r.text[:300]}")
     data: dict[str, Any] = r.json()

@@ -154,6 +154,7 @@ class SyncDiLoCo:
                     samples += idx
                     loss += self._inner_step(fn, idx)
                     self.diloco.after_inner_step()
+                    m.client.inner_step = self.diloco.inner_steps  # live, for the dashboard
                 if last:
                     self.diloco.finish()
             except CommError as e:
@@ -162,6 +163,7 @@ class SyncDiLoCo:
         committed = m.should_commit()
         if not committed and snapshot is not None:
             m.load_state_dict(snapshot)
+        m.client.inner_step = self.diloco.inner_steps  # back to the round's start if undone
         return RoundResult(
             committed,
             m.step,
