@@ -79,6 +79,21 @@ def child_env() -> dict[str, str]:
     return e
 
 
+def cli_status(controller: Path) -> dict[str, Any]:
+    """``phalanx status --json`` of the controller at ``controller`` (its state dir), run
+    as a user runs it."""
+    p = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", "--json", "--controller", str(controller)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=30,
+    )
+    assert p.returncode == 0, p.stderr
+    data: dict[str, Any] = json.loads(p.stdout)
+    return data
+
+
 class Procs:
     """Every process a test started; :meth:`cleanup` kills each one's process group."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import Procs, child_env, wait_for
+from procs import Procs, cli_status, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sort_grpo.toml"
@@ -60,18 +60,6 @@ pytestmark = [
 ]
 
 
-def _cli_status(state: Path) -> dict[str, Any]:
-    p = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "status", "--json", "--controller", str(state)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=30,
-    )
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
-
-
 def _starts(log: Path) -> list[dict[str, Any]]:
     """The ``start`` lines of a replica's incarnations, from its log in the run dir."""
     lines = log.read_text().split("\n")[:-1] if log.exists() else []
@@ -104,7 +92,7 @@ def _still(state: Path) -> dict[str, Any]:
 
     def same() -> dict[str, Any] | None:
         nonlocal last
-        prev, last = last, _cli_status(state)
+        prev, last = last, cli_status(state)
         ov = last["overview"]
         if ov["roles"]["rollout"]["replicas"] or not prev:
             return None
@@ -207,7 +195,7 @@ def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Pr
             page.wait_for_selector("#confirm[open]")
             page.click("#confirm-cancel")
             page.wait_for_timeout(500)
-            roles = _cli_status(state)["overview"]["roles"]
+            roles = cli_status(state)["overview"]["roles"]
             assert [r["replica_id"] for r in roles["policy"]["replicas"]] == [policy]
 
             # 5. The ledger as `phalanx status --json` says it. Scale the rollout role to
@@ -227,7 +215,7 @@ def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Pr
             except AssertionError:
                 assert _shown(page) == want  # the difference, if it never matched
             assert page.inner_text("[data-k=step] b") == str(cli["overview"]["job"]["step"])
-            assert _cli_status(state)["overview"]["ledger"] == cli["overview"]["ledger"]
+            assert cli_status(state)["overview"]["ledger"] == cli["overview"]["ledger"]
             page.screenshot(path=str(ARTIFACTS / "3-ledger.png"), full_page=True)
             browser.close()
 

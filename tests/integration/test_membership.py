@@ -3,13 +3,10 @@ SIGSTOPped one is evicted and comes back as a new incarnation."""
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import time
 
-from procs import check_rounds, child_env, names, wait_for
+from procs import check_rounds, cli_status, names, wait_for
 
 
 def _quorum_ids(replica, members: set[str]) -> list[int]:
@@ -88,23 +85,7 @@ def test_sigstopped_replica_is_evicted_then_rejoins_as_a_new_incarnation(
     # `phalanx status --json` (the documented machine-readable form) tells the two
     # incarnations of c apart: the old one evicted by the heartbeat detector, the new
     # one live in the quorum.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "phalanx.cli",
-            "status",
-            "--json",
-            "--controller",
-            str(ctl.state_dir),
-        ],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=30,
-        check=True,
-    )
-    policy = json.loads(out.stdout)["overview"]["roles"]["policy"]
+    policy = cli_status(ctl.state_dir)["overview"]["roles"]["policy"]
     live = {r["replica_id"]: r for r in policy["replicas"]}
     assert live[new_id]["name"] == "c" and live[new_id]["state"] in ("active", "healing")
     assert live[new_id]["incarnation"] == new_id.rpartition(":")[2] != old_id.rpartition(":")[2]

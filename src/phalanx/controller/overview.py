@@ -143,6 +143,8 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> dict
             if e["kind"] == "evict" and e.get("role") == name
         ][-RECENT_EVICTIONS:]
         roles[name] = {
+            # RL rollout replicas form no quorums: their step and quorum say nothing.
+            "forms_quorums": not (st.ledger is not None and name == "rollout"),
             "step": rs.step,
             "quorum_id": rs.quorum_id,
             "quorum_size": len(last.members) if last else 0,

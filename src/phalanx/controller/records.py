@@ -14,7 +14,7 @@ Like the rest of the state machine, nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from phalanx.config import JobConfig, RoleSection
@@ -50,9 +50,11 @@ class Member:
     inner_step: int | None = field(default=None, compare=False)
 
     def record(self) -> dict[str, Any]:
+        """The durable fields: those marked ``compare=False`` are liveness and figures."""
         d = asdict(self)
-        for k in ("last_seen", "suspect_since", "suspect_reason", "loss", "inner_step"):
-            del d[k]
+        for f in fields(self):
+            if not f.compare:
+                del d[f.name]
         return d
 
 

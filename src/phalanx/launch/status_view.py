@@ -31,12 +31,34 @@ STATE_STYLE = {
 }
 
 
+EVENT_TEXT = {
+    "evict": "{who} evicted by {detector}: {reason}",
+    "controller_start": "controller started (epoch {epoch})",
+    "join": "{who} joined {role}",
+    "checkpoint_requested": "checkpoint asked for step {step}",
+    "sync_failed": "weight sync {seq} failed",
+    "scale": "scale {role} to {replicas}",
+    "drain": "drain {who}",
+    "rl_finished": "RL job finished",
+}
+"""Timeline events said in one line from their fields (as the dashboard says them)."""
+
+
+class _Fields(dict[str, Any]):
+    """An event's fields for :data:`EVENT_TEXT`; one it lacks reads as below."""
+
+    MISSING: dict[str, Any] = {"detector": "?", "epoch": None, "step": None, "replicas": None}
+
+    def __missing__(self, key: str) -> Any:
+        return self.MISSING.get(key, "")
+
+
 def describe(e: dict[str, Any]) -> str:
     """One timeline event in words (as the dashboard's timeline says it)."""
     who = e.get("replica_id") or e.get("role", "")
     k = e["kind"]
-    if k == "evict":
-        return f"{who} evicted by {e.get('detector', '?')}: {e.get('reason', '')}"
+    if k in EVENT_TEXT:
+        return EVENT_TEXT[k].format_map(_Fields(e, who=who))
     if k == "active":
         return f"{who} active {_f(e.get('join_s'), '.1f')} s after joining"
     if k == "quorum":
@@ -50,12 +72,6 @@ def describe(e: dict[str, Any]) -> str:
         return ", ".join(parts)
     if k == "checkpoint":
         return f"checkpoint of step {e['step']} at {e['url']} ({e['nbytes'] / 1e6:.1f} MB)"
-    if k == "controller_start":
-        return f"controller started (epoch {e.get('epoch')})"
-    if k == "join":
-        return f"{who} joined {e.get('role', '')}"
-    if k == "checkpoint_requested":
-        return f"checkpoint asked for step {e.get('step')}"
     if k == "sync_done":
         if e.get("runs"):
             return (
@@ -63,14 +79,6 @@ def describe(e: dict[str, Any]) -> str:
                 f"v{e['first_version']} to v{e['version']})"
             )
         return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
-    if k == "sync_failed":
-        return f"weight sync {e.get('seq', '')} failed"
-    if k == "scale":
-        return f"scale {e.get('role')} to {e.get('replicas')}"
-    if k == "drain":
-        return f"drain {who}"
-    if k == "rl_finished":
-        return "RL job finished"
     return f"{k} {who}".strip()
 
 
@@ -95,7 +103,7 @@ def status_tables(st: dict[str, Any], events: int = 8) -> Any:
         line += f"  DiLoCo outer {d['outer_step']} inner {d['inner_step']}"
     parts.append(Text(line, style="bold"))
     for role, r in (ov.get("roles") or {}).items():
-        quorate = r["quorum_id"] > 0  # RL rollout replicas form none: no step to show
+        quorate = r["forms_quorums"]
         t = Table(title=f"{role}", title_justify="left", pad_edge=False)
         for col in (
             "replica",

@@ -357,8 +357,7 @@ def status_text(st: dict[str, Any]) -> str:
         reps = info.get("replicas", [])
         suspects = sum(1 for r in reps if r.get("suspect"))
         desired = info.get("desired")
-        # RL rollout replicas form no quorums: a step and quorum 0 would say nothing.
-        quorate = not (st.get("rl") and role == "rollout")
+        quorate = st["overview"]["roles"][role]["forms_quorums"]
         lines.append(
             f"  {role}: {len(reps)} replica(s)"
             + (f" (desired {desired})" if desired is not None else "")

@@ -162,8 +162,7 @@ function renderRoles(ov) {
   const out = [];
   for (const [role, r] of Object.entries(ov.roles)) {
     const scale = el("input", { type: "number", min: "0", max: "1000", value: String(r.desired ?? r.replicas.length), "aria-label": `${role} replicas` });
-    // A role that forms no quorums (RL rollout replicas) has no step of its own to show.
-    const quorate = r.quorum_id > 0;
+    const quorate = r.forms_quorums;
     const head = el("h3", {}, `${role}: ${r.replicas.length} live` + (quorate ? `, step ${r.step}, quorum ${r.quorum_id}` : "") + (r.desired !== null ? `, desired ${r.desired}` : "") + " ",
       scale, el("button", { type: "button", onclick: () => act(`Scale ${role} to ${scale.value} replicas? (phalanx run follows it)`, "/v1/scale", { role, replicas: Number(scale.value) }) }, "scale"));
     const rows = r.replicas.map((x) => el("tr", { "data-replica": x.replica_id, "data-state": x.state },
