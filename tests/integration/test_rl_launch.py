@@ -308,8 +308,10 @@ def test_run_survives_chaos_kills(tmp_path: Path, capsys, monkeypatch):
     s = summary_of(capsys.readouterr().out)
     assert s["ok"] and not s["reached"] and s["target"] is None
     assert s["batches"] == 40 and s["trained"] == 40 * PROMPTS and s["ledger_ok"]
-    assert s["kills"] >= 2 and s["restarts"] >= s["kills"]
     notes = "\n".join(job.events)
+    # A kill that lands as the job ends is not followed by a restart, and says so.
+    left_down = notes.count("not restarted: the job finished")
+    assert s["kills"] >= 2 and s["restarts"] + left_down >= s["kills"]
     assert "chaos: SIGKILL" in notes and "restarted" in notes
 
 

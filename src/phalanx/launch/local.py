@@ -299,7 +299,10 @@ class LocalJob:
                 _signal(r.proc, signal.SIGKILL)
             return
         if r.proc is None:
-            if r.restart_at is not None and now >= r.restart_at and not finished:
+            if r.restart_at is not None and finished:
+                r.restart_at = None  # killed or crashed as the job ended: nothing left to do
+                self.note(f"{r.name} not restarted: the job finished")
+            elif r.restart_at is not None and now >= r.restart_at:
                 self.start_replica(r)
                 self.note(f"{r.name} restarted")
             return
