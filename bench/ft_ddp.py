@@ -47,8 +47,12 @@ baseline measured in the same run):
   :class:`TorchCommunicator` (gloo): state bytes / receiver's wall time.
   ``gloo_broadcast_gbps``: a plain gloo broadcast of a float32 buffer of the
   same size between the same two processes, interleaved with the heals
-  (``gloo_broadcast_fresh_gbps``: the same into newly allocated memory, as a
-  heal receives). GB/s here means 1e9 bytes per second.
+  (``gloo_broadcast_fresh_gbps``: the same into newly allocated memory).
+  The heal receives into a buffer the receiver faulted in beforehand, as a
+  joining manager does while it waits for its first quorum
+  (``phalanx.train.heal``); ``prefault_s`` is what filling it took, and
+  ``heal_fresh_gbps`` / ``heal_fresh_ratio`` are the same heal into new
+  memory. GB/s here means 1e9 bytes per second.
 - ``step_ratio_vs_ddp_malloc_tuned``: one more DDP/phalanx pair with glibc
   malloc told to keep freed memory (``MALLOC_ENV``), for both arms alike. Each
   arm also reports ``replica_fault_mb_per_step``: fresh pages mapped per step.
@@ -470,7 +474,7 @@ threads = 1
     return path
 
 
-HEALED = re.compile(r"healed from \S+ to step (\d+) in ([0-9.]+) s \((\d+) model bytes\)")
+HEALED = re.compile(r"healed from \S+ to step (\d+) in ([0-9.]+) s \((\d+) model bytes")
 LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) ")
 
 
@@ -609,10 +613,13 @@ def run_heal(ch: Children) -> dict[str, Any]:
         "state_bytes": nbytes,
         "reps": HEAL_REPS,
         "heal_gbps": gbps(recv["heal"]),
+        "heal_fresh_gbps": gbps(recv["heal_fresh"]),
+        "prefault_s": round(med(recv["prefault"]), 4),
         "gloo_broadcast_gbps": gbps(recv["broadcast"]),
         "gloo_broadcast_fresh_gbps": gbps(recv["broadcast_fresh"]),
         "gloo_p2p_gbps": gbps(recv["p2p"]),
         "heal_s": round(med(recv["heal"]), 4),
+        "heal_fresh_s": round(med(recv["heal_fresh"]), 4),
         "broadcast_s": round(med(recv["broadcast"]), 4),
         "broadcast_fresh_s": round(med(recv["broadcast_fresh"]), 4),
         "p2p_s": round(med(recv["p2p"]), 4),
@@ -797,6 +804,9 @@ def summarize(
         "heal_gbps": heal["heal_gbps"],
         "gloo_broadcast_gbps": heal["gloo_broadcast_gbps"],
         "heal_ratio": heal_ratio,
+        "heal_fresh_gbps": heal["heal_fresh_gbps"],
+        "heal_fresh_ratio": _ratio(heal["heal_fresh_gbps"], heal["gloo_broadcast_gbps"]),
+        "prefault_s": heal["prefault_s"],
         "torchft_step_ratio_vs_ddp": round(statistics.median(tf_ratios), 3) if tf_ratios else None,
         "torchft_cpu_ratio_vs_ddp": cpu_ratio("torchft"),
         "torchft_stall_s": tfl.get("stall_s"),
@@ -909,6 +919,8 @@ def table(r: dict[str, Any]) -> None:
         "heal_gbps",
         "gloo_broadcast_gbps",
         "heal_ratio",
+        "heal_fresh_ratio",
+        "prefault_s",
     ):
         print(f"{k:>30}: {r.get(k)}")
     print("\ngoals:", ", ".join(f"{k}: {v}" for k, v in r["goals_met"].items()))

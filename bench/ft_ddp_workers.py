@@ -208,6 +208,7 @@ def worker_heal(spec: dict[str, Any]) -> None:
     from phalanx.comm.torch_pg import TorchCommunicator
     from phalanx.comm.transfer import pack, recv_state, send_state
     from phalanx.data.sampler import ElasticSampler
+    from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
     from phalanx.train.manager import rng_state
 
     rank = spec["rank"]
@@ -241,12 +242,12 @@ def worker_heal(spec: dict[str, Any]) -> None:
         fn()
         return time.perf_counter() - t0
 
-    out: dict[str, list[float]] = {
-        k: [] for k in ("heal", "load", "broadcast", "broadcast_fresh", "p2p", "pack")
-    }
+    timings = "heal heal_fresh prefault load pack broadcast broadcast_fresh p2p"
+    out: dict[str, list[float]] = {k: [] for k in timings.split()}
     for _ in range(HEAL_REPS):
         if rank == 0:
             out["heal"].append(timed(lambda: send_state(comm, tree(), 1, tag=1)))
+            out["heal_fresh"].append(timed(lambda: send_state(comm, tree(), 1, tag=1)))
             out["broadcast"].append(timed(lambda: comm.broadcast(flat, 0)))
             out["p2p"].append(timed(lambda: comm.send(raw, 1)))
             out["broadcast_fresh"].append(timed(lambda: comm.broadcast(flat, 0)))
@@ -254,8 +255,24 @@ def worker_heal(spec: dict[str, Any]) -> None:
             pack(tree())
             out["pack"].append(time.perf_counter() - t0)
         else:
+            # As the manager does: the joiner fills the buffer while it waits for
+            # its quorum (timed apart: it overlaps that wait), then receives into it.
+            t0 = time.perf_counter()
+            pre = PrefaultedBuffer()
+            pre.start(expected_state_bytes(tree(), opt))
+            scratch = pre.take()
+            out["prefault"].append(time.perf_counter() - t0)
+            pre.close()
             got: dict[str, Any] = {}
-            out["heal"].append(timed(lambda got=got: got.update(recv_state(comm, 0, tag=1))))
+            out["heal"].append(
+                timed(lambda got=got, s=scratch: got.update(recv_state(comm, 0, tag=1, scratch=s)))
+            )
+            if not received_into(got, scratch):
+                raise RuntimeError("the heal did not use the pre-faulted buffer")
+            fresh: dict[str, Any] = {}
+            out["heal_fresh"].append(
+                timed(lambda fresh=fresh: fresh.update(recv_state(comm, 0, tag=1)))
+            )
             # Both ranks built the same state from the seed: the received copy must match.
             ok = all(torch.equal(v, got["model"][k]) for k, v in model.state_dict().items())
             for pid, st in opt.state_dict()["state"].items():

@@ -125,9 +125,27 @@ def _layout(tree: Any) -> tuple[bytes, list[torch.Tensor], list[dict[str, Any]],
         metas.append(
             {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
         )
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        offset += _aligned(nbytes)
     header = json.dumps({"skeleton": skeleton, "tensors": metas}, separators=(",", ":")).encode()
     return header, tensors, metas, offset
+
+
+def buffer_bytes(tree: Any) -> int:
+    """Length of the buffer :func:`recv_state` needs for ``tree`` (alignment included)."""
+    _, tensors = flatten(tree)
+    return sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def faulted_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer whose pages are all mapped already. A receive into new memory
+    pays a page fault per 4 KiB page, about as much as the transfer itself on a
+    fast wire; a joiner fills this while it waits for its quorum, and hands it to
+    :func:`recv_state` as ``scratch``."""
+    return torch.empty(nbytes, dtype=torch.uint8).fill_(0)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -238,14 +256,27 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
     return sum(t.numel() for t in out[1:])
 
 
-def recv_state(comm: Communicator, src: int, tag: int = 0) -> Any:
+def recv_state(
+    comm: Communicator, src: int, tag: int = 0, scratch: torch.Tensor | None = None
+) -> Any:
+    """Receive a state tree sent by :func:`send_state`. Its tensors are views into
+    one buffer: the start of ``scratch`` (a flat uint8 tensor, e.g. from
+    :func:`faulted_buffer`) when it is long enough, else new memory."""
     sizes = torch.empty(2, dtype=torch.int64)
     comm.recv(sizes, src, tag)
     hlen, blen = int(sizes[0]), int(sizes[1])
     header = torch.empty(hlen, dtype=torch.uint8)
     comm.recv(header, src, tag)
     head = header.numpy().tobytes()
-    buf = torch.empty(blen, dtype=torch.uint8)
+    fits = (
+        scratch is not None
+        and scratch.dtype == torch.uint8
+        and scratch.dim() == 1
+        and scratch.is_contiguous()
+        and scratch.device.type == "cpu"
+        and scratch.numel() >= blen
+    )
+    buf = scratch[:blen] if fits and scratch is not None else torch.empty(blen, dtype=torch.uint8)
     parts = []
     for start, end, _ in segments(json.loads(head)["tensors"]):
         if end > blen:

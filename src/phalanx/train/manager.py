@@ -42,6 +42,7 @@ from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
+from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
 
 Compute = Callable[[list[int], float], float]
 """``compute(sample_indices, loss_scale) -> summed loss``: forward and backward on
@@ -120,6 +121,7 @@ class Manager:
         self.log = ReplicaLogger(logging.getLogger("phalanx.train"), client.who)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
         self._pending: Future[Quorum] | None = None
+        self._heal_buffer = PrefaultedBuffer()
         self._ok = True
         self._error: str | None = None
         self.heals = 0
@@ -169,6 +171,9 @@ class Manager:
         if self._pending is None:
             step = self.step
             self._pending = self._pool.submit(self.client.quorum, step, self.quorum_timeout_s)
+            if self.predicted_share() is None:
+                # Joining (or rejoining): a heal may come with this quorum.
+                self._heal_buffer.start(expected_state_bytes(self.state_dict(), self.optimizer))
 
     def predicted_share(self) -> tuple[int, int] | None:
         """(rank, world_size) this replica will most likely have, from the last
@@ -235,6 +240,8 @@ class Manager:
             self._heal(q)
         except CommError as e:
             self._fail(e)
+        finally:
+            self._heal_buffer.drop()
         return q
 
     def _heal(self, q: Quorum) -> None:
@@ -243,18 +250,21 @@ class Manager:
         if me in q.heal:
             t0 = time.perf_counter()
             src = ranks[q.heal[me]]
-            sd = recv_state(self.comm, src, tag=1)
+            scratch = self._heal_buffer.take()
+            sd = recv_state(self.comm, src, tag=1, scratch=scratch)
+            warm = received_into(sd, scratch)
             self.load_state_dict(sd)
             dt = time.perf_counter() - t0
             self.heals += 1
             nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-            self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step}
+            self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step, "warm": warm}
             self.log.info(
-                "healed from %s to step %d in %.3f s (%d model bytes)",
+                "healed from %s to step %d in %.3f s (%d model bytes, into %s memory)",
                 q.heal[me],
                 self.step,
                 dt,
                 nbytes,
+                "pre-faulted" if warm else "new",
             )
         for lag, healer in sorted(q.heal.items()):
             if healer == me:
@@ -384,6 +394,7 @@ class Manager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._heal_buffer.close()
         self.comm.abort()
 
 

@@ -1,0 +1,101 @@
+"""The joiner's side of a live heal: a receive buffer faulted in ahead of time.
+
+A joiner receives the whole state (model, optimizer, step, sampler, RNG) into
+memory it has never touched, and on a fast wire the first-touch page faults
+cost about as much as the transfer. So while it waits for its first quorum
+(up to one step of the survivors), the manager fills a buffer of the size the
+heal will need (:class:`PrefaultedBuffer`) and hands it to ``recv_state``.
+
+The size comes from the joiner's own state. Its model has the sender's shapes,
+but its optimizer has no state before its first step: the per-parameter slots
+an optimizer keeps are estimated from :data:`OPTIMIZER_SLOTS`. A buffer that
+turns out short is not used (the heal then receives into new memory, as
+without it); one that is long keeps its slack for as long as the received
+optimizer state lives, so the estimate errs by at most one slot.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from phalanx.comm.transfer import ALIGN, buffer_bytes, faulted_buffer, flatten
+
+OPTIMIZER_SLOTS = {
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adadelta": 2,
+    "RMSprop": 1,
+    "SGD": 1,
+    "Adagrad": 0,  # its state exists from the constructor on
+}
+"""Tensors the size of the parameter that each optimizer keeps per parameter,
+besides a scalar step. Others count as 2."""
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    name = type(optimizer).__name__
+    slots = OPTIMIZER_SLOTS.get(name, 2)
+    if group.get("amsgrad"):
+        slots += 1  # max_exp_avg_sq
+    if name == "SGD" and not group.get("momentum"):
+        slots = 0
+    if name == "RMSprop":
+        slots += bool(group.get("momentum")) + bool(group.get("centered"))
+    return slots
+
+
+def expected_state_bytes(state: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the heal buffer for ``state`` (what ``Manager.state_dict()``
+    returns) once ``optimizer`` has stepped: the state as it is, plus the
+    optimizer state of every parameter that has none yet."""
+    total = buffer_bytes(state)
+    for group in optimizer.param_groups:
+        slots = optimizer_slots(optimizer, group)
+        if not slots:
+            continue
+        for p in group["params"]:
+            if p in optimizer.state or not p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            total += slots * ((nbytes + ALIGN - 1) // ALIGN * ALIGN) + ALIGN  # + step
+    return total
+
+
+def received_into(tree: Any, scratch: torch.Tensor | None) -> bool:
+    """Whether ``recv_state`` put ``tree``'s tensors into ``scratch``."""
+    if scratch is None:
+        return False
+    ptr = scratch.untyped_storage().data_ptr()
+    _, tensors = flatten(tree)
+    return any(t.untyped_storage().data_ptr() == ptr for t in tensors)
+
+
+class PrefaultedBuffer:
+    """Fills a buffer in a background thread; :meth:`take` hands it over once."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-prefault")
+        self._fut: Future[torch.Tensor] | None = None
+
+    def start(self, nbytes: int) -> None:
+        if self._fut is None and nbytes > 0:
+            self._fut = self._pool.submit(faulted_buffer, nbytes)
+
+    def take(self) -> torch.Tensor | None:
+        """The buffer (waiting for it if it is still being filled), or None."""
+        fut, self._fut = self._fut, None
+        return fut.result() if fut is not None else None
+
+    def drop(self) -> None:
+        """Not needed after all (no heal): let it go."""
+        self._fut = None
+
+    def close(self) -> None:
+        self._fut = None
+        self._pool.shutdown(wait=False, cancel_futures=True)

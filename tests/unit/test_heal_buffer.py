@@ -1,0 +1,125 @@
+"""The joiner's pre-faulted heal buffer: its size estimate matches the state a
+stepped optimizer sends, and ``recv_state`` receives into it (or into new memory
+when it is short) over a real gloo pair, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
+from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
+from phalanx.train.manager import rng_state
+
+
+def model_and_optimizer(kind: str, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 70), torch.nn.ReLU(), torch.nn.Linear(70, 3))
+    model[2].bias.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "adam_amsgrad": lambda: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+        "sgd_momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        "rmsprop_centered": lambda: torch.optim.RMSprop(params, centered=True, momentum=0.5),
+    }[kind]()
+    return model, opt
+
+
+def state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
+    """The tree Manager.state_dict() sends."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": 3,
+        "sampler": {"epoch": 0, "cursor": 96},
+        "rng": rng_state(),
+        "extra": {},
+    }
+
+
+def step(model: torch.nn.Module, opt: Any) -> None:
+    model(torch.randn(8, 300)).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "kind", ["adamw", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop_centered"]
+)
+def test_the_estimate_before_the_first_step_covers_the_state_after_it(kind: str):
+    model, opt = model_and_optimizer(kind)
+    before = expected_state_bytes(state(model, opt), opt)
+    step(model, opt)
+    actual = buffer_bytes(state(model, opt))
+    # Never short (a short buffer is not used); long by no more than a few
+    # alignment pads and a step counter per parameter.
+    assert actual <= before <= actual + 3 * 64 * len(list(model.parameters()))
+    # Once the state exists, the estimate is the size itself.
+    assert expected_state_bytes(state(model, opt), opt) == actual
+
+
+def transfer(scratch: torch.Tensor | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Send a stepped AdamW state from rank 0 to rank 1 over gloo; returns (sent, got)."""
+    model, opt = model_and_optimizer("adamw", seed=1)
+    step(model, opt)
+    sent = state(model, opt)
+    store, address = serve_store()
+    comms = [TorchCommunicator(20.0) for _ in range(2)]
+    got: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            comms[rank].configure(address, "heal-test", rank, 2)
+            if rank == 0:
+                send_state(comms[0], sent, 1, tag=1)
+            else:
+                got.update(recv_state(comms[1], 0, tag=1, scratch=scratch))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in comms:
+        c.abort()
+    del store
+    assert not errors, errors
+    return sent, got
+
+
+def assert_same_state(sent: dict[str, Any], got: dict[str, Any]) -> None:
+    for k, v in sent["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+    for pid, st in sent["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, got["optimizer"]["state"][pid][k]), (pid, k)
+    assert got["optimizer"]["param_groups"] == sent["optimizer"]["param_groups"]
+    assert got["step"] == 3 and got["sampler"] == sent["sampler"]
+
+
+def test_a_heal_receives_into_the_prefaulted_buffer():
+    model, opt = model_and_optimizer("adamw", seed=1)
+    pre = PrefaultedBuffer()
+    pre.start(expected_state_bytes(state(model, opt), opt))  # before any step, as a joiner
+    scratch = pre.take()
+    pre.close()
+    assert scratch is not None and pre.take() is None  # handed over once
+    sent, got = transfer(scratch)
+    assert_same_state(sent, got)
+    assert received_into(got, scratch)
+
+
+def test_a_short_buffer_is_left_alone_and_the_heal_uses_new_memory():
+    short = torch.full((1024,), 7, dtype=torch.uint8)
+    sent, got = transfer(short)
+    assert_same_state(sent, got)
+    assert not received_into(got, short)
+    assert bool((short == 7).all())  # not written
