@@ -63,11 +63,18 @@ def test_the_estimate_before_the_first_step_covers_the_state_after_it(kind: str)
     assert expected_state_bytes(state(model, opt), opt) == actual
 
 
-def transfer(scratch: torch.Tensor | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Send a stepped AdamW state from rank 0 to rank 1 over gloo; returns (sent, got)."""
+def stepped_state() -> dict[str, Any]:
     model, opt = model_and_optimizer("adamw", seed=1)
     step(model, opt)
-    sent = state(model, opt)
+    return state(model, opt)
+
+
+def transfer(
+    scratch: torch.Tensor | None, sent: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Send ``sent`` (a stepped AdamW state by default) from rank 0 to rank 1 over
+    gloo; returns (sent, got)."""
+    sent = sent if sent is not None else stepped_state()
     store, address = serve_store()
     comms = [TorchCommunicator(20.0) for _ in range(2)]
     got: dict[str, Any] = {}
@@ -123,3 +130,12 @@ def test_a_short_buffer_is_left_alone_and_the_heal_uses_new_memory():
     assert_same_state(sent, got)
     assert not received_into(got, short)
     assert bool((short == 7).all())  # not written
+
+
+def test_a_header_longer_than_the_preamble_arrives_whole():
+    sent = stepped_state()
+    sent["extra"] = {f"table.{i}": torch.full((3,), i) for i in range(600)}
+    _, got = transfer(None, sent)
+    assert_same_state(sent, got)
+    assert all(torch.equal(v, got["extra"][k]) for k, v in sent["extra"].items())
+    assert list(got["extra"]) == list(sent["extra"])

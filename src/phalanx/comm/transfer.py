@@ -3,9 +3,11 @@ replicas as raw buffers: no pickle ever touches data from the network.
 
 Wire format, over any :class:`Communicator` send/recv pair:
 
-1. an int64 header ``[json_len, buffer_len]``;
-2. the JSON skeleton (uint8), where each tensor is a placeholder
+1. a preamble of ``PREAMBLE_BYTES``: int64 ``[json_len, buffer_len]``, then the
+   start of the JSON skeleton (uint8), where each tensor is a placeholder
    ``{"t": index, "dtype": "float32", "shape": [...], "offset": bytes}``;
+2. the rest of the JSON, only when it did not fit in the preamble (a message
+   less saves a round trip on the common, small header);
 3. the bytes of one uint8 buffer holding every tensor back to back (each
    offset aligned to 64 bytes), in segments that both sides derive from the
    header (:func:`segments`): a tensor of at least ``DIRECT_BYTES`` is its own
@@ -28,6 +30,7 @@ import torch
 from phalanx.comm.base import Communicator
 
 ALIGN = 64
+PREAMBLE_BYTES = 16 << 10
 CHUNK_BYTES = 64 << 20
 DIRECT_BYTES = 1 << 20
 """Tensors at least this big are sent from their own storage (no copy); smaller
@@ -240,10 +243,13 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
     from their own storage."""
     header, tensors, metas, length = _layout(tree)
     segs = segments(metas)  # refuses an unsupported dtype before anything is sent
-    out = [
-        torch.tensor([len(header), length], dtype=torch.int64),
-        torch.frombuffer(bytearray(header), dtype=torch.uint8),
-    ]
+    preamble = torch.zeros(PREAMBLE_BYTES, dtype=torch.uint8)
+    preamble[:16].view(torch.int64).copy_(torch.tensor([len(header), length]))
+    inline = header[: PREAMBLE_BYTES - 16]
+    preamble[16 : 16 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+    out = [preamble]
+    if len(header) > len(inline):
+        out.append(torch.frombuffer(bytearray(header[len(inline) :]), dtype=torch.uint8))
     for start, end, idx in segs:
         t = tensors[idx[0]]
         if len(idx) == 1 and t.device.type == "cpu":
@@ -253,7 +259,7 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
             _copy_into(seg, start, [tensors[i] for i in idx], [metas[i] for i in idx])
         out += [seg[i : i + CHUNK_BYTES] for i in range(0, seg.numel(), CHUNK_BYTES)]
     comm.send_many(out, dst, tag)
-    return sum(t.numel() for t in out[1:])
+    return len(header) + length
 
 
 def recv_state(
@@ -262,12 +268,14 @@ def recv_state(
     """Receive a state tree sent by :func:`send_state`. Its tensors are views into
     one buffer: the start of ``scratch`` (a flat uint8 tensor, e.g. from
     :func:`faulted_buffer`) when it is long enough, else new memory."""
-    sizes = torch.empty(2, dtype=torch.int64)
-    comm.recv(sizes, src, tag)
-    hlen, blen = int(sizes[0]), int(sizes[1])
-    header = torch.empty(hlen, dtype=torch.uint8)
-    comm.recv(header, src, tag)
-    head = header.numpy().tobytes()
+    preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8)
+    comm.recv(preamble, src, tag)
+    hlen, blen = (int(x) for x in preamble[:16].view(torch.int64))
+    head = preamble[16 : 16 + hlen].numpy().tobytes()
+    if hlen > len(head):
+        rest = torch.empty(hlen - len(head), dtype=torch.uint8)
+        comm.recv(rest, src, tag)
+        head += rest.numpy().tobytes()
     fits = (
         scratch is not None
         and scratch.dtype == torch.uint8
