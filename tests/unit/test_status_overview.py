@@ -108,7 +108,7 @@ def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
     from rich.console import Console
 
     from phalanx.controller.overview import _timeline
-    from phalanx.launch.status_view import describe, status_tables
+    from phalanx.launch.status_view import status_tables
 
     def sync(seq: int) -> dict:
         return {"kind": "sync_done", "seq": seq, "version": 2 * seq, "at": 1000.0 + seq}
@@ -118,8 +118,10 @@ def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
     assert [e["kind"] for e in tl] == ["sync_done", "join", "sync_done"]
     assert (tl[0]["runs"], tl[0]["first_seq"], tl[0]["seq"], tl[0]["first_version"]) == (3, 1, 3, 2)
     assert "runs" not in tl[2]  # a lone sync stays as it was
-    assert describe(tl[0]) == "weight syncs 1-3 done (3, v2 to v6)"
-    assert describe(tl[2]) == "weight sync 4 done (v8)"
+    # The words come with the events, for the dashboard and the terminal alike.
+    assert tl[0]["text"] == "weight syncs 1-3 done (3, v2 to v6)"
+    assert tl[1]["text"] == "r:1 joined rollout"
+    assert tl[2]["text"] == "weight sync 4 done (v8)"
 
     st = make_state()
     st.register("policy", "a", "i0", now=0, wall=1000)
@@ -148,3 +150,16 @@ def test_diloco_inner_step_is_live_from_heartbeats():
     reps = st.status(0.4, 1000.4)["overview"]["roles"]["policy"]["replicas"]
     assert {r["name"]: r["inner_step"] for r in reps} == {"a": 7, "b": 9, "c": None}
     assert "inner_step" not in st.members[rids[0]].record()  # liveness only
+
+
+def test_an_event_without_its_usual_fields_still_reads():
+    """The words are made on every status request: a malformed event must not break it."""
+    from phalanx.controller.event_text import describe
+
+    assert describe({"kind": "quorum", "role": "policy"}) == "quorum policy"
+    assert describe({"kind": "checkpoint", "step": 3}) == "checkpoint"
+    assert describe({"kind": "evict", "replica_id": "a:1", "reason": "gone"}) == (
+        "a:1 evicted by ?: gone"
+    )
+    assert describe({"kind": "active", "replica_id": "a:1"}) == "a:1 active - s after joining"
+    assert describe({}) == "event"

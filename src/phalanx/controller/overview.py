@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from phalanx.controller.event_text import describe
+
 if TYPE_CHECKING:
     from phalanx.controller.records import Member, RoleState
     from phalanx.controller.state import ControllerState
@@ -123,7 +125,7 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
             continue
         out.append(ev)
-    return out[-TIMELINE:]
+    return [{**ev, "text": describe(ev)} for ev in out[-TIMELINE:]]
 
 
 def overview(st: ControllerState, now: float, wall: float | None = None) -> dict[str, Any]:

@@ -31,57 +31,6 @@ STATE_STYLE = {
 }
 
 
-EVENT_TEXT = {
-    "evict": "{who} evicted by {detector}: {reason}",
-    "controller_start": "controller started (epoch {epoch})",
-    "join": "{who} joined {role}",
-    "checkpoint_requested": "checkpoint asked for step {step}",
-    "sync_failed": "weight sync {seq} failed",
-    "scale": "scale {role} to {replicas}",
-    "drain": "drain {who}",
-    "rl_finished": "RL job finished",
-}
-"""Timeline events said in one line from their fields (as the dashboard says them)."""
-
-
-class _Fields(dict[str, Any]):
-    """An event's fields for :data:`EVENT_TEXT`; one it lacks reads as below."""
-
-    MISSING: dict[str, Any] = {"detector": "?", "epoch": None, "step": None, "replicas": None}
-
-    def __missing__(self, key: str) -> Any:
-        return self.MISSING.get(key, "")
-
-
-def describe(e: dict[str, Any]) -> str:
-    """One timeline event in words (as the dashboard's timeline says it)."""
-    who = e.get("replica_id") or e.get("role", "")
-    k = e["kind"]
-    if k in EVENT_TEXT:
-        return EVENT_TEXT[k].format_map(_Fields(e, who=who))
-    if k == "active":
-        return f"{who} active {_f(e.get('join_s'), '.1f')} s after joining"
-    if k == "quorum":
-        parts = [f"{e['role']} quorum {e['quorum_id']} of {e['size']}"]
-        if e.get("healing"):
-            parts.append(f"healing {e['healing']}")
-        parts += [
-            f"recovered from {r['replica_id']} ({r['detector']}) in {r['seconds']:.2f} s"
-            for r in e.get("recovered", [])
-        ]
-        return ", ".join(parts)
-    if k == "checkpoint":
-        return f"checkpoint of step {e['step']} at {e['url']} ({e['nbytes'] / 1e6:.1f} MB)"
-    if k == "sync_done":
-        if e.get("runs"):
-            return (
-                f"weight syncs {e['first_seq']}-{e['seq']} done ({e['runs']}, "
-                f"v{e['first_version']} to v{e['version']})"
-            )
-        return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
-    return f"{k} {who}".strip()
-
-
 def status_tables(st: dict[str, Any], events: int = 8) -> Any:
     """A rich renderable: the summary lines, one table per role, the ledger, the timeline."""
     from rich.console import Group
@@ -152,8 +101,7 @@ def status_tables(st: dict[str, Any], events: int = 8) -> Any:
         parts.append(
             Text(
                 "\n".join(
-                    f"{time.strftime('%H:%M:%S', time.localtime(e['at']))}  {describe(e)}"
-                    for e in tl
+                    f"{time.strftime('%H:%M:%S', time.localtime(e['at']))}  {e['text']}" for e in tl
                 )
             )
         )

@@ -155,7 +155,7 @@ function render(st) {
   $("checkpoints").tBodies[0].replaceChildren(...ov.checkpoints.map((c) =>
     el("tr", {}, el("td", {}, c.step), el("td", {}, bytes(c.nbytes)), el("td", {}, c.url), el("td", {}, c.by), el("td", {}, clock(c.at)))));
   $("timeline").replaceChildren(...ov.timeline.slice().reverse().map((e) =>
-    el("li", { class: e.kind }, el("time", {}, clock(e.at)), describe(e))));
+    el("li", { class: e.kind }, el("time", {}, clock(e.at)), e.text)));
 }
 
 function renderRoles(ov) {
@@ -195,32 +195,6 @@ function renderLedger(l) {
   for (const [why, n] of reasons) cards.push(card(`discarded: ${why}`, n, `discarded_${why}`));
   cards.push(card("ledger", l.ok ? "balanced" : "UNBALANCED", "ok"));
   $("ledger").replaceChildren(...cards);
-}
-
-function describe(e) {
-  const who = e.replica_id ? e.replica_id : e.role || "";
-  switch (e.kind) {
-    case "controller_start": return `controller started (epoch ${e.epoch})`;
-    case "join": return `${who} joined ${e.role}`;
-    case "active": return `${who} active ${fmt(e.join_s, 1)} s after joining`;
-    case "evict": return `${who} evicted by ${e.detector || "?"}: ${e.reason}`;
-    case "quorum": {
-      const parts = [`${e.role} quorum ${e.quorum_id} of ${e.size}`];
-      if (e.healing) parts.push(`healing ${e.healing}`);
-      for (const r of e.recovered || []) parts.push(`recovered from ${r.replica_id} (${r.detector}) in ${fmt(r.seconds, 2)} s`);
-      return parts.join(", ");
-    }
-    case "checkpoint": return `checkpoint of step ${e.step} at ${e.url} (${bytes(e.nbytes)})`;
-    case "checkpoint_requested": return `checkpoint asked for step ${e.step}`;
-    case "sync_done": return e.runs
-      ? `weight syncs ${e.first_seq}-${e.seq} done (${e.runs}, v${e.first_version} to v${e.version})`
-      : `weight sync ${e.seq ?? ""} done (v${e.version ?? "?"})`;
-    case "sync_failed": return `weight sync ${e.seq ?? ""} failed`;
-    case "scale": return `scale ${e.role} to ${e.replicas}`;
-    case "drain": return `drain ${who}`;
-    case "rl_finished": return "RL job finished";
-    default: return `${e.kind} ${who}`;
-  }
 }
 
 // A small SVG line chart: x = step, y = value, min/max labelled.

@@ -1,0 +1,69 @@
+"""Timeline events in one line of words, decided once on the controller: the
+overview's timeline carries each event's ``text``, which the dashboard and
+``phalanx status`` both show as is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+EVENT_TEXT = {
+    "evict": "{who} evicted by {detector}: {reason}",
+    "controller_start": "controller started (epoch {epoch})",
+    "join": "{who} joined {role}",
+    "checkpoint_requested": "checkpoint asked for step {step}",
+    "sync_failed": "weight sync {seq} failed",
+    "scale": "scale {role} to {replicas}",
+    "drain": "drain {who}",
+    "rl_finished": "RL job finished",
+}
+"""Timeline events said in one line from their fields."""
+
+
+class _Fields(dict[str, Any]):
+    """An event's fields for :data:`EVENT_TEXT`; one it lacks reads as below."""
+
+    MISSING: dict[str, Any] = {"detector": "?", "epoch": None, "step": None, "replicas": None}
+
+    def __missing__(self, key: str) -> Any:
+        return self.MISSING.get(key, "")
+
+
+def describe(e: dict[str, Any]) -> str:
+    """One timeline event in words. It serves every status request, so an event
+    without the fields its kind usually has reads as its kind and replica."""
+    who = e.get("replica_id") or e.get("role", "")
+    try:
+        return _describe(e, e.get("kind", "event"), who)
+    except (KeyError, TypeError, ValueError):
+        return f"{e.get('kind', 'event')} {who}".strip()
+
+
+def _describe(e: dict[str, Any], k: str, who: str) -> str:
+    if k in EVENT_TEXT:
+        return EVENT_TEXT[k].format_map(_Fields(e, who=who))
+    if k == "active":
+        return f"{who} active {_f(e.get('join_s'))} s after joining"
+    if k == "quorum":
+        parts = [f"{e['role']} quorum {e['quorum_id']} of {e['size']}"]
+        if e.get("healing"):
+            parts.append(f"healing {e['healing']}")
+        parts += [
+            f"recovered from {r['replica_id']} ({r['detector']}) in {r['seconds']:.2f} s"
+            for r in e.get("recovered", [])
+        ]
+        return ", ".join(parts)
+    if k == "checkpoint":
+        return f"checkpoint of step {e['step']} at {e['url']} ({e['nbytes'] / 1e6:.1f} MB)"
+    if k == "sync_done":
+        if e.get("runs"):
+            return (
+                f"weight syncs {e['first_seq']}-{e['seq']} done ({e['runs']}, "
+                f"v{e['first_version']} to v{e['version']})"
+            )
+        return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
+    return f"{k} {who}".strip()
