@@ -5,13 +5,12 @@ decode-and-sum-in-rank-order that the object store computes."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 from phalanx.comm.compress import decode, encode, wire_bytes
-from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.train.diloco_sync import CollectiveReducer
 
 K = 3
@@ -23,29 +22,15 @@ def tensors(rank: int) -> list[torch.Tensor]:
 
 
 def run(compression: str) -> tuple[list[list[torch.Tensor]], list[CollectiveReducer]]:
-    store, address = serve_store()
     comms = [TorchCommunicator(10.0) for _ in range(K)]
     reducers = [CollectiveReducer(c, compression) for c in comms]  # type: ignore[arg-type]
     out: list[list[torch.Tensor]] = [[] for _ in range(K)]
-    errors: list[BaseException] = []
 
-    def work(rank: int) -> None:
-        try:
-            comms[rank].configure(address, "diloco-test", rank, K)
-            out[rank], n = reducers[rank].average(tensors(rank), round=0, fragment=0)
-            assert n == K
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+    def body(rank: int) -> None:
+        out[rank], n = reducers[rank].average(tensors(rank), round=0, fragment=0)
+        assert n == K
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(K)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for c in comms:
-        c.abort()
-    del store
-    assert not errors, errors
+    run_ranks(comms, "diloco-test", body)
     return out, reducers
 
 

@@ -4,13 +4,13 @@ when it is short) over a real gloo pair, bit for bit."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
-from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
 from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
 from phalanx.train.manager import rng_state
@@ -75,30 +75,16 @@ def transfer(
     """Send ``sent`` (a stepped AdamW state by default) from rank 0 to rank 1 over
     gloo; returns (sent, got)."""
     sent = sent if sent is not None else stepped_state()
-    store, address = serve_store()
     comms = [TorchCommunicator(20.0) for _ in range(2)]
     got: dict[str, Any] = {}
-    errors: list[BaseException] = []
 
-    def work(rank: int) -> None:
-        try:
-            comms[rank].configure(address, "heal-test", rank, 2)
-            if rank == 0:
-                send_state(comms[0], sent, 1, tag=1)
-            else:
-                got.update(recv_state(comms[1], 0, tag=1, scratch=scratch))
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+    def body(rank: int) -> None:
+        if rank == 0:
+            send_state(comms[0], sent, 1, tag=1)
+        else:
+            got.update(recv_state(comms[1], 0, tag=1, scratch=scratch))
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for c in comms:
-        c.abort()
-    del store
-    assert not errors, errors
+    run_ranks(comms, "heal-test", body)
     return sent, got
 
 
