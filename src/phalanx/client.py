@@ -97,6 +97,10 @@ def find_token(state_dir: Path | None) -> str:
     )
 
 
+LIFELINE_HOLD_S = 10.0
+"""How long one lifeline request is held; the client re-posts it at once."""
+
+
 class ControllerClient:
     def __init__(
         self,
@@ -132,10 +136,12 @@ class ControllerClient:
         headers = {"Authorization": f"Bearer {self.token}"}
         self._http = httpx.Client(headers=headers, timeout=30.0)
         self._hb_http = httpx.Client(headers=headers, timeout=30.0)
+        self._ll_http = httpx.Client(headers=headers, timeout=30.0)
         self._reg_lock = threading.Lock()
         self._closed = threading.Event()
         self._leaving = False
         self._hb_thread: threading.Thread | None = None
+        self._ll_thread: threading.Thread | None = None
         self.heartbeats = 0
         self.probes_answered = 0
 
@@ -260,6 +266,11 @@ class ControllerClient:
                 target=self._heartbeat_loop, name=f"phalanx-heartbeat-{self.name}", daemon=True
             )
             self._hb_thread.start()
+        if self._ll_thread is None:
+            self._ll_thread = threading.Thread(
+                target=self._lifeline_loop, name=f"phalanx-lifeline-{self.name}", daemon=True
+            )
+            self._ll_thread.start()
 
     def _heartbeat_loop(self) -> None:
         interval = self.timeouts.get("heartbeat_interval_s", 1.0)
@@ -292,6 +303,32 @@ class ControllerClient:
                 self.log.error("heartbeat failing: %s", e)
             self._closed.wait(max(0.0, interval - (time.monotonic() - t0)))
 
+    def _lifeline_loop(self) -> None:
+        """Keep a request held open at the controller (``/v1/lifeline``) for as long
+        as this process lives. The kernel closes its connection when the process
+        dies, however it dies, and the controller suspects the replica at once; the
+        held heartbeat alone leaves a gap between one reply and the next request,
+        which a busy process can stretch to seconds."""
+        while not self._closed.is_set() and not self._leaving:
+            rid = self.replica_id
+            try:
+                self._call(
+                    "/v1/lifeline",
+                    {"replica_id": rid, "wait_s": LIFELINE_HOLD_S},
+                    timeout=LIFELINE_HOLD_S + 10,
+                    http=self._ll_http,
+                )
+            except Evicted:
+                # The heartbeat thread registers the new incarnation: hold for it.
+                while self.replica_id == rid and not self._closed.wait(0.05):
+                    pass
+            except Rejected as e:  # a controller without lifelines (404): do without
+                self.log.warning("no lifeline: the controller answered %s", e)
+                return
+            except ControllerError:
+                if self._closed.wait(0.5):
+                    return
+
     def deregister(self, reason: str = "") -> None:
         """Leave the job for good: the heartbeat stops re-registering."""
         if self.replica_id is None:
@@ -319,6 +356,7 @@ class ControllerClient:
                 self._hb_thread.join(timeout=5)
             self._http.close()
             self._hb_http.close()
+            self._ll_http.close()
 
     def __enter__(self) -> ControllerClient:
         return self

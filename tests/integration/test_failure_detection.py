@@ -1,15 +1,18 @@
 """The failure detectors with real processes and real signals: a peer's failure
-report (fast path), the heartbeat timeout (slow path), and a false report
-against a live replica (which answers the probe and stays)."""
+report (fast path), the heartbeat timeout (slow path), a dropped connection
+(held heartbeat, quorum request or lifeline), and a false report against a
+live replica (which answers the probe and stays)."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
-from procs import Controller, check_rounds, names, wait_for
+from procs import Controller, check_rounds, names, signal_group, wait_for
 
 from phalanx.client import ControllerClient
 
@@ -175,3 +178,42 @@ def test_false_failure_report_does_not_evict_a_live_replica(
     for x in a.lines()[mark:]:
         assert x["replica_id"] == a_id and x["quorum_id"] == quorum_id
     check_rounds([r.lines() for r in reps.values()])
+
+
+MEMBER = """
+import sys, time
+from phalanx.client import ControllerClient
+c = ControllerClient(sys.argv[1], "rollout", "lone")
+c.start_heartbeat()
+print(c.replica_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkill_between_heartbeats_is_caught_by_the_lifeline(start_controller, procs):
+    """A process whose held heartbeat was answered, and that has not sent the next
+    one (here: SIGSTOPped; in life, a busy process whose heartbeat thread waits
+    for the GIL), holds no heartbeat. Killed then, only its lifeline connection
+    drops: it is evicted after the grace, not after the heartbeat timeout."""
+    hb, interval = 20.0, 0.3
+    ctl = start_controller(heartbeat_s=hb, heartbeat_interval_s=interval, quorum_s=60.0)
+    p, out, _ = procs.spawn([sys.executable, "-c", MEMBER, str(ctl.state_dir)], "lone")
+    wait_for(lambda: out.read_text().strip() != "", 30, "the member to register")
+    rid = out.read_text().strip()
+    wait_for(lambda: rid in ctl.members("rollout"), 10, "the member to be listed")
+    time.sleep(1.0)  # its lifeline is held by now
+
+    signal_group(p, signal.SIGSTOP)
+    time.sleep(interval + 1.0)  # its last held heartbeat has been answered
+    assert rid in ctl.members("rollout")
+    signal_group(p, signal.SIGKILL)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    t0 = time.monotonic()
+    wait_for(lambda: rid not in ctl.members("rollout"), hb / 2, "the killed member to be evicted")
+    latency = time.monotonic() - t0
+    print(f"eviction after a kill between heartbeats: {latency * 1000:.0f} ms (heartbeat_s={hb})")
+    ev = ctl.evictions(rid)[-1]
+    assert ev["reason"] == "held connection dropped, no heartbeat in grace", ev

@@ -112,6 +112,12 @@ class HeartbeatReq(_Req):
     wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
 
 
+class LifelineReq(_Req):
+    replica_id: ReplicaId
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+    """How long to hold the request (the client sends ``LIFELINE_HOLD_S``)."""
+
+
 class QuorumReq(_Req):
     replica_id: ReplicaId
     step: int = Field(ge=0, le=2**62)
@@ -534,6 +540,17 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
             st.member(req.replica_id)  # raises 410: evicted while we waited
         return reply(probe=woken and m is not None and m.suspect_since is not None)
 
+    @app.post(f"/{API_VERSION}/lifeline", dependencies=[authorized])
+    async def lifeline(req: LifelineReq) -> dict[str, Any]:
+        """Held open by a replica for as long as it lives (re-posted every ``wait_s``):
+        when the connection drops with no reply, the process died, and the
+        replica is suspected at once (``timeouts.suspect_on_disconnect``). Unlike
+        the held heartbeat, it is held almost all the time, whatever the
+        replica's heartbeat thread is doing. Ends early if the replica leaves."""
+        st.member(req.replica_id)  # 410 when not a member
+        await service.wait("lifeline", req.replica_id, req.wait_s)
+        return reply()
+
     @app.post(f"/{API_VERSION}/quorum", dependencies=[authorized], response_model=dict[str, Any])
     async def quorum(req: QuorumReq) -> dict[str, Any] | Response:
         t0 = time.monotonic()
@@ -672,13 +689,14 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     app.include_router(queue_routes(service, reply, authorized))
 
-    def dropped(req: HeartbeatReq | QuorumReq) -> None:
+    def dropped(req: HeartbeatReq | QuorumReq | LifelineReq) -> None:
         service.apply(st.suspect, req.replica_id, "held connection dropped")
 
     on_drop = dropped if st.cfg.timeouts.suspect_on_disconnect else None
     fast: dict[str, tuple[type[BaseModel], Handler, OnDisconnect | None]] = {
         f"/{API_VERSION}/heartbeat": (HeartbeatReq, heartbeat, on_drop),
         f"/{API_VERSION}/quorum": (QuorumReq, quorum, on_drop),
+        f"/{API_VERSION}/lifeline": (LifelineReq, lifeline, on_drop),
     }
     # Added last = outermost: BodyLimit -> AuthAndEpoch -> FastPath -> FastAPI.
     app.add_middleware(FastPath, routes=fast)

@@ -38,6 +38,8 @@ class ControllerService:
         self.metrics = Metrics(self)
         self._quorum_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._lifeline_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        """Held lifelines: woken (ended) when their replica leaves or is evicted."""
         self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._ledger_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._queue_waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -89,6 +91,7 @@ class ControllerService:
             for waiters in (
                 self._quorum_waiters,
                 self._heartbeat_waiters,
+                self._lifeline_waiters,
                 self._command_waiters,
                 self._ledger_waiters,
             ):
@@ -114,6 +117,7 @@ class ControllerService:
         waiters = {
             "quorum": self._quorum_waiters,
             "heartbeat": self._heartbeat_waiters,
+            "lifeline": self._lifeline_waiters,
             "commands": self._command_waiters,
             "ledger": self._ledger_waiters,
             "queue": self._queue_waiters,
