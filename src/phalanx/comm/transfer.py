@@ -52,6 +52,10 @@ DTYPES = {
 }
 
 
+_PLAIN = (int, float, str, bool, type(None))
+"""Exact types a sequence may hold to go into the skeleton as it is (no walk)."""
+
+
 def flatten(tree: Any, keyed: bool = False) -> tuple[Any, Any]:
     """Split a state tree into a JSON-able skeleton and its tensors.
 
@@ -72,10 +76,12 @@ def flatten(tree: Any, keyed: bool = False) -> tuple[Any, Any]:
             return {"__t__": len(tensors) - 1}
         if isinstance(x, dict):
             return {"__d__": [[walk_key(k), walk(v, (*path, seg(k)))] for k, v in x.items()]}
-        if isinstance(x, tuple):
-            return {"__tuple__": [walk(v, (*path, str(i))) for i, v in enumerate(x)]}
-        if isinstance(x, list):
-            return [walk(v, (*path, str(i))) for i, v in enumerate(x)]
+        if isinstance(x, tuple | list):
+            if all(type(v) in _PLAIN for v in x):  # e.g. an RNG state: 625 ints
+                items = list(x)
+            else:
+                items = [walk(v, (*path, str(i))) for i, v in enumerate(x)]
+            return {"__tuple__": items} if isinstance(x, tuple) else items
         if x is None or isinstance(x, bool | int | float | str):
             return x
         if hasattr(x, "tolist"):  # numpy arrays and scalars (RNG states)
@@ -219,7 +225,10 @@ def segments(metas: list[dict[str, Any]]) -> list[tuple[int, int, list[int]]]:
 
 
 def unpack(header: bytes, buf: torch.Tensor) -> Any:
-    meta = json.loads(header)
+    return _unpack(json.loads(header), buf)
+
+
+def _unpack(meta: dict[str, Any], buf: torch.Tensor) -> Any:
     tensors = []
     for m in meta["tensors"]:
         dtype = _dtype(m["dtype"])
@@ -285,10 +294,11 @@ def recv_state(
         and scratch.numel() >= blen
     )
     buf = scratch[:blen] if fits and scratch is not None else torch.empty(blen, dtype=torch.uint8)
+    meta = json.loads(head)
     parts = []
-    for start, end, _ in segments(json.loads(head)["tensors"]):
+    for start, end, _ in segments(meta["tensors"]):
         if end > blen:
             raise ValueError("state buffer is shorter than its header says: transfer truncated")
         parts += [buf[i : min(i + CHUNK_BYTES, end)] for i in range(start, end, CHUNK_BYTES)]
     comm.recv_many(parts, src, tag)
-    return unpack(head, buf)
+    return _unpack(meta, buf)
