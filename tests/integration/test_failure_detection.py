@@ -201,7 +201,7 @@ def test_sigkill_between_heartbeats_is_caught_by_the_lifeline(start_controller, 
     wait_for(lambda: out.read_text().strip() != "", 30, "the member to register")
     rid = out.read_text().strip()
     wait_for(lambda: rid in ctl.members("rollout"), 10, "the member to be listed")
-    time.sleep(1.0)  # its lifeline is held by now
+    time.sleep(2.0)  # its lifeline is held by now (posted right after registering)
 
     signal_group(p, signal.SIGSTOP)
     time.sleep(interval + 1.0)  # its last held heartbeat has been answered
