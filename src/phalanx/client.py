@@ -130,6 +130,9 @@ class ControllerClient:
         """The loss of the last committed step, sent with heartbeats (for the dashboard)."""
         self.inner_step: int | None = None
         """DiLoCo: inner steps taken so far, sent with heartbeats (for the dashboard)."""
+        self.healed: dict[str, Any] | None = None
+        """A finished heal (``source``, ``step``, ``seconds``, ``quorum_id``): the next
+        heartbeat reports it once (the dashboard's timeline shows it)."""
         self.timeouts: dict[str, float] = {}
         self.who = Who(role=role, replica_id=name, rank=rank)
         self.log = ReplicaLogger(log, self.who)
@@ -235,6 +238,7 @@ class ControllerClient:
         )
         self.replica_id = data["replica_id"]
         self.incarnations += 1
+        self.healed = None  # a heal of an earlier incarnation is not this one's
         self.timeouts = {k: v for k, v in data.items() if k.endswith("_s")}
         self.who.replica_id = self.replica_id
         self.log.info("registered (epoch %s)", data["epoch"])
@@ -277,6 +281,7 @@ class ControllerClient:
         while not self._closed.is_set() and not self._leaving:
             t0 = time.monotonic()
             rid = self.replica_id
+            healed = self.healed
             try:
                 data = self._call(
                     "/v1/heartbeat",
@@ -286,10 +291,13 @@ class ControllerClient:
                         "loss": self.loss,
                         "inner_step": self.inner_step,
                         "wait_s": interval,
+                        **({"healed": healed} if healed is not None else {}),
                     },
                     timeout=interval + 10,
                     http=self._hb_http,
                 )
+                if self.healed is healed:
+                    self.healed = None  # reported
                 self.heartbeats += 1
                 if data.get("probe"):
                     self.probes_answered += 1
@@ -339,7 +347,11 @@ class ControllerClient:
                 # The heartbeat may not have carried the last commits yet: report them,
                 # or the job's step stays behind and a replica started after the job
                 # ended does not see it finished (it would train it again from scratch).
-                self._call("/v1/heartbeat", {"replica_id": self.replica_id, "step": self.step})
+                last: dict[str, Any] = {"replica_id": self.replica_id, "step": self.step}
+                if self.healed is not None:
+                    last["healed"] = self.healed
+                self._call("/v1/heartbeat", last)
+                self.healed = None
             self._call("/v1/deregister", {"replica_id": self.replica_id, "reason": reason})
         except Evicted:
             pass

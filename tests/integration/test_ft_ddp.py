@@ -250,6 +250,12 @@ def test_late_joiner(make_job: MakeJob, reference: dict[str, dict[str, Any]]):
     for step in range(joined["step"], STEPS + 1):
         assert {e["participants"] for e in lines[step].values()} == {4}, step
     assert_job_finished(job)
+    # The heal is on the controller's timeline, with its time and its source.
+    healed = [e for e in job.status()["overview"]["timeline"] if e["kind"] == "healed"]
+    assert [e["replica_id"].split(":")[0] for e in healed] == ["d"], healed
+    h = healed[0]
+    assert h["source"].split(":")[0] in "abc" and h["step"] == joined["step"] - 1, h
+    assert 0 < h["seconds"] < 30 and h["text"].startswith(f"{h['replica_id']} healed from "), h
 
 
 # -- 3: hang (SIGSTOP), eviction, comeback as a new incarnation ---------------------

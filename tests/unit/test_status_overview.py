@@ -163,3 +163,16 @@ def test_an_event_without_its_usual_fields_still_reads():
     )
     assert describe({"kind": "active", "replica_id": "a:1"}) == "a:1 active - s after joining"
     assert describe({}) == "event"
+
+
+def test_a_reported_heal_is_on_the_timeline_with_its_time():
+    st = make_state()
+    a, b = (st.register("policy", n, "i0", now=0, wall=1000)[0].replica_id for n in ("a", "b"))
+    heal = {"source": a, "step": 7, "seconds": 0.031, "quorum_id": 3}
+    st.heartbeat(b, now=1, wall=1001, healed=heal)
+    st.heartbeat(b, now=2, wall=1002)  # reported once
+    tl = st.status(3, 1003)["overview"]["timeline"]
+    healed = [e for e in tl if e["kind"] == "healed"]
+    assert len(healed) == 1 and healed[0]["at"] == 1001
+    assert {k: healed[0][k] for k in heal} == heal and healed[0]["role"] == "policy"
+    assert healed[0]["text"] == f"{b} healed from {a} to step 7 in 0.031 s"

@@ -101,6 +101,16 @@ class RegisterReq(_Req):
     )
 
 
+class HealedReport(_Req):
+    """A heal this replica finished (sent once, with its next heartbeat)."""
+
+    source: ReplicaId
+    """The replica it healed from."""
+    step: int = Field(ge=0, le=2**62)
+    seconds: float = Field(ge=0, le=86400)
+    quorum_id: int = Field(ge=0, le=2**62)
+
+
 class HeartbeatReq(_Req):
     replica_id: ReplicaId
     step: int | None = Field(None, ge=0, le=2**62)
@@ -110,6 +120,8 @@ class HeartbeatReq(_Req):
     """DiLoCo: inner steps taken so far, the current round's included (optional;
     shown by the dashboard while a round runs)."""
     wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+    healed: HealedReport | None = None
+    """A heal finished since the last heartbeat (shown on the timeline, with its time)."""
 
 
 class LifelineReq(_Req):
@@ -529,10 +541,18 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     @app.post(f"/{API_VERSION}/heartbeat", dependencies=[authorized])
     async def heartbeat(req: HeartbeatReq) -> dict[str, Any]:
+        healed = req.healed.model_dump() if req.healed is not None else None
         service.apply(
-            st.heartbeat, req.replica_id, step=req.step, loss=req.loss, inner_step=req.inner_step
+            st.heartbeat,
+            req.replica_id,
+            step=req.step,
+            loss=req.loss,
+            inner_step=req.inner_step,
+            healed=healed,
         )
         service.metrics.heartbeats.inc()
+        if healed is not None:
+            service.metrics.heal_seconds.observe(healed["seconds"])
         wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
         woken = await service.wait("heartbeat", req.replica_id, wait)
         m = st.members.get(req.replica_id)

@@ -15,6 +15,7 @@ EVENT_TEXT = {
     "evict": "{who} evicted by {detector}: {reason}",
     "controller_start": "controller started (epoch {epoch})",
     "join": "{who} joined {role}",
+    "healed": "{who} healed from {source} to step {step} in {seconds} s",
     "checkpoint_requested": "checkpoint asked for step {step}",
     "sync_failed": "weight sync {seq} failed",
     "scale": "scale {role} to {replicas}",

@@ -188,6 +188,12 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.heal_seconds = Histogram(
+            "phalanx_heal_seconds",
+            "Time a replica took to receive and load the state it healed from a peer.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
         replicas = Gauge("phalanx_replicas", "Live replicas.", ["role"], registry=r)
         quorum_id = Gauge("phalanx_quorum_id", "Current quorum id.", ["role"], registry=r)
         step = Gauge("phalanx_step", "Highest committed step seen.", ["role"], registry=r)

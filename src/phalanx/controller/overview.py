@@ -35,6 +35,7 @@ TIMELINE_KINDS = (
     "controller_start",
     "join",
     "active",
+    "healed",
     "evict",
     "quorum",
     "checkpoint",

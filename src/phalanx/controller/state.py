@@ -146,10 +146,13 @@ class ControllerState(QuorumRequests, CommandQueues, RLRequests):
         step: int | None = None,
         loss: float | None = None,
         inner_step: int | None = None,
+        healed: dict[str, Any] | None = None,
     ) -> None:
         m = self.member(replica_id)
         m.last_seen = now
         m.suspect_since = None
+        if healed is not None:
+            self._event("healed", wall, role=m.role, replica_id=replica_id, **healed)
         if inner_step is not None:
             m.inner_step = inner_step
         rs = self.roles[m.role]

@@ -258,6 +258,12 @@ class Manager:
             self.heals += 1
             nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
             self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step, "warm": warm}
+            self.client.healed = {
+                "source": q.heal[me],
+                "step": self.step,
+                "seconds": round(dt, 4),
+                "quorum_id": q.quorum_id,
+            }
             self.log.info(
                 "healed from %s to step %d in %.3f s (%d model bytes, into %s memory)",
                 q.heal[me],
