@@ -163,6 +163,8 @@ def test_an_event_without_its_usual_fields_still_reads():
     )
     assert describe({"kind": "active", "replica_id": "a:1"}) == "a:1 active - s after joining"
     assert describe({}) == "event"
+    left = {"kind": "evict", "replica_id": "a:1", "detector": "left", "reason": "left: finished"}
+    assert describe(left) == "a:1 left: finished"
 
 
 def test_a_reported_heal_is_on_the_timeline_with_its_time():

@@ -45,6 +45,8 @@ def describe(e: dict[str, Any]) -> str:
 
 
 def _describe(e: dict[str, Any], k: str, who: str) -> str:
+    if k == "evict" and e.get("detector") == "left":  # its reason is "left[: why]"
+        return f"{who} {e.get('reason') or 'left'}"
     if k in EVENT_TEXT:
         return EVENT_TEXT[k].format_map(_Fields(e, who=who))
     if k == "active":
