@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from rank_threads import run_threads
 
 from phalanx.comm.compress import decode, encode, wire_bytes
 from phalanx.train.diloco import DiLoCo, DiLoCoConfig, fragment_of
@@ -84,32 +85,24 @@ def run_diloco(
     xy = data()
     group = group or ThreadGroup(k)
     models = [model() for _ in range(k)]
-    errors: list[BaseException] = []
 
     def work(rank: int) -> None:
-        try:
-            m = models[rank]
-            opt = inner(m.parameters())
-            d = DiLoCo(m, cfg, group.reducer(rank), outer)
-            for s in range(STEPS):
-                opt.zero_grad()
-                loss_of(m, *batch(s, rank, k, xy)).backward()
-                opt.step()
-                d.after_inner_step()
-            if finish:
-                d.finish()
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-            if isinstance(group, ThreadGroup):
-                group.barrier.abort()
+        m = models[rank]
+        opt = inner(m.parameters())
+        d = DiLoCo(m, cfg, group.reducer(rank), outer)
+        for s in range(STEPS):
+            opt.zero_grad()
+            loss_of(m, *batch(s, rank, k, xy)).backward()
+            opt.step()
+            d.after_inner_step()
+        if finish:
+            d.finish()
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    def free_the_others(e: BaseException) -> None:
+        if isinstance(group, ThreadGroup):
+            group.barrier.abort()
+
+    run_threads(k, work, free_the_others)
     return models, group
 
 
@@ -282,25 +275,13 @@ def _rounds(
     import time
 
     out: dict[tuple[int, int], tuple[list[torch.Tensor], int]] = {}
-    errors: list[BaseException] = []
 
     def work(rank: int) -> None:
-        try:
-            for rnd in range(rounds):
-                time.sleep(delay(rank, rnd))
-                out[(rank, rnd)] = reducers[rank].average(
-                    tensors_of(rank, rnd), round=rnd, fragment=0
-                )
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+        for rnd in range(rounds):
+            time.sleep(delay(rank, rnd))
+            out[(rank, rnd)] = reducers[rank].average(tensors_of(rank, rnd), round=rnd, fragment=0)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(reducers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_threads(len(reducers), work)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from rank_threads import run_ranks
 
 from phalanx.comm.compress import decode, encode, wire_bytes
 from phalanx.comm.torch_pg import TorchCommunicator

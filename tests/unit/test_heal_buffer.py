@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from rank_threads import run_ranks
 
 from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.comm.transfer import buffer_bytes, recv_state, send_state

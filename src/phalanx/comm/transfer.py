@@ -134,7 +134,7 @@ def _layout(tree: Any) -> tuple[bytes, list[torch.Tensor], list[dict[str, Any]],
         metas.append(
             {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
         )
-        offset += _aligned(nbytes)
+        offset += aligned(nbytes)
     header = json.dumps({"skeleton": skeleton, "tensors": metas}, separators=(",", ":")).encode()
     return header, tensors, metas, offset
 
@@ -142,10 +142,11 @@ def _layout(tree: Any) -> tuple[bytes, list[torch.Tensor], list[dict[str, Any]],
 def buffer_bytes(tree: Any) -> int:
     """Length of the buffer :func:`recv_state` needs for ``tree`` (alignment included)."""
     _, tensors = flatten(tree)
-    return sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+    return sum(aligned(t.numel() * t.element_size()) for t in tensors)
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the buffer's tensor alignment (``ALIGN``)."""
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -271,6 +272,20 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
     return len(header) + length
 
 
+def _receive_buffer(scratch: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """The start of ``scratch`` if it is a long enough flat uint8 CPU tensor, else new memory."""
+    if (
+        scratch is not None
+        and scratch.dtype == torch.uint8
+        and scratch.dim() == 1
+        and scratch.is_contiguous()
+        and scratch.device.type == "cpu"
+        and scratch.numel() >= nbytes
+    ):
+        return scratch[:nbytes]
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def recv_state(
     comm: Communicator, src: int, tag: int = 0, scratch: torch.Tensor | None = None
 ) -> Any:
@@ -285,15 +300,7 @@ def recv_state(
         rest = torch.empty(hlen - len(head), dtype=torch.uint8)
         comm.recv(rest, src, tag)
         head += rest.numpy().tobytes()
-    fits = (
-        scratch is not None
-        and scratch.dtype == torch.uint8
-        and scratch.dim() == 1
-        and scratch.is_contiguous()
-        and scratch.device.type == "cpu"
-        and scratch.numel() >= blen
-    )
-    buf = scratch[:blen] if fits and scratch is not None else torch.empty(blen, dtype=torch.uint8)
+    buf = _receive_buffer(scratch, blen)
     meta = json.loads(head)
     parts = []
     for start, end, _ in segments(meta["tensors"]):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.transfer import ALIGN, buffer_bytes, faulted_buffer, flatten
+from phalanx.comm.transfer import ALIGN, aligned, buffer_bytes, faulted_buffer, flatten
 
 OPTIMIZER_SLOTS = {
     "Adam": 2,
@@ -62,8 +62,7 @@ def expected_state_bytes(state: Any, optimizer: torch.optim.Optimizer) -> int:
         for p in group["params"]:
             if p in optimizer.state or not p.requires_grad:
                 continue
-            nbytes = p.numel() * p.element_size()
-            total += slots * ((nbytes + ALIGN - 1) // ALIGN * ALIGN) + ALIGN  # + step
+            total += slots * aligned(p.numel() * p.element_size()) + ALIGN  # + step
     return total
 
 

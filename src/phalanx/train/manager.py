@@ -252,9 +252,9 @@ class Manager:
             src = ranks[q.heal[me]]
             scratch = self._heal_buffer.take()
             sd = recv_state(self.comm, src, tag=1, scratch=scratch)
-            warm = received_into(sd, scratch)
             self.load_state_dict(sd)
             dt = time.perf_counter() - t0
+            warm = received_into(sd, scratch)
             self.heals += 1
             nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
             self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step, "warm": warm}
