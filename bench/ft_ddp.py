@@ -38,7 +38,7 @@ baseline measured in the same run):
   have committed 3 steps without it; from its ``Popen`` to its first
   committed step (median over kills). ``join_minus_import_s`` subtracts that
   process's own import
-  time (it reports when ``import torch, torch._dynamo, phalanx.train.job`` is
+  time (it reports when ``import torch, torch._dynamo, phalanx.jobs.ft_ddp`` is
   done; dynamo is there because the first ``torch.optim`` constructor imports
   it). Fresh-process import times are reported beside it for reference.
 - ``heal_gbps``: two processes, the same model plus AdamW state (the tree
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         info = machine()
         heal = run_heal(ch)
         imports = {
-            "torch_phalanx_s": import_time(ch, "import torch, phalanx.train.job"),
+            "torch_phalanx_s": import_time(ch, "import torch, phalanx.jobs.ft_ddp"),
             "with_dynamo_s": import_time(ch, IMPORTS),
             "note": "a fresh `python -c` process each, Popen to exit, for reference",
         }

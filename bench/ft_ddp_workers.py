@@ -58,7 +58,7 @@ def emit(**event: Any) -> None:
 
 # -- workers (each runs in its own process) -------------------------------------
 
-IMPORTS = "import torch, torch._dynamo, phalanx.train.job"
+IMPORTS = "import torch, torch._dynamo, phalanx.jobs.ft_ddp"
 """What a replica imports before it does anything. ``torch._dynamo`` is there because
 the first ``torch.optim`` constructor imports it (seconds on a loaded machine)."""
 
@@ -67,7 +67,7 @@ def _setup_worker() -> tuple[Any, Any, Any, Any, Any]:
     import torch
     import torch._dynamo  # see IMPORTS
 
-    from phalanx.train.job import build_data, build_model, build_optimizer
+    from phalanx.jobs.mlp import build_data, build_model, build_optimizer
 
     emit(event="imported", t=time.time())
     torch.set_num_threads(1)

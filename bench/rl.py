@@ -6,7 +6,7 @@ baseline, same model, same hyper-parameters, same machine, same run.
 
 Arms, run one after another (never side by side), each from a fresh process:
 
-- ``single``: ``python -m phalanx.rl.single --config CONFIG --stop-at-exact-match T
+- ``single``: ``python -m phalanx.jobs.rl_single --config CONFIG --stop-at-exact-match T
   --window W`` (T, W: the job's ``rl.loop.target_exact_match`` and ``window``;
   the single-process loop reads the job file's ``[rl.*]`` sections): generation
   and training alternate in one process. The baseline.
@@ -165,7 +165,7 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 
 def arm_single(tmp: Path, config: Path, rl: dict[str, Any], seed: int, timeout_s: float):
     loop = rl.get("loop", {})
-    cmd = [sys.executable, "-m", "phalanx.rl.single", "--config", str(config)]
+    cmd = [sys.executable, "-m", "phalanx.jobs.rl_single", "--config", str(config)]
     cmd += ["--stop-at-exact-match", str(loop.get("target_exact_match", 0.9))]
     cmd += ["--window", str(loop.get("window", 10)), "--grpo.seed", str(seed)]
     run = launch(cmd, tmp / f"single-{seed}.err", timeout_s)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def _controller(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.config import load_config
-    from phalanx.controller.server import serve
+    from phalanx.controller import serve
 
     cfg = load_config(args.config, overrides)
     serve(cfg, Path(args.state_dir), host=args.host, port=args.port)
@@ -38,23 +38,23 @@ def _controller_of(args: argparse.Namespace, command: str) -> str:
 
 
 def _status(args: argparse.Namespace, overrides: list[str]) -> int:
-    from phalanx.launch.poll import fetch_status
-    from phalanx.launch.view import status_text
+    from phalanx.console.poll import fetch_status
+    from phalanx.console.view import status_text
 
     controller = _controller_of(args, "status")
     if args.watch and not args.json:
-        from phalanx.launch.status_view import watch
+        from phalanx.console.status_view import watch
 
         watch(lambda: fetch_status(controller), args.interval)
         return 0
     while True:
         st = fetch_status(controller)
         if args.json:
-            print(json.dumps(st, indent=2 if not args.watch else None), flush=True)
+            print(st.model_dump_json(indent=2 if not args.watch else None), flush=True)
         elif sys.stdout.isatty():
             from rich.console import Console
 
-            from phalanx.launch.status_view import status_tables
+            from phalanx.console.status_view import status_tables
 
             Console().print(status_tables(st))
         else:
@@ -65,35 +65,29 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
-    import httpx
-
-    from phalanx.client import ControllerError, find_token, resolve
+    from phalanx.client import Transport
+    from phalanx.console.poll import fetch_status
     from phalanx.launch.options import parse_scale
-    from phalanx.launch.poll import fetch_status
+    from phalanx.protocol.commands import ScaleReply, ScaleReq
 
     try:
         want = parse_scale(args.counts)
     except ValueError as e:
         raise SystemExit(f"phalanx scale: {e}") from None
     controller = _controller_of(args, "scale")
-    roles = sorted(fetch_status(controller)["roles"])
+    roles = sorted(fetch_status(controller).roles)
     unknown = sorted(set(want) - set(roles))
     if unknown:
         raise SystemExit(
             f"phalanx scale: role must be one of this job's roles {roles}: got {unknown}."
         )
-    url, state_dir = resolve(controller)
-    headers = {"Authorization": f"Bearer {find_token(state_dir)}"}
+    t = Transport(controller, unreachable_timeout_s=10.0)
     desired: dict[str, int] = {}
-    for role, n in want.items():
-        r = httpx.post(
-            f"{url}/v1/scale", json={"role": role, "replicas": n}, headers=headers, timeout=10
-        )
-        if r.status_code >= 400:
-            raise ControllerError(
-                f"controller refused scale {role}={n} ({r.status_code}): {r.text[:300]}"
-            )
-        desired = r.json()["desired"]
+    try:
+        for role, n in want.items():
+            desired = dict(t.call("/v1/scale", ScaleReq(role=role, replicas=n), ScaleReply).desired)
+    finally:
+        t.close()
     if args.json:
         print(json.dumps({"desired": desired}))
     else:
@@ -104,61 +98,25 @@ def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
 def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
+    from phalanx import env
     from phalanx.config import load_config
+    from phalanx.jobs import JobError, ReplicaArgs, spec_for
     from phalanx.log import setup
 
     setup()
     cfg = load_config(args.config, overrides)
-    name = args.name or f"{args.role}-{os.getpid()}"
-    out = Path(args.out) if args.out else None
-    state = Path(args.state) if args.state else None
-    if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
-        from phalanx import env
-        from phalanx.train.diloco_decoupled import run_decoupled_replica
-
-        if args.role != "policy" or state is not None:
-            raise SystemExit(
-                "phalanx replica: a decoupled DiLoCo replica takes neither --role rollout nor "
-                "--state (its state lives under diloco.url)."
-            )
-        try:
-            return run_decoupled_replica(
-                cfg, name, args.controller or os.environ.get(env.CONTROLLER), out
-            )
-        except ValueError as e:
-            raise SystemExit(f"phalanx replica: {e}") from None
-    controller = _controller_of(args, "replica")
-    if cfg.rl is None:
-        if args.role != "policy":
-            raise SystemExit(
-                f"phalanx replica: --role must be 'policy' for an FT-DDP job: got {args.role!r}. "
-                f"Rollout replicas need an RL job: pass a job config with an [rl] section."
-            )
-        if state is not None:
-            raise SystemExit(
-                "phalanx replica: --state is only for policy replicas of an RL job: got "
-                f"--state {args.state} with an FT-DDP job config. Drop --state (FT replicas "
-                "heal from their peers)."
-            )
-        if cfg.diloco is not None:
-            from phalanx.train.diloco_job import run_sync_replica
-
-            return run_sync_replica(cfg, controller, name, out)
-        from phalanx.train.job import run_replica
-
-        return run_replica(cfg, controller, name, out)
-    if args.role == "policy":
-        from phalanx.rl.policy import run_policy
-
-        return run_policy(cfg, controller, name, out, state)
-    if out is not None or state is not None:
-        raise SystemExit(
-            "phalanx replica: --out and --state are only for policy replicas: got them with "
-            "--role rollout. Drop them (rollout replicas keep no state)."
-        )
-    from phalanx.rl.rollout import run_rollout
-
-    return run_rollout(cfg, controller, name)
+    replica = ReplicaArgs(
+        cfg=cfg,
+        name=args.name or f"{args.role}-{os.getpid()}",
+        controller=args.controller or os.environ.get(env.CONTROLLER),
+        out=Path(args.out) if args.out else None,
+        state=Path(args.state) if args.state else None,
+        role=args.role,
+    )
+    try:
+        return spec_for(replica).load()(replica)
+    except JobError as e:
+        raise SystemExit(f"phalanx replica: {e}") from None
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -202,13 +160,15 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _syncer(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.config import load_config
+    from phalanx.jobs import JOBS, JobError, ReplicaArgs
     from phalanx.log import setup
-    from phalanx.train.diloco_syncer import run_syncer
 
     setup()
     try:
-        return run_syncer(load_config(args.config, overrides))
-    except ValueError as e:
+        return JOBS["diloco_syncer"].load()(
+            ReplicaArgs(load_config(args.config, overrides), "syncer")
+        )
+    except JobError as e:
         raise SystemExit(f"phalanx syncer: {e}") from None
 
 
@@ -394,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         from phalanx.client import ControllerError
-        from phalanx.controller.journal import StateDirLocked
+        from phalanx.controller import StateDirLocked
 
         if isinstance(e, StateDirLocked | ControllerError | OSError):
             print(f"phalanx: {e}", file=sys.stderr)

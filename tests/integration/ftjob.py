@@ -185,7 +185,7 @@ class Proc:
 
 
 SPARE = (
-    "import runpy, sys, torch, torch._dynamo, phalanx.train.job; "
+    "import runpy, sys, torch, torch._dynamo, phalanx.jobs.ft_ddp; "
     "sys.stdin.readline(); "
     "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)"
 )

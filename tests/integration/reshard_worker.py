@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.checkpoint import Checkpointer
-from phalanx.train import tp
+from phalanx.train import tp, tp_state
 from phalanx.train.snapshot import save_state
 
 PROBE_STEP = 10**6
@@ -49,10 +49,14 @@ def main() -> None:
     layout = {"dp": args.dp, "tp": args.tp}
 
     def state(step: int) -> dict[str, object]:
-        return {"model": tp.model_state(model), "optim": tp.optim_state(model, opt), "step": step}
+        return {
+            "model": tp_state.model_state(model),
+            "optim": tp_state.optim_state(model, opt),
+            "step": step,
+        }
 
     def dump(path: str, step: int) -> None:
-        gathered = tp.gathered_state(model, opt)
+        gathered = tp_state.gathered_state(model, opt)
         loss = tp.evaluate(model, tp.batch_for_step(cfg, PROBE_STEP, args.batch))
         if rank == 0:
             record = {"step": step, "layout": layout, "eval_loss": loss, **gathered}
@@ -63,7 +67,7 @@ def main() -> None:
         ck = Checkpointer(args.load, layout=layout)
         res = ck.load(state(0))
         assert res is not None, f"no checkpoint under {args.load}"
-        tp.load_optim_state(model, opt, res.state["optim"])
+        tp_state.load_optim_state(model, opt, res.state["optim"])
         step = int(res.state["step"])
         ck.close()
         if args.dump_loaded:

@@ -186,7 +186,7 @@ SAVE_EVERY = 5
 def test_layout_change_from_two_workers_to_one_resumes(
     tmp_path: Path, start_controller: Callable[..., Controller], compare: bool
 ):
-    """A tensor-parallel replica (``phalanx.train.tp_worker``, TP = WORLD_SIZE) on
+    """A tensor-parallel replica (``phalanx.jobs.tp_worker``, TP = WORLD_SIZE) on
     2 workers; the operator asks for 1. The flow: 1. SIGTERM, the workers
     checkpoint the step they stopped at; 2. restart with WORLD_SIZE 1; 3. the
     worker reshard-loads that checkpoint; 4. it registers again (rejoin) and
@@ -196,7 +196,7 @@ def test_layout_change_from_two_workers_to_one_resumes(
     reshard tests check that identity for the worker alone."""
     ctl = start_controller()
     run_dir = tmp_path / "agent-tp"
-    tp_worker = [sys.executable, "-m", "phalanx.train.tp_worker", "--steps", str(TP_STEPS)]
+    tp_worker = [sys.executable, "-m", "phalanx.jobs.tp_worker", "--steps", str(TP_STEPS)]
     # Paced so that the resize surely lands before the last step, however loaded the machine.
     tp_worker += ["--save-every", str(SAVE_EVERY), "--step-delay", "0.25"]
     worker = [*tp_worker, "--ckpt", "{ckpt}", "--controller", "{controller}", "--name", "{name}"]

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from procs import Procs, child_env, signal_group, wait_for
 
 from phalanx.checkpoint import Checkpointer, CheckpointStore
-from phalanx.train import tp
+from phalanx.train import tp, tp_state
 from phalanx.train.snapshot import load_state
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
-TP_WORKER = ["-m", "phalanx.train.tp_worker"]
+TP_WORKER = ["-m", "phalanx.jobs.tp_worker"]
 
 
 class Launch:
@@ -169,11 +169,11 @@ def test_reshard_bit_exact_2_to_8_to_2_and_uneven_tp4(tmp_path: Path, procs: Pro
     cfg = tp.TPConfig()
     model = tp.build_model(cfg, None)
     opt = tp.make_optimizer(model)
-    tp.load_model_state(model, m0["model"])
-    tp.load_optim_state(model, opt, m0["optim"])
+    tp_state.load_model_state(model, m0["model"])
+    tp_state.load_optim_state(model, opt, m0["optim"])
     for step in (4, 5):
         tp.train_step(model, opt, tp.batch_for_step(cfg, step, 8))
-    for key, t in tp.gathered_state(model)["model"].items():
+    for key, t in tp_state.gathered_state(model)["model"].items():
         torch.testing.assert_close(e0["model"][key], t, rtol=1e-8, atol=1e-10, msg=key)
 
     # Each checkpoint really is sharded by logical tensor as its layout says:
@@ -227,7 +227,7 @@ def test_worker_sigterm_checkpoints_and_resumes_on_one_rank(tmp_path: Path, proc
     for x in lines[:-1] + after[:-1]:
         assert math.isclose(x["loss"], ref[x["step"]], rel_tol=1e-9), (x, ref[x["step"]])
     got = load_state(tmp_path / "resumed.st")["model"]
-    for key, t in tp.gathered_state(model)["model"].items():
+    for key, t in tp_state.gathered_state(model)["model"].items():
         torch.testing.assert_close(got[key], t, rtol=1e-8, atol=1e-10, msg=key)
 
 
@@ -242,22 +242,26 @@ def test_full_state_loads_without_template_in_one_process(tmp_path: Path) -> Non
     for s in (1, 2):
         tp.train_step(model, opt, tp.batch_for_step(cfg, s, 8))
     ck = Checkpointer(f"file://{tmp_path}/ckpt")
-    ck.save(2, {"model": tp.model_state(model), "optim": tp.optim_state(model, opt)})
+    ck.save(2, {"model": tp_state.model_state(model), "optim": tp_state.optim_state(model, opt)})
     res = ck.load()
     ck.close()
     assert res is not None and res.step == 2
 
     fresh = tp.build_model(cfg, None)
     fresh_opt = tp.make_optimizer(fresh)
-    tp.load_model_state(fresh, res.state["model"])
-    tp.load_optim_state(fresh, fresh_opt, res.state["optim"])
-    diff = differences(tp.gathered_state(model, opt), tp.gathered_state(fresh, fresh_opt))
+    tp_state.load_model_state(fresh, res.state["model"])
+    tp_state.load_optim_state(fresh, fresh_opt, res.state["optim"])
+    diff = differences(
+        tp_state.gathered_state(model, opt), tp_state.gathered_state(fresh, fresh_opt)
+    )
     assert not diff, diff[:8]
     batch = tp.batch_for_step(cfg, 3, 8)
     assert tp.train_step(fresh, fresh_opt, batch) == tp.train_step(model, opt, batch)
-    assert not differences(tp.gathered_state(model, opt), tp.gathered_state(fresh, fresh_opt))
+    assert not differences(
+        tp_state.gathered_state(model, opt), tp_state.gathered_state(fresh, fresh_opt)
+    )
 
     bad = dict(res.state["model"])
     bad["blocks.0.attn.qkv.q"] = torch.zeros(3, cfg.d_model, dtype=cfg.dtype)
     with pytest.raises(ValueError, match=r"'blocks.0.attn.qkv.q' must have the model's shape"):
-        tp.load_model_state(fresh, bad)
+        tp_state.load_model_state(fresh, bad)

@@ -24,8 +24,8 @@ from ftjob import SPARE, Replica, load_state
 from s3 import s3_server  # noqa: F401  (a pytest fixture)
 
 from phalanx.config import load_config
-from phalanx.train.diloco_decoupled import DecoupledReplica
-from phalanx.train.diloco_syncer import run_syncer
+from phalanx.jobs.diloco_slot import DecoupledReplica
+from phalanx.jobs.diloco_syncer import run_syncer
 
 TRAIN = {
     "dtype": "float64",

@@ -14,7 +14,7 @@ import pytest
 from procs import Controller, Procs, wait_for, write_job_toml
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
-from phalanx.controller.ledger import rollout_prompt
+from phalanx.controller.core.ledger import rollout_prompt
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,7 +8,7 @@ real controller.
   report syncs, with no model): it ends when the controller says the job is
   finished, prints a summary JSON, survives chaos kills and follows
   ``phalanx scale``. These run in seconds.
-- The real thing, end to end (``phalanx.rl.policy`` / ``phalanx.rl.rollout``),
+- The real thing, end to end (``phalanx.jobs.rl_policy`` / ``phalanx.jobs.rl_rollout``),
   runs when those modules exist.
 """
 
@@ -355,7 +355,7 @@ def test_run_follows_scale(tmp_path: Path, capsys, monkeypatch):
 
 
 def _real_replicas_missing() -> str | None:
-    for mod in ("phalanx.rl.policy", "phalanx.rl.rollout"):
+    for mod in ("phalanx.jobs.rl_policy", "phalanx.jobs.rl_rollout"):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} does not exist yet (the RL replica programs of issue 4)"
     return None

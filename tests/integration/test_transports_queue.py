@@ -31,7 +31,7 @@ from procs import Controller, Procs, child_env, wait_for, write_job_toml
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from s3 import S3Root, s3_server  # noqa: F401  (a pytest fixture)
 
-from phalanx.launch.view import status_text
+from phalanx.console.view import status_text
 from phalanx.transport.base import RolloutQueue, TransportError
 from phalanx.transport.controller_queue import ControllerRolloutQueue
 from phalanx.transport.redis_queue import RedisRolloutQueue

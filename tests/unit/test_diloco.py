@@ -238,7 +238,7 @@ def test_compression_round_trip_and_size(how, tol, ratio):
 
 
 def store_group(url: str, **kw):
-    from phalanx.train.objectstore import ObjectStoreAllReduce
+    from phalanx.transport.diloco_rounds import ObjectStoreAllReduce
 
     made: list[ObjectStoreAllReduce] = []
 
@@ -286,7 +286,7 @@ def _rounds(
 
 
 def test_a_corrupt_object_is_left_out_by_everyone_and_counted(tmp_path):
-    from phalanx.train.objectstore import ObjectStoreAllReduce
+    from phalanx.transport.diloco_rounds import ObjectStoreAllReduce
 
     class Flaky(ObjectStoreAllReduce):
         def pack(self, tensors, meta):
@@ -304,7 +304,7 @@ def test_a_corrupt_object_is_left_out_by_everyone_and_counted(tmp_path):
 
 
 def test_a_replica_that_misses_the_deadline_is_left_out_and_catches_up(tmp_path):
-    from phalanx.train.objectstore import ObjectStoreAllReduce
+    from phalanx.transport.diloco_rounds import ObjectStoreAllReduce
 
     reds = [
         ObjectStoreAllReduce(

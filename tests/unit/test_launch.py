@@ -4,17 +4,19 @@ chaos eligibility, the target scan, and the status summary. No processes."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from phalanx import cli
 from phalanx.config import JobConfig
-from phalanx.controller.state import ControllerState
+from phalanx.console.poll import StatusPoller
+from phalanx.console.view import rl_line, status_text
+from phalanx.controller.core.state import ControllerState
 from phalanx.launch.local import LocalJob, Replica
 from phalanx.launch.options import Chaos, launch_counts, parse_scale
-from phalanx.launch.poll import StatusPoller
-from phalanx.launch.view import rl_line, status_text
+from phalanx.protocol.status import BatchRecord, Status
 
 
 def rl_cfg(**roles: dict[str, Any]) -> JobConfig:
@@ -170,7 +172,7 @@ class Proc:
         return None
 
 
-def job_with(tmp_path: Path, counts: dict[str, int], status: dict[str, Any]) -> LocalJob:
+def job_with(tmp_path: Path, counts: dict[str, int], status: Status | None) -> LocalJob:
     job = LocalJob(None, rl_cfg(), tmp_path, [], counts)
     started: list[str] = []
 
@@ -185,8 +187,14 @@ def job_with(tmp_path: Path, counts: dict[str, int], status: dict[str, Any]) -> 
     return job
 
 
-def desired(**roles: int) -> dict[str, Any]:
-    return {"roles": {role: {"desired": n} for role, n in roles.items()}}
+def desired(**roles: int | None) -> Status:
+    """The status of an RL job whose operator asked for these replica counts."""
+    st = ControllerState(rl_cfg())
+    st.start(0.0, 0.0)
+    for role, n in roles.items():
+        if n is not None:
+            st.set_desired(role, n, now=0.0, wall=0.0)
+    return st.status(0.0)
 
 
 def test_follow_desired_starts_next_free_names(tmp_path: Path):
@@ -219,7 +227,7 @@ def test_follow_desired_stops_the_highest_numbered(tmp_path: Path, monkeypatch):
 
 def test_chaos_waits_for_every_replica_to_progress(tmp_path: Path, monkeypatch):
     monkeypatch.setattr("os.killpg", lambda pid, sig: None)
-    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, {})
+    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, None)
     job.chaos = Chaos(5.0)
     for r in job.replicas.values():
         job.start_replica(r)
@@ -237,17 +245,31 @@ def test_chaos_waits_for_every_replica_to_progress(tmp_path: Path, monkeypatch):
 # -- time to target and the summaries -----------------------------------------
 
 
-def entry(batch: int, avg: float, at: float) -> dict[str, Any]:
-    return {"batch": batch, "step": 2 * (batch + 1), "exact_match_avg": avg, "at": at}
+def entry(batch: int, avg: float, at: float) -> BatchRecord:
+    return BatchRecord(
+        batch=batch,
+        step=2 * (batch + 1),
+        reward=avg,
+        exact_match=avg,
+        reward_avg=avg,
+        exact_match_avg=avg,
+        staleness=0,
+        at=at,
+    )
+
+
+def history(*entries: BatchRecord) -> Any:
+    """What the poller reads of a status: ``rl.history``."""
+    return SimpleNamespace(rl=SimpleNamespace(history=list(entries)))
 
 
 def test_target_counts_only_with_a_full_window(tmp_path: Path):
     p = StatusPoller(tmp_path, target=0.9, window=3)
-    p._scan({"rl": {"history": [entry(0, 1.0, 10.0), entry(1, 0.95, 11.0)]}})
+    p._scan(history(entry(0, 1.0, 10.0), entry(1, 0.95, 11.0)))
     assert p.target_hit is None  # lucky first batches: the window is not full yet
-    p._scan({"rl": {"history": [entry(1, 0.95, 11.0), entry(2, 0.8, 12.0)]}})
+    p._scan(history(entry(1, 0.95, 11.0), entry(2, 0.8, 12.0)))
     assert p.target_hit is None
-    p._scan({"rl": {"history": [entry(3, 0.91, 13.0), entry(4, 0.99, 14.0)]}})
+    p._scan(history(entry(3, 0.91, 13.0), entry(4, 0.99, 14.0)))
     assert p.target_hit == entry(3, 0.91, 13.0)
     assert p.best == entry(0, 1.0, 10.0)
 
@@ -301,7 +323,7 @@ def test_rl_summary_line():
 def test_live_view_renders_an_rl_job(tmp_path: Path):
     from rich.console import Console
 
-    from phalanx.launch.view import View
+    from phalanx.console.view import View
 
     st = ControllerState(rl_cfg())
     st.start(0.0, 0.0)

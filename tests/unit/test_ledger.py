@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 
 from phalanx.config import JobConfig, load_config
+from phalanx.controller.core.base import ChangeLog
+from phalanx.controller.core.ledger import Ledger, rollout_prompt
+from phalanx.controller.core.state import ControllerState, StateError, Tick, UnknownReplica
 from phalanx.controller.journal import Journal
-from phalanx.controller.ledger import Ledger, LedgerError, rollout_prompt
-from phalanx.controller.state import ControllerState, StateError, Tick, UnknownReplica
+from phalanx.protocol.rl import Completion, RolloutIn
 
 HEARTBEAT_S = 10.0
 QUORUM_S = 60.0
@@ -68,16 +70,31 @@ def make_cfg(*overrides: str) -> JobConfig:
 
 def durable(led: Ledger) -> dict[str, Any]:
     """Everything of the ledger that must survive a controller restart, as JSON."""
-    keys = (
-        "cursor", "lease_seq", "seq", "next_batch", "policy_step", "finished", "want_version",
-        "synced_version", "sync_seq", "mesh_id", "mesh", "counts", "discarded", "rollouts",
-        "batches", "history",
-    )  # fmt: skip
-    d = {k: getattr(led, k) for k in keys}
-    d["requeue"] = list(led.requeue)
-    d["prompts"] = {i: asdict(p) for i, p in led.prompts.items()}
-    d["leases"] = {k: le.record() for k, le in led.leases.items()}
-    d["pending"] = list(led.pending)
+    p, r, w = led.prompts, led.rollouts, led.weights
+    d = {
+        "cursor": p.cursor,
+        "lease_seq": p.lease_seq,
+        "requeue": list(p.requeue),
+        "prompts": {i: asdict(q) for i, q in p.by_index.items()},
+        "leases": {k: le.record() for k, le in p.leases.items()},
+        "seq": r.seq,
+        "next_batch": r.next_batch,
+        "policy_step": r.policy_step,
+        "finished": r.finished,
+        "discarded": r.discarded,
+        "rollouts": r.records,
+        "pending": list(r.pending),
+        "batches": r.batches,
+        "history": r.history,
+        "reopened": sorted(r.reopened),
+        "want_version": w.want_version,
+        "synced_version": w.synced_version,
+        "sync_seq": w.sync_seq,
+        "mesh_id": w.mesh_id,
+        "mesh": w.mesh,
+        "counts": led.counts,
+        "unswept": led.unswept,
+    }
     out: dict[str, Any] = json.loads(json.dumps(d))
     return out
 
@@ -90,51 +107,79 @@ def check(st: ControllerState) -> dict[str, Any]:
     assert b["ok"], b
     p, r = b["prompts"], b["rollouts"]
     assert p["done"] == r["pending"] + r["batched"], "a done prompt without its one rollout"
-    assert b["leases"]["open"] == len(led.leases)
+    assert b["leases"]["open"] == len(led.prompts.leases)
     # Batch indices: every frozen or trained batch is below next_batch, once each.
-    assert all(k < led.next_batch for k in led.batches)
-    done = [h["batch"] for h in led.history]
-    assert done == sorted(set(done)) and all(k < led.next_batch for k in done)
-    assert not set(done) & set(led.batches)
-    assert sum(led.discarded.values()) == sum(r["discarded"].values())
-    batched = [rid for bt in led.batches.values() for rid in bt["rollout_ids"]]
+    assert all(k < led.rollouts.next_batch for k in led.rollouts.batches)
+    done = [h["batch"] for h in led.rollouts.history]
+    assert done == sorted(set(done)) and all(k < led.rollouts.next_batch for k in done)
+    assert not set(done) & set(led.rollouts.batches)
+    assert sum(led.rollouts.discarded.values()) == sum(r["discarded"].values())
+    batched = [rid for bt in led.rollouts.batches.values() for rid in bt["rollout_ids"]]
     assert len(batched) == len(set(batched)), "a rollout in two batches"
-    assert not set(batched) & set(led.pending)
-    assert set(led.rollouts) == set(batched) | set(led.pending)
-    for rid, rec in led.rollouts.items():
-        q = led.prompts[rec["prompt"]]
+    assert not set(batched) & set(led.rollouts.pending)
+    assert set(led.rollouts.records) == set(batched) | set(led.rollouts.pending)
+    for rid, rec in led.rollouts.records.items():
+        q = led.prompts.by_index[rec["prompt"]]
         assert (q.state, q.rollout_id) == ("done", rid)
-    for i, q in led.prompts.items():
-        assert i < led.cursor
+    for i, q in led.prompts.by_index.items():
+        assert i < led.prompts.cursor
         if q.state == "queued":
-            assert i in led.requeue, f"prompt {i} is queued but will never be dispatched"
+            assert i in led.prompts.requeue, f"prompt {i} is queued but will never be dispatched"
         if q.state == "leased":
-            assert q.lease_id in led.leases and i in led.leases[q.lease_id].prompts
+            assert q.lease_id in led.prompts.leases and i in led.prompts.leases[q.lease_id].prompts
         else:
             assert q.lease_id is None
-    for le in led.leases.values():
-        assert le.lease_id == f"L{int(le.lease_id[1:])}" and int(le.lease_id[1:]) <= led.lease_seq
+    for le in led.prompts.leases.values():
+        assert le.lease_id == f"L{int(le.lease_id[1:])}" and int(le.lease_id[1:]) <= led.prompts.lease_seq
     # Durability: the changes drained so far rebuild exactly this ledger.
     if isinstance(st, CheckedState):
-        assert st.changes == []
+        assert st.log.changes == []
         assert st.cfg.rl is not None
-        twin = Ledger(st.cfg.rl, lambda *a: None, lambda *a, **k: None)
+        twin = Ledger(st.cfg.rl, ChangeLog(100), run="twin")
         twin.restore(st.tables, now=0.0)
         assert durable(twin) == durable(led)
     return b
 
 
-class CheckedState(ControllerState):
-    """A ControllerState that journals and :func:`check`\\ s after every call."""
+def _dump(reply: Any) -> dict[str, Any]:
+    """A reply of the core as the JSON its HTTP route sends, less the envelope."""
+    out: dict[str, Any] = reply.model_dump(mode="json", exclude={"epoch", "job_id"})
+    return out
 
-    def __init__(self, cfg: JobConfig, journal: Journal | None = None):
-        super().__init__(cfg)
+
+def as_rollout(r: dict[str, Any]) -> RolloutIn:
+    """A submitted rollout as the request model carries it, built without checking
+    (what these tests submit on purpose may be malformed: the core must refuse it)."""
+    comps = [Completion.model_construct(**c) for c in r.get("completions", [])]
+    return RolloutIn.model_construct(**{**r, "completions": comps, "ref": r.get("ref")})
+
+
+class CheckedState(ControllerState):
+    """A ControllerState that journals and :func:`check`\\ s after every call, keeps
+    its payload log in a dict as the service does (a call's payloads are written
+    before its changes, its drops after), and answers the RL requests with the
+    JSON their routes send."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        journal: Journal | None = None,
+        payloads: dict[str, Any] | None = None,
+        *,
+        run: str = "run",
+        payload_of: Any = None,
+    ):
+        self.payloads: dict[str, Any] = {} if payloads is None else payloads
+        super().__init__(cfg, run=run, payload_of=payload_of or self.payloads.get)
         self.tables: dict[str, dict[str, dict[str, Any]]] = {}
         self.journal = journal
         self.last_changes: list[tuple[str, str, dict[str, Any] | None]] = []
 
-    def commit(self) -> None:
-        """Drain the changes into the journal (in memory, and the real one if any)."""
+    def commit(self, tick: Tick | None = None) -> None:
+        """Write the payloads, drain the changes into the journal (in memory, and the
+        real one if any), then drop the payloads let go."""
+        if tick is not None:
+            self.payloads.update(tick.puts)
         changes = self.last_changes = self.drain()
         for tbl, key, rec in changes:
             if rec is None:
@@ -143,15 +188,60 @@ class CheckedState(ControllerState):
                 self.tables.setdefault(tbl, {})[key] = json.loads(json.dumps(rec))
         if self.journal is not None:
             self.journal.write(changes)
+        if tick is not None:
+            for key in tick.drops:
+                self.payloads.pop(key, None)
+
+    def _rl(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, Tick]:
+        tick: Tick | None = None
+        try:
+            reply, tick = getattr(self.rl, name)(*args, **kwargs)
+            return reply, tick
+        finally:
+            self.commit(tick)
+            check(self)
+
+    def lease_prompts(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Tick]:
+        reply, tick = self._rl("lease_prompts", *args, **kwargs)
+        return _dump(reply), tick
+
+    def submit_rollouts(
+        self, replica_id: str, lease_id: str, rollouts: list[Any], **kwargs: Any
+    ) -> tuple[dict[str, Any], Tick]:
+        rolls = [r if isinstance(r, RolloutIn) else as_rollout(r) for r in rollouts]
+        reply, tick = self._rl("submit_rollouts", replica_id, lease_id, rolls, **kwargs)
+        return _dump(reply), tick
+
+    def lease_batch(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Tick]:
+        reply, tick = self._rl("lease_batch", *args, **kwargs)
+        return _dump(reply), tick
+
+    def ack_batch(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Tick]:
+        reply, tick = self._rl("ack_batch", *args, **kwargs)
+        return _dump(reply), tick
+
+    def sync_done(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Tick]:
+        reply, tick = self._rl("sync_done", *args, **kwargs)
+        return _dump(reply), tick
+
+    def lost_payloads(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Tick]:
+        reply, tick = self._rl("lost_payloads", *args, **kwargs)
+        return _dump(reply), tick
 
 
 def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(self: CheckedState, *args: Any, **kwargs: Any) -> Any:
+        tick: Tick | None = None
         try:
-            return fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs)
+            if isinstance(out, Tick):
+                tick = out
+            elif isinstance(out, tuple) and out and isinstance(out[-1], Tick):
+                tick = out[-1]
+            return out
         finally:
-            self.commit()
+            self.commit(tick)
             check(self)
 
     return call
@@ -159,9 +249,16 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 for _name in (
     "start", "register", "deregister", "heartbeat", "tick", "request_quorum", "report_failure",
-    "lease_prompts", "submit_rollouts", "lease_batch", "ack_batch", "sync_done", "set_desired",
+    "set_desired", "reconcile",
 ):  # fmt: skip
     setattr(CheckedState, _name, _checked(getattr(ControllerState, _name)))
+
+
+def sync_for(st: ControllerState, replica_id: str) -> dict[str, Any] | None:
+    """The sync order ``replica_id`` must take part in, as its replies carry it."""
+    assert st.ledger is not None
+    order = st.ledger.weights.order_for(replica_id)
+    return None if order is None else order.model_dump(mode="json")
 
 
 def job(
@@ -189,9 +286,9 @@ def restart(st: CheckedState, journal: Journal, *, now: float) -> CheckedState:
     tables = journal.load()
     # The SQLite journal holds what the server would have written.
     assert tables == {t: rows for t, rows in st.tables.items() if rows}
-    new = CheckedState.restore(st.cfg, tables, now)
+    new = CheckedState.restore(st.cfg, tables, now, payload_of=st.payloads.get)
     assert isinstance(new, CheckedState)
-    new.tables, new.journal = tables, journal
+    new.tables, new.journal, new.payloads = tables, journal, st.payloads
     check(new)
     new.start(now, now)
     return new
@@ -324,7 +421,7 @@ def test_lease_hands_out_fresh_prompts_from_the_cursor(st):
     }
     assert (reply["sync"], reply["init_weights"], reply["finished"]) == (None, True, False)
     assert (reply["policy_step"], reply["min_version"]) == (0, -2)
-    assert ("leases", "L1", st.ledger.leases["L1"].record()) in st.last_changes
+    assert ("leases", "L1", st.ledger.prompts.leases["L1"].record()) in st.last_changes
     reply = lease(st, R2, 2)
     assert ids(reply) == ["p3.0", "p4.0"]
     b = check(st)
@@ -354,7 +451,7 @@ def test_refused_lease_keeps_the_journal_in_step(st):
     st.tick(now=LEASE_S, wall=LEASE_S)  # both expire: 8 prompts queued
     submit(st, R1, "L1", ["p0.0", "p1.0"], now=LEASE_S)  # late, and accepted
     submit(st, R2, "L2", [f"p{i}.0" for i in range(2, 8)], now=LEASE_S)
-    assert len(st.ledger.requeue) == 8  # entries for prompts no longer queued
+    assert len(st.ledger.prompts.requeue) == 8  # entries for prompts no longer queued
     assert lease(st, R1, 2, now=LEASE_S)["lease"] is None  # 8 pending: no room
     # (checked by CheckedState: the journal rebuilds the very same requeue)
 
@@ -371,7 +468,7 @@ def test_replica_without_weights_gets_no_lease(st):
     reply = lease(st, R1, version=-1)
     assert reply["lease"] is None
     assert reply["init_weights"]  # it may build version 0 from config, then ask again
-    assert st.ledger.versions[R1] == -1
+    assert st.ledger.weights.versions[R1] == -1
     assert check(st)["prompts"]["issued"] == 0
     assert ids(lease(st, R1, version=0)) == [f"p{i}.0" for i in range(PPS)]
 
@@ -380,7 +477,7 @@ def test_init_weights_not_allowed_once_a_newer_version_is_wanted(st):
     train(st, 0)
     assert lease(st, R2, version=-1)["init_weights"]
     train(st, 1)  # commit 2: want_version = 2
-    assert st.ledger.want_version == 2
+    assert st.ledger.weights.want_version == 2
     reply = lease(st, R2, version=-1)
     assert (reply["lease"], reply["init_weights"]) == (None, False)
 
@@ -391,7 +488,7 @@ def test_weights_older_than_the_floor_get_no_lease(st):
     # next_batch 3, max_staleness 2: a rollout must come from version >= 1.
     reply = lease(st, R1, version=0)
     assert (reply["lease"], reply["min_version"]) == (None, 1)
-    assert st.ledger.versions[R1] == 0
+    assert st.ledger.weights.versions[R1] == 0
     assert ids(lease(st, R1, version=1)) == [f"p{i}.0" for i in range(12, 16)]
 
 
@@ -411,11 +508,11 @@ def test_job_without_rl_section_refuses_ledger_requests():
         load_config(overrides=["roles.policy.min_replicas=1", "roles.rollout.min_replicas=1"])
     )
     rid = join(st, "rollout", "r")
-    assert st.ledger is None and "rl" not in st.status(0)
+    assert st.ledger is None and st.status(0).rl is None
     with pytest.raises(StateError, match="no RL ledger"):
-        lease(st, rid)
+        st.rl.lease_prompts(rid, 0, PPS, now=0, wall=0)
     with pytest.raises(StateError, match="no RL ledger"):
-        st.sync_done(rid, 1, 0, True, now=0, wall=0)
+        st.rl.sync_done(rid, 1, 0, True, now=0, wall=0)
 
 
 # -- rollout submissions ------------------------------------------------------------------
@@ -429,7 +526,7 @@ def test_submit_accepts_once_then_drops_duplicates(st):
     assert out == {"accepted": ["p0.0", "p1.0"], "duplicate": [], "stale": []}
     assert tick.ledger_for == {P}  # policy replicas waiting for a batch
     assert ("leases", "L1", None) in st.last_changes  # fully submitted: closed
-    assert st.ledger.rollouts["p0.0"]["replica_id"] == R1
+    assert st.ledger.rollouts.records["p0.0"]["replica_id"] == R1
     out, tick = st.submit_rollouts(R1, "L1", rolls, now=2, wall=2)  # a retry
     assert out == {"accepted": [], "duplicate": ["p0.0", "p1.0"], "stale": []}
     assert tick == Tick()
@@ -449,7 +546,7 @@ def test_rollouts_of_unknown_prompts_or_old_attempts_are_duplicates(st):
     lease(st, R1, 2)
     out = submit(st, R1, "L1", ["p7.0", "p0.1", "p1.0"])
     assert out == {"accepted": ["p1.0"], "duplicate": ["p7.0", "p0.1"], "stale": []}
-    assert st.ledger.leases["L1"].prompts == [0, 1]  # p0 still leased: not closed
+    assert st.ledger.prompts.leases["L1"].prompts == [0, 1]  # p0 still leased: not closed
 
 
 def bad_group(r: dict[str, Any]) -> None:
@@ -495,12 +592,12 @@ def test_malformed_submission_is_refused_whole(st, spoil, field, match):
     assert st.last_changes == []
     assert check(st) == before
     assert json.dumps(st.tables, sort_keys=True) == tables
-    assert [p.state for p in st.ledger.prompts.values()] == ["leased", "leased"]
+    assert [p.state for p in st.ledger.prompts.by_index.values()] == ["leased", "leased"]
 
 
 @pytest.mark.parametrize("rid", ["p1", "p1.2.3", "1.0", "p-1.0", "p1.-2", "px.0", "p.0", "pp1.0"])
 def test_malformed_rollout_ids(rid):
-    with pytest.raises(LedgerError) as e:
+    with pytest.raises(StateError) as e:
         rollout_prompt(rid)
     assert e.value.field == "rollouts.rollout_id"
 
@@ -508,7 +605,7 @@ def test_malformed_rollout_ids(rid):
 @pytest.mark.parametrize("rid", ["p 1.0", "p01.0", "p1_0.0", "p+1.0", "p1.0 "])
 def test_non_canonical_rollout_ids_are_malformed(rid):
     # One prompt attempt, one id: a second spelling must not be recorded under its own key.
-    with pytest.raises(LedgerError):
+    with pytest.raises(StateError):
         rollout_prompt(rid)
 
 
@@ -520,7 +617,7 @@ def test_rollout_prompt_parses_canonical_ids():
 def test_partial_submission_keeps_the_rest_of_the_lease(st):
     lease(st, R1, 3)
     assert submit(st, R1, "L1", ["p1.0"])["accepted"] == ["p1.0"]
-    assert st.ledger.leases["L1"].prompts == [0, 1, 2]
+    assert st.ledger.prompts.leases["L1"].prompts == [0, 1, 2]
     assert check(st)["prompts"] == {
         "issued": 3,
         "queued": 0,
@@ -529,7 +626,7 @@ def test_partial_submission_keeps_the_rest_of_the_lease(st):
         "trained": 0,
     }
     submit(st, R1, "L1", ["p0.0", "p2.0"])
-    assert st.ledger.leases == {}
+    assert st.ledger.prompts.leases == {}
 
 
 # -- expiry and eviction ------------------------------------------------------------------
@@ -541,7 +638,7 @@ def test_expired_lease_is_dispatched_again_first(st):
     assert st.tick(now=LEASE_S - 0.01, wall=0) == Tick()
     tick = st.tick(now=LEASE_S, wall=LEASE_S)
     assert tick.ledger_for == {R1, R2}
-    assert st.ledger.leases == {}
+    assert st.ledger.prompts.leases == {}
     ev = st.events[-1]
     assert ev["kind"] == "lease_expired"
     assert (ev["lease_id"], ev["replica_id"], ev["prompts"], ev["reason"]) == (
@@ -567,8 +664,8 @@ def test_evicted_holders_prompts_go_back_at_once():
     assert tick.evicted == [R1]
     assert tick.ledger_for == {R2}
     assert st.events[-1]["reason"] == f"holder {R1} gone"
-    assert R1 not in st.ledger.versions
-    assert list(st.ledger.requeue) == [0, 1]
+    assert R1 not in st.ledger.weights.versions
+    assert list(st.ledger.prompts.requeue) == [0, 1]
     assert ids(lease(st, R2, 2, now=HEARTBEAT_S)) == ["p0.0", "p1.0"]
 
 
@@ -589,14 +686,14 @@ def test_late_submission_wins_and_the_new_holders_copy_is_a_duplicate(st):
     assert ids(lease(st, R2, 2, now=LEASE_S)) == ["p0.0", "p1.0"]
     out = submit(st, R1, "L1", ["p0.0"], now=LEASE_S + 1)  # L1 is long gone
     assert out["accepted"] == ["p0.0"]
-    assert st.ledger.leases["L2"].prompts == [1]  # taken off the new holder's lease
-    assert ("leases", "L2", st.ledger.leases["L2"].record()) in st.last_changes
+    assert st.ledger.prompts.leases["L2"].prompts == [1]  # taken off the new holder's lease
+    assert ("leases", "L2", st.ledger.prompts.leases["L2"].record()) in st.last_changes
     out = submit(st, R2, "L2", ["p0.0", "p1.0"], now=LEASE_S + 1)
     assert out == {"accepted": ["p1.0"], "duplicate": ["p0.0"], "stale": []}
-    assert st.ledger.leases == {}
+    assert st.ledger.prompts.leases == {}
     b = check(st)
     assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["duplicates_dropped"] == 1
-    assert st.ledger.rollouts["p0.0"]["replica_id"] == R1
+    assert st.ledger.rollouts.records["p0.0"]["replica_id"] == R1
 
 
 def test_late_submission_of_an_undispatched_prompt_is_accepted(st):
@@ -611,7 +708,7 @@ def test_lease_taken_over_in_full_expires_quietly(st):
     st.tick(now=LEASE_S, wall=LEASE_S)
     lease(st, R2, 1, now=LEASE_S)
     submit(st, R1, "L1", ["p0.0"], now=LEASE_S)
-    assert "L2" not in st.ledger.leases  # nothing left in it: R2 is no longer busy
+    assert "L2" not in st.ledger.prompts.leases  # nothing left in it: R2 is no longer busy
     st.tick(now=2 * LEASE_S, wall=2 * LEASE_S)
     b = check(st)
     assert b["leases"] == {"open": 0, "issued": 2, "expired": 1}  # L2 returned nothing
@@ -625,7 +722,7 @@ def test_every_policy_replica_gets_the_same_frozen_batch():
     fill(st, 2, exact_match=1.0, reward=1.0)
     fill(st, 3, exact_match=0.0, reward=0.0)
     a, _ = st.lease_batch(P, 0, now=1, wall=1)
-    assert st.last_changes and ("batches", "0", st.ledger.batches[0]) in st.last_changes
+    assert st.last_changes and ("batches", "0", st.ledger.rollouts.batches[0]) in st.last_changes
     b, _ = st.lease_batch(P2, 0, now=1, wall=1)
     assert a == b
     assert st.last_changes == []  # the second ask changes nothing
@@ -638,14 +735,14 @@ def test_every_policy_replica_gets_the_same_frozen_batch():
     assert (a["sync"], a["finished"]) == (None, False)
     bal = check(st)
     assert (bal["rollouts"]["pending"], bal["rollouts"]["batched"]) == (1, 4)
-    assert st.ledger.next_batch == 1
+    assert st.ledger.rollouts.next_batch == 1
 
 
 def test_no_batch_until_enough_rollouts(st):
     fill(st, PPS - 1)
     reply, _ = st.lease_batch(P, 0, now=0, wall=0)
     assert reply["batch"] is None
-    assert st.ledger.next_batch == 0 and check(st)["rollouts"]["pending"] == PPS - 1
+    assert st.ledger.rollouts.next_batch == 0 and check(st)["rollouts"]["pending"] == PPS - 1
 
 
 def test_inner_epochs_share_one_batch():
@@ -656,13 +753,13 @@ def test_inner_epochs_share_one_batch():
     assert first["batch"]["index"] == again["batch"]["index"] == 0
     assert first == again
     st.ack_batch(P, 1, now=0, wall=0)  # half way through the batch: nothing trained
-    assert check(st)["rollouts"]["batched"] == PPS and st.ledger.history == []
+    assert check(st)["rollouts"]["batched"] == PPS and st.ledger.rollouts.history == []
     fill(st, PPS)
     nxt, _ = st.lease_batch(P, 2, now=0, wall=0)
     assert nxt["batch"]["index"] == 1
     assert nxt["batch"]["rollouts"][0]["rollout_id"] == f"p{PPS}.0"
     st.ack_batch(P, 2, now=0, wall=0)
-    assert [h["batch"] for h in st.ledger.history] == [0]
+    assert [h["batch"] for h in st.ledger.rollouts.history] == [0]
     assert st.ledger.policy_step == 2
 
 
@@ -674,12 +771,12 @@ def test_ack_trains_the_batch_and_drops_its_payloads(st):
     assert tick.ledger_for == {R1, R2}  # room for more prompts
     for tbl in ("rollouts", "batches", "prompts"):
         assert st.tables.get(tbl, {}) == {}
-    assert st.ledger.rollouts == {} and st.ledger.prompts == {}
+    assert st.ledger.rollouts.records == {} and st.ledger.prompts.by_index == {}
     b = check(st)
     assert b["prompts"]["trained"] == PPS
     assert (b["rollouts"]["trained"], b["rollouts"]["batched"]) == (PPS, 0)
     assert st.ledger.counts["trained_completions"] == PPS * G
-    assert st.ledger.history == [
+    assert st.ledger.rollouts.history == [
         {
             "batch": 0,
             "step": 1,
@@ -691,11 +788,11 @@ def test_ack_trains_the_batch_and_drops_its_payloads(st):
             "at": 3,
         }
     ]
-    assert st.tables["rl_history"] == {"0": st.ledger.history[0]}
+    assert st.tables["rl_history"] == {"0": st.ledger.rollouts.history[0]}
     # Idempotent: a repeated ack moves nothing and wakes nobody.
     _, tick = st.ack_batch(P, 1, now=4, wall=4)
     assert tick == Tick() and st.last_changes == []
-    assert len(st.ledger.history) == 1
+    assert len(st.ledger.rollouts.history) == 1
 
 
 def test_batch_lease_covers_a_lost_ack(st):
@@ -705,12 +802,12 @@ def test_batch_lease_covers_a_lost_ack(st):
     # The replica committed step 1 but its ack was lost: asking for step 1 says so.
     reply, _ = st.lease_batch(P, 1, now=1, wall=1)
     assert reply["batch"]["index"] == 1
-    assert [h["batch"] for h in st.ledger.history] == [0]
-    assert st.ledger.policy_step == 1 and 0 not in st.ledger.batches
+    assert [h["batch"] for h in st.ledger.rollouts.history] == [0]
+    assert st.ledger.policy_step == 1 and 0 not in st.ledger.rollouts.batches
     assert check(st)["prompts"]["trained"] == PPS
     # The ack arriving late after all changes nothing.
     _, tick = st.ack_batch(P, 1, now=2, wall=2)
-    assert tick == Tick() and len(st.ledger.history) == 1
+    assert tick == Tick() and len(st.ledger.rollouts.history) == 1
 
 
 def test_ack_without_a_frozen_batch_moves_the_step(st):
@@ -762,7 +859,7 @@ def test_stale_submission_is_discarded_at_once():
     )
     assert out == {"accepted": ["p3.0"], "duplicate": [], "stale": ["p2.0"]}
     assert tick.ledger_for == {P, R1, R2}
-    assert st.ledger.prompts[2].rollout_id == "p2.1"
+    assert st.ledger.prompts.by_index[2].rollout_id == "p2.1"
     assert check(st)["rollouts"]["discarded"] == {"stale": 1}
 
 
@@ -780,10 +877,10 @@ def test_a_lost_policy_rewinds_to_fresh_batches(st):
         "p10.0",
         "p11.0",
     ]
-    assert st.ledger.policy_step == 0 and st.ledger.want_version == 0
+    assert st.ledger.policy_step == 0 and st.ledger.weights.want_version == 0
     st.ack_batch(P, 1, now=9, wall=9)
-    assert [h["batch"] for h in st.ledger.history] == [0]
-    assert st.ledger.history[0]["at"] == 9
+    assert [h["batch"] for h in st.ledger.rollouts.history] == [0]
+    assert st.ledger.rollouts.history[0]["at"] == 9
     assert check(st)["prompts"]["trained"] == 3 * PPS
 
 
@@ -797,8 +894,8 @@ def test_a_rewind_unfreezes_the_batches_frozen_ahead():
     reply, _ = st.lease_batch(P, 1, now=1, wall=1)  # a fresh policy, restored from step 1
     assert "policy_rewind" in kinds(st)
     assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == old  # oldest first
-    assert list(st.ledger.batches) == [1] and list(st.ledger.pending) == new
-    assert st.ledger.next_batch == 2
+    assert list(st.ledger.rollouts.batches) == [1] and list(st.ledger.rollouts.pending) == new
+    assert st.ledger.rollouts.next_batch == 2
     st.ack_batch(P, 2, now=1, wall=1)
     reply, _ = st.lease_batch(P, 2, now=1, wall=1)
     assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == new  # a fresh batch 2
@@ -806,8 +903,8 @@ def test_a_rewind_unfreezes_the_batches_frozen_ahead():
     # Asking for a trained batch again rewinds: it never freezes a second batch 2.
     fill(st, 2, 3)
     st.lease_batch(P, 2, now=2, wall=2)
-    assert [h["batch"] for h in st.ledger.history] == [0, 1]
-    assert list(st.ledger.batches) == [2] and st.ledger.next_batch == 3
+    assert [h["batch"] for h in st.ledger.rollouts.history] == [0, 1]
+    assert list(st.ledger.rollouts.batches) == [2] and st.ledger.rollouts.next_batch == 3
 
 
 # -- finishing ----------------------------------------------------------------------------
@@ -822,7 +919,7 @@ def test_finished_once_the_window_reaches_the_target(st):
     _, tick = st.ack_batch(P, 6, now=0, wall=0)
     assert st.ledger.finished
     assert tick.ledger_for >= {P, R1, R2}  # every long-poll learns of it
-    assert st.ledger.history[-1]["exact_match_avg"] == 1.0
+    assert st.ledger.rollouts.history[-1]["exact_match_avg"] == 1.0
     ev = st.events[-1] if st.events[-1]["kind"] == "rl_finished" else None
     assert ev is not None and (ev["batch"], ev["step"]) == (5, 6)
     reply = lease(st, R1)
@@ -844,7 +941,7 @@ def test_window_of_one_looks_at_the_last_batch_only():
     train(st, 0, exact_match=0.5)
     assert not st.ledger.finished
     train(st, 1, exact_match=1.0)
-    assert st.ledger.history[-1]["exact_match_avg"] == 1.0
+    assert st.ledger.rollouts.history[-1]["exact_match_avg"] == 1.0
     assert st.ledger.finished
 
 
@@ -853,7 +950,7 @@ def test_finished_once_the_reward_reaches_its_target():
     train(st, 0, reward=1.0)
     assert not st.ledger.finished  # half a window
     train(st, 1, reward=0.5)
-    assert st.ledger.history[-1]["reward_avg"] == 0.75
+    assert st.ledger.rollouts.history[-1]["reward_avg"] == 0.75
     assert st.ledger.finished
 
 
@@ -871,7 +968,7 @@ def test_no_rewind_after_the_finish():
     assert st.ledger.finished
     reply, _ = st.lease_batch(P, 0, now=1, wall=1)  # a fresh policy replica, too late
     assert (reply["batch"], reply["finished"]) == (None, True)
-    assert (st.ledger.policy_step, st.ledger.next_batch) == (1, 1)
+    assert (st.ledger.policy_step, st.ledger.rollouts.next_batch) == (1, 1)
     assert "policy_rewind" not in kinds(st)
 
 
@@ -886,7 +983,7 @@ def synced() -> CheckedState:
     declare(st, R2)
     form(st, [P, P2])
     train(st, 0)
-    assert st.ledger.sync is None  # commit 1: no sync due
+    assert st.ledger.weights.sync is None  # commit 1: no sync due
     fill(st, PPS)
     st.lease_batch(P, 1, now=0, wall=0)
     reply, tick = st.ack_batch(P, 2, now=0, wall=0)
@@ -903,7 +1000,7 @@ def synced() -> CheckedState:
 
 def test_sync_is_ordered_after_sync_every_commits(synced):
     st = synced
-    assert st.ledger.want_version == 2
+    assert st.ledger.weights.want_version == 2
     reply = lease(st, R2)
     assert reply["sync"] == {
         "seq": 1,
@@ -928,14 +1025,14 @@ def test_sync_completes_when_every_member_reports(synced):
     reply, tick = st.sync_done(R2, 1, 2, True, now=1, wall=1)
     assert reply == {"synced_version": 2}
     assert tick.ledger_for == {R1, R2}
-    w = st.status(1)["rl"]["weights"]
+    w = st.status(1).model_dump(mode="json")["rl"]["weights"]
     assert (w["want_version"], w["synced_version"], w["sync_in_flight"]) == (2, 2, None)
     assert w["versions"][R1] == w["versions"][R2] == 2
     assert st.events[-1]["kind"] == "sync_done"
     # Reports for a finished sync are ignored.
     events = len(st.events)
     st.sync_done(R2, 1, 2, False, "late", now=2, wall=2)
-    assert st.ledger.sync is None and (st.ledger.synced_version, st.ledger.versions[R2]) == (2, 2)
+    assert st.ledger.weights.sync is None and (st.ledger.weights.synced_version, st.ledger.weights.versions[R2]) == (2, 2)
     assert len(st.events) == events
 
 
@@ -945,25 +1042,25 @@ def test_failed_sync_is_ordered_again_on_a_new_mesh(synced):
     _, tick = st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
     assert "sync_failed" in kinds(st)
     assert tick.ledger_for == {R1, R2}  # no order yet: no member has asked again
-    assert st.ledger.sync is None and st.ledger.mesh == []
+    assert st.ledger.weights.sync is None and st.ledger.weights.mesh == []
     declare(st, R1, now=1)
     declare(st, R2, now=1)
-    order = st.ledger.sync_for(R1)
+    order = sync_for(st, R1)
     assert (order["seq"], order["mesh_id"], order["members"]) == (2, 2, [P, R1])
     # The old sync's reports no longer count.
     assert st.sync_done(R2, 1, 2, True, now=1, wall=1)[1] == Tick()
-    assert st.ledger.sync is not None and st.ledger.sync.done == {}
+    assert st.ledger.weights.sync is not None and st.ledger.weights.sync.done == {}
 
 
 def test_evicted_member_fails_the_sync(synced):
     st = synced
     st.deregister(R2, "gone", now=1, wall=1)
-    assert st.ledger.sync is None
+    assert st.ledger.weights.sync is None
     assert "sync_failed" in kinds(st)
     assert declare(st, R1, now=1)["sync"] is None  # the leader has not reported yet
     _, tick = st.sync_done(P, 1, -1, False, "peer gone", now=1, wall=1)
     assert tick.ledger_for == {P, R1}
-    order = st.ledger.sync_for(R1)
+    order = sync_for(st, R1)
     assert (order["seq"], order["mesh_id"], order["members"]) == (2, 2, [P, R1])
 
 
@@ -973,14 +1070,14 @@ def test_failed_sync_never_rebuilds_on_the_broken_mesh_after_a_restart(journal):
     form(st, [P, P2])
     train(st, 0)
     train(st, 1)
-    assert st.ledger.sync is not None and st.ledger.mesh == [P, R1, R2]
+    assert st.ledger.weights.sync is not None and st.ledger.weights.mesh == [P, R1, R2]
     st.sync_done(R1, 1, 2, True, now=1, wall=1)
     st.sync_done(R2, 1, 2, True, now=1, wall=1)
     st.sync_done(P, 1, -1, False, "broadcast failed", now=1, wall=1)  # the leader's side
-    assert st.ledger.sync is None  # the rollouts hold version 2: nothing to order now
-    assert st.ledger.mesh == []
+    assert st.ledger.weights.sync is None  # the rollouts hold version 2: nothing to order now
+    assert st.ledger.weights.mesh == []
     new = restart(st, journal, now=2)
-    assert new.ledger.mesh == []
+    assert new.ledger.weights.mesh == []
     # Versions are not durable: each rollout declares its own with its next ask.
     assert lease(new, R1, version=2, now=2)["sync"] is None
     assert declare(new, R2, 2, now=2)["sync"] is None
@@ -991,7 +1088,7 @@ def test_failed_sync_never_rebuilds_on_the_broken_mesh_after_a_restart(journal):
 
 def test_sync_timeout_orders_it_again(synced):
     st = synced
-    limit = st.ledger.sync_timeout_s
+    limit = st.ledger.weights.timeout_s
     for now in (limit, limit + 0.01):
         for rid in (P, P2, R1, R2):
             st.heartbeat(rid, now=now)
@@ -999,13 +1096,13 @@ def test_sync_timeout_orders_it_again(synced):
         if now == limit:
             assert tick == Tick()  # not yet
     assert [e["reason"] for e in st.events if e["kind"] == "sync_failed"] == ["timed out"]
-    assert st.ledger.sync is None  # the silent members must ask again, the leader report
+    assert st.ledger.weights.sync is None  # the silent members must ask again, the leader report
     for rid in (R1, R2):
         declare(st, rid, now=now)
-    assert st.ledger.sync is None
+    assert st.ledger.weights.sync is None
     _, tick = st.sync_done(P, 1, -1, False, "broadcast timed out", now=now, wall=now)
     assert tick.ledger_for == {P, R1, R2}
-    order = st.ledger.sync
+    order = st.ledger.weights.sync
     assert (order.seq, order.mesh_id, order.members) == (2, 2, [P, R1, R2])
 
 
@@ -1015,7 +1112,7 @@ def test_same_mesh_keeps_its_id(synced):
         st.sync_done(rid, 1, 2, True, now=1, wall=1)
     for step in (2, 3):
         train(st, step, version=2)
-    order = st.ledger.sync
+    order = st.ledger.weights.sync
     assert order is not None and (order.seq, order.mesh_id) == (2, 1)
 
 
@@ -1024,17 +1121,17 @@ def test_no_sync_without_a_policy_leader():
     declare(st, R2)
     train(st, 0)
     train(st, 1)
-    assert st.ledger.want_version == 2 and st.ledger.sync is None  # no policy quorum
+    assert st.ledger.weights.want_version == 2 and st.ledger.weights.sync is None  # no policy quorum
     form(st, [P])
     st.tick(now=0, wall=0)
-    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1, R2]
+    assert st.ledger.weights.sync is not None and st.ledger.weights.sync.members == [P, R1, R2]
 
 
 def test_no_sync_when_rollouts_already_hold_the_version(synced):
     st = synced
     for rid in (P, R1, R2):
         st.sync_done(rid, 1, 2, True, now=1, wall=1)
-    assert st.tick(now=1, wall=1) == Tick() and st.ledger.sync is None
+    assert st.tick(now=1, wall=1) == Tick() and st.ledger.weights.sync is None
 
 
 def test_joiner_syncs_before_it_may_lease(synced):
@@ -1055,7 +1152,7 @@ def test_joiner_syncs_before_it_may_lease(synced):
     again = lease(st, r3, version=-1, now=2)  # not before it has the weights
     assert again["lease"] is None and again["sync"] == reply["sync"]
     st.sync_done(r3, 2, 2, True, now=2, wall=2)
-    assert st.ledger.sync is None and st.ledger.synced_version == 2
+    assert st.ledger.weights.sync is None and st.ledger.weights.synced_version == 2
     assert lease(st, r3, version=2, now=2)["lease"] is not None
 
 
@@ -1067,13 +1164,13 @@ def test_replicas_busy_generating_join_the_next_sync():
     lease(st, R2, 2, version=1)  # R2 is generating when the sync is due
     st.lease_batch(P, 1, now=0, wall=0)
     st.ack_batch(P, 2, now=0, wall=0)
-    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
-    assert st.ledger.sync_for(R2) is None
+    assert st.ledger.weights.sync is not None and st.ledger.weights.sync.members == [P, R1]
+    assert sync_for(st, R2) is None
     submit(st, R2, "L3", ["p8.0", "p9.0"], 1)
     st.sync_done(P, 1, 2, True, now=1, wall=1)
     _, tick = st.sync_done(R1, 1, 2, True, now=1, wall=1)
-    assert st.ledger.synced_version == 2
-    order = st.ledger.sync  # R2, idle now, gets its own
+    assert st.ledger.weights.synced_version == 2
+    order = st.ledger.weights.sync  # R2, idle now, gets its own
     assert order is not None and (order.seq, order.mesh_id, order.members) == (2, 2, [P, R2])
     assert tick.ledger_for == {P, R1, R2}
 
@@ -1083,8 +1180,8 @@ def test_no_sync_once_finished():
     form(st, [P])
     train(st, 0)
     train(st, 1)
-    assert st.ledger.finished and st.ledger.want_version == 2
-    assert st.ledger.sync is None
+    assert st.ledger.finished and st.ledger.weights.want_version == 2
+    assert st.ledger.weights.sync is None
     r3 = join(st, "rollout", "r3")
     reply = lease(st, r3, version=-1)
     assert (reply["lease"], reply["sync"], reply["finished"]) == (None, None, True)
@@ -1093,7 +1190,7 @@ def test_no_sync_once_finished():
 def test_sync_done_from_outside_the_mesh_is_ignored(synced):
     st = synced
     assert st.sync_done(P2, 1, 2, True, now=1, wall=1)[1] == Tick()
-    assert P2 not in st.ledger.sync.done
+    assert P2 not in st.ledger.weights.sync.done
     with pytest.raises(UnknownReplica):
         st.sync_done("ghost:1", 1, 2, True, now=1, wall=1)
 
@@ -1101,7 +1198,7 @@ def test_sync_done_from_outside_the_mesh_is_ignored(synced):
 def test_policy_leader_eviction_fails_the_sync(synced):
     st = synced
     st.deregister(P, now=1, wall=1)
-    assert st.ledger.sync is None and st.ledger.mesh == []
+    assert st.ledger.weights.sync is None and st.ledger.weights.mesh == []
 
 
 def test_a_replica_that_has_not_asked_stays_out_of_the_sync():
@@ -1111,11 +1208,11 @@ def test_a_replica_that_has_not_asked_stays_out_of_the_sync():
     form(st, [P])
     train(st, 0)
     train(st, 1)  # R1 asked for prompts, R2 never did
-    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
-    assert R2 not in st.ledger.versions and st.ledger.sync_for(R2) is None
+    assert st.ledger.weights.sync is not None and st.ledger.weights.sync.members == [P, R1]
+    assert R2 not in st.ledger.weights.versions and sync_for(st, R2) is None
     for rid in (P, R1):
         st.sync_done(rid, 1, 2, True, now=1, wall=1)
-    assert st.ledger.sync is None and st.ledger.synced_version == 2
+    assert st.ledger.weights.sync is None and st.ledger.weights.synced_version == 2
     # Its first ask declares its version before the controller decides: the reply
     # carries its order at once.
     reply = declare(st, R2, -1, now=1)
@@ -1133,14 +1230,14 @@ def test_silent_members_of_a_failed_sync_wait_until_they_ask_again(synced):
     st.sync_done(P, 1, 2, True, now=1, wall=1)
     st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
     # R2 may still be inside the failed broadcast: it is no longer counted.
-    assert R2 not in st.ledger.versions
+    assert R2 not in st.ledger.weights.versions
     declare(st, R1, now=1)
-    assert st.ledger.sync is not None and st.ledger.sync.members == [P, R1]
-    assert st.ledger.sync_for(R2) is None
+    assert st.ledger.weights.sync is not None and st.ledger.weights.sync.members == [P, R1]
+    assert sync_for(st, R2) is None
     assert declare(st, R2, now=1)["sync"] is None  # one sync at a time
     st.sync_done(P, 2, 2, True, now=2, wall=2)
     _, tick = st.sync_done(R1, 2, 2, True, now=2, wall=2)
-    order = st.ledger.sync  # R2 asked since: it gets its own at once
+    order = st.ledger.weights.sync  # R2 asked since: it gets its own at once
     assert order is not None and (order.seq, order.members) == (3, [P, R2])
     assert tick.ledger_for == {P, R1, R2}
 
@@ -1149,13 +1246,13 @@ def test_a_timed_out_sync_keeps_the_members_that_finished(synced):
     st = synced
     st.sync_done(P, 1, 2, True, now=1, wall=1)
     st.sync_done(R1, 1, 2, True, now=1, wall=1)
-    limit = st.ledger.sync_timeout_s
+    limit = st.ledger.weights.timeout_s
     for now in (limit / 2, limit + 0.01):
         for rid in (P, P2, R1, R2):
             st.heartbeat(rid, now=now)
         st.tick(now=now, wall=now)
-    assert "sync_failed" in kinds(st) and st.ledger.sync is None
-    assert st.ledger.versions[R1] == 2 and R2 not in st.ledger.versions  # R2 must ask again
+    assert "sync_failed" in kinds(st) and st.ledger.weights.sync is None
+    assert st.ledger.weights.versions[R1] == 2 and R2 not in st.ledger.weights.versions  # R2 must ask again
     reply = declare(st, R2, now=now)
     assert reply["sync"]["members"] == [P, R2]  # R1 holds the version already
 
@@ -1165,12 +1262,12 @@ def test_no_new_order_until_the_leader_reports_the_last_one(synced):
     st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
     for rid in (R1, R2):
         assert declare(st, rid, now=1)["sync"] is None  # the leader may still be sending
-    assert st.tick(now=2, wall=2) == Tick() and st.ledger.source_busy == (P, 1)
+    assert st.tick(now=2, wall=2) == Tick() and st.ledger.weights.source_busy == (P, 1)
     st.sync_done(P2, 1, -1, False, "not mine", now=2, wall=2)  # not the leader: no matter
-    assert st.ledger.sync is None
+    assert st.ledger.weights.sync is None
     _, tick = st.sync_done(P, 1, -1, False, "peer failed", now=2, wall=2)
-    assert st.ledger.source_busy == (P, 2)
-    order = st.ledger.sync
+    assert st.ledger.weights.source_busy == (P, 2)
+    order = st.ledger.weights.sync
     assert order is not None and (order.seq, order.mesh_id, order.members) == (2, 2, [P, R1, R2])
     assert tick.ledger_for == {P, R1, R2}
 
@@ -1183,9 +1280,9 @@ def test_a_new_leader_gets_the_next_order_at_once(synced):
         assert declare(st, rid, now=1)["sync"] is None  # no leader
     form(st, [P2], now=1, step=2)
     st.tick(now=1, wall=1)
-    order = st.ledger.sync
+    order = st.ledger.weights.sync
     assert order is not None and (order.seq, order.members) == (2, [P2, R1, R2])
-    assert order.store == "p2-host:29500" and st.ledger.source_busy == (P2, 2)
+    assert order.store == "p2-host:29500" and st.ledger.weights.source_busy == (P2, 2)
 
 
 # -- scale, status, restore ---------------------------------------------------------------
@@ -1194,7 +1291,7 @@ def test_a_new_leader_gets_the_next_order_at_once(synced):
 def test_set_desired_is_shown_and_journaled(st, journal):
     assert st.set_desired("rollout", 5, now=0, wall=0) == {"rollout": 5}
     assert st.set_desired("policy", 2, now=0, wall=0) == {"rollout": 5, "policy": 2}
-    roles = st.status(0)["roles"]
+    roles = st.status(0).model_dump(mode="json")["roles"]
     assert (roles["policy"]["desired"], roles["rollout"]["desired"]) == (2, 5)
     assert st.events[-1] == {
         "seq": st.event_seq,
@@ -1209,12 +1306,12 @@ def test_set_desired_is_shown_and_journaled(st, journal):
     journal.write([(t, k, r) for t, rows in st.tables.items() for k, r in rows.items()])
     new = ControllerState.restore(st.cfg, journal.load(), now=1)
     assert new.desired == {"rollout": 5, "policy": 2}
-    assert new.status(1)["roles"]["rollout"]["desired"] == 5
+    assert new.status(1).model_dump(mode="json")["roles"]["rollout"]["desired"] == 5
 
 
 def test_status_shows_the_ledger(synced):
     st = synced
-    rl = st.status(0)["rl"]
+    rl = st.status(0).model_dump(mode="json")["rl"]
     assert rl["ok"] and rl["prompts"]["trained"] == 2 * PPS
     assert rl["rollouts"] == check(st)["rollouts"]
     assert rl["leases"] == check(st)["leases"]
@@ -1228,15 +1325,15 @@ def test_status_shows_the_ledger(synced):
     assert rl["leased_by"] == {}
     lease(st, R1, 3)
     lease(st, R2, 2)
-    assert st.status(0)["rl"]["leased_by"] == {R1: 3, R2: 2}
-    json.dumps(st.status(0))  # served as JSON
+    assert st.status(0).model_dump(mode="json")["rl"]["leased_by"] == {R1: 3, R2: 2}
+    json.dumps(st.status(0).model_dump(mode="json"))  # served as JSON
 
 
 def test_history_is_bounded():
     st = job("rl.loop.history=10", "rl.loop.target_exact_match=null")
     for step in range(12):
         train(st, step)
-    assert [h["batch"] for h in st.ledger.history] == list(range(2, 12))
+    assert [h["batch"] for h in st.ledger.rollouts.history] == list(range(2, 12))
     assert sorted(st.tables["rl_history"], key=int) == [str(i) for i in range(2, 12)]
 
 
@@ -1261,16 +1358,16 @@ def test_restore_rebuilds_the_ledger(journal):
     submit(st, R2, "L2", ["p4.0"], version=1, now=LEASE_S)  # a duplicate
     st.set_desired("rollout", 3, now=LEASE_S, wall=LEASE_S)
     led = st.ledger
-    assert (led.cursor, list(led.requeue), list(led.leases)) == (6, [3], ["L3"])
-    assert list(led.batches) == [1] and led.sync is not None
+    assert (led.prompts.cursor, list(led.prompts.requeue), list(led.prompts.leases)) == (6, [3], ["L3"])
+    assert list(led.rollouts.batches) == [1] and led.weights.sync is not None
     before = durable(led)
 
     new = restart(st, journal, now=100.0)
 
     assert durable(new.ledger) == before
     assert new.ledger.balance() == led.balance()
-    assert new.ledger.leases["L3"].deadline == 100.0 + LEASE_S  # a fresh deadline
-    assert new.ledger.sync is None and new.ledger.versions == {}  # not durable
+    assert new.ledger.prompts.leases["L3"].deadline == 100.0 + LEASE_S  # a fresh deadline
+    assert new.ledger.weights.sync is None and new.ledger.weights.versions == {}  # not durable
     assert new.desired == {"rollout": 3}
     # It goes on where it left off: the same frozen batch, the requeue, then the cursor.
     reply, _ = new.lease_batch(P, 1, now=100, wall=100)
@@ -1278,11 +1375,11 @@ def test_restore_rebuilds_the_ledger(journal):
     assert ids(lease(new, R2, 2, version=1, now=100)) == ["p3.0", "p6.0"]
     assert new.tick(now=100 + LEASE_S - 0.01, wall=100).ledger_for == set()
     new.ack_batch(P, 2, now=100, wall=100)
-    assert [h["batch"] for h in new.ledger.history] == [0, 1]
+    assert [h["batch"] for h in new.ledger.rollouts.history] == [0, 1]
     assert check(new)["prompts"]["trained"] == 4
 
 
 def test_restore_without_a_ledger_in_the_journal(journal):
     st = CheckedState.restore(make_cfg(), journal.load(), now=0)
-    assert durable(st.ledger) == durable(Ledger(st.cfg.rl, lambda *a: None, lambda *a, **k: None))
+    assert durable(st.ledger) == durable(Ledger(st.cfg.rl, ChangeLog(100), run="fresh"))
     assert check(st)["prompts"]["issued"] == 0

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_ledger import CheckedState, make_cfg, rollout
 
+from phalanx.controller.core.state import StateError, UnknownReplica
 from phalanx.controller.journal import Journal
-from phalanx.controller.state import StateError, UnknownReplica
 
 HEARTBEAT_S = 10.0
 LEASE_S = 5.0
@@ -84,8 +84,8 @@ class LedgerMachine(RuleBasedStateMachine):
         return {
             "none": -1,
             "init": 0,
-            "floor": max(0, led._floor()),
-            "newest": max(led.policy_step, led.synced_version),
+            "floor": max(0, led.rollouts.floor()),
+            "newest": max(led.policy_step, led.weights.synced_version),
         }[mode]
 
     # -- rules -------------------------------------------------------------
@@ -98,7 +98,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for name in NAMES[:rollouts]:
             self.register("rollout", name)
         for _ in range(rounds * IE):
-            if self.led.sync is not None:
+            if self.led.weights.sync is not None:
                 self.sync_done(0, True, True)
             self.generate(0, 2, 0.5)
             self.train(True)
@@ -138,7 +138,7 @@ class LedgerMachine(RuleBasedStateMachine):
         le = reply["lease"]
         if le is None:
             return
-        assert not self.led.finished and version >= max(0, self.led._floor())
+        assert not self.led.finished and version >= max(0, self.led.rollouts.floor())
         assert 1 <= len(le["prompts"]) <= n
         rolls = [p["rollout_id"] for p in le["prompts"]]
         assert not set(rolls) & self.accepted
@@ -203,7 +203,7 @@ class LedgerMachine(RuleBasedStateMachine):
         step = self.led.policy_step
         self.lease_batch(0)
         self.trained_once()  # what the batch lease trained; then what the commit trains
-        if commit and step // IE in self.led.batches:
+        if commit and step // IE in self.led.rollouts.batches:
             self.state.ack_batch(self.live("policy")[0], step + 1, now=self.now, wall=self.now)
 
     @precondition(lambda self: self.live("policy"))
@@ -211,26 +211,26 @@ class LedgerMachine(RuleBasedStateMachine):
     def ack(self, extra: int) -> None:
         """The policy commits the step it holds a batch for (``extra`` 0: a retried ack)."""
         led = self.led
-        if led.policy_step // IE in led.batches:
+        if led.policy_step // IE in led.rollouts.batches:
             step = led.policy_step + extra
             self.state.ack_batch(self.live("policy")[0], step, now=self.now, wall=self.now)
 
-    @precondition(lambda self: self.state.ledger is not None and self.state.ledger.sync)
+    @precondition(lambda self: self.state.ledger is not None and self.state.ledger.weights.sync)
     @rule(i=st.integers(0, 9), ok=st.sampled_from([True, True, False]), everyone=st.booleans())
     def sync_done(self, i: int, ok: bool, everyone: bool) -> None:
         """One member of the in-flight sync reports (or every member, successfully)."""
-        s = self.led.sync
-        version = max(self.led.want_version, self.led.synced_version)
-        before = self.led.synced_version
+        s = self.led.weights.sync
+        version = max(self.led.weights.want_version, self.led.weights.synced_version)
+        before = self.led.weights.synced_version
         members = list(s.members) if everyone else [s.members[i % len(s.members)]]
         for rid in members:
             ok = ok or everyone
             err = "" if ok else "boom"
             self.state.sync_done(rid, s.seq, version, ok, err, now=self.now, wall=self.now)
-        assert self.led.synced_version >= before
+        assert self.led.weights.synced_version >= before
         if everyone:  # complete: the next sync, if any, is a new one
-            assert self.led.sync is None or self.led.sync.seq > s.seq
-            assert self.led.synced_version >= min(before, *s.done.values())
+            assert self.led.weights.sync is None or self.led.weights.sync.seq > s.seq
+            assert self.led.weights.synced_version >= min(before, *s.done.values())
 
     @rule(dt=CLOCK_STEPS, silent=st.sampled_from([None, None, None, "policy", "rollout"]))
     def tick(self, dt: float, silent: str | None) -> None:
@@ -241,7 +241,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 for rid in self.live(role):
                     self.state.heartbeat(rid, now=self.now)
         self.state.tick(now=self.now, wall=self.now)
-        assert all(le.deadline > self.now for le in self.led.leases.values())
+        assert all(le.deadline > self.now for le in self.led.prompts.leases.values())
 
     @rule(dt=st.sampled_from([0.0, 1.0]))
     def restart(self, dt: float) -> None:
@@ -280,12 +280,12 @@ class LedgerMachine(RuleBasedStateMachine):
         led = self.led
         now = {
             **{k: led.counts[k] for k in COUNTS},
-            "cursor": led.cursor,
-            "lease_seq": led.lease_seq,
-            "seq": led.seq,
-            "sync_seq": led.sync_seq,
-            "mesh_id": led.mesh_id,
-            "discarded": sum(led.discarded.values()),
+            "cursor": led.prompts.cursor,
+            "lease_seq": led.prompts.lease_seq,
+            "seq": led.rollouts.seq,
+            "sync_seq": led.weights.sync_seq,
+            "mesh_id": led.weights.mesh_id,
+            "discarded": sum(led.rollouts.discarded.values()),
         }
         for k, v in now.items():
             assert v >= self.seen.get(k, 0), k
@@ -294,9 +294,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def sync_members_declared(self) -> None:
         """A sync counts only on rollouts that declared their version (and are live)."""
-        s = self.led.sync
+        s = self.led.weights.sync
         if s is not None:
-            assert all(r in self.led.versions for r in s.members[1:])
+            assert all(r in self.led.weights.versions for r in s.members[1:])
             assert set(s.members[1:]) <= set(self.live("rollout"))
 
     @invariant()
@@ -304,12 +304,12 @@ class LedgerMachine(RuleBasedStateMachine):
         """Prompts leave the ledger only by training (an ack, or a batch lease that
         covers a lost ack), and only from a frozen batch."""
         led = self.led
-        gone = self.batched - set(led.prompts)
+        gone = self.batched - set(led.prompts.by_index)
         assert not gone & self.trained, "a prompt trained twice"
         self.trained |= gone
         assert led.counts["trained_prompts"] == len(self.trained)
         self.batched = {
-            led.rollouts[rid]["prompt"] for b in led.batches.values() for rid in b["rollout_ids"]
+            led.rollouts.records[rid]["prompt"] for b in led.rollouts.batches.values() for rid in b["rollout_ids"]
         }
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.controller.app import MAX_PAYLOAD_DEPTH, _check_plain_json
+from phalanx.protocol.base import MAX_PAYLOAD_DEPTH
+from phalanx.protocol.base import check_plain_json as _check_plain_json
 
 
 def nested(depth: int, leaf: object) -> object:

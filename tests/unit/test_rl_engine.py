@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from phalanx.rl.config import ModelSection
+from phalanx.config.rl import ModelSection
 from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.model import build_model, num_params

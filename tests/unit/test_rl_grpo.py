@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.rl.config import ModelSection
+from phalanx.config.rl import ModelSection
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import (
     collate,

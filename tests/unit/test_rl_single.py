@@ -7,8 +7,8 @@ import json
 import pytest
 
 from phalanx.config import ConfigError
-from phalanx.rl.config import load_rl_config
-from phalanx.rl.single import main, train
+from phalanx.config.rl import load_rl_config
+from phalanx.jobs.rl_single import main, train
 
 
 def test_short_run_raises_the_reward():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from phalanx.rl.config import RLConfig, TransportSection
+from phalanx.config.rl import RLConfig, TransportSection
 from phalanx.transport.spool import MAGIC, decode, encode
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from phalanx.config import JobConfig, load_config
+from phalanx.controller.core.base import Conflict, StateError, Tick, UnknownReplica
+from phalanx.controller.core.quorum import QUORUM_HISTORY
+from phalanx.controller.core.state import ControllerState
 from phalanx.controller.journal import Journal
-from phalanx.controller.quorum import QUORUM_HISTORY
-from phalanx.controller.records import Quorum
-from phalanx.controller.state import ControllerState
-from phalanx.controller.tick import Conflict, StateError, Tick, UnknownReplica
+from phalanx.protocol.membership import Quorum
 
 HEARTBEAT_S = 10.0
 GRACE_S = 0.25
@@ -85,7 +85,7 @@ def test_register_adds_member(state):
     assert state.roles["policy"].member_ids == {"a:x1"}
     assert [x.replica_id for x in state.alive("policy")] == ["a:x1"]
     assert ("members", "a:x1", m.record()) in state.drain()
-    assert state.changes == []
+    assert state.log.changes == []
 
 
 def test_reregister_evicts_old_incarnation(state):
@@ -651,7 +651,7 @@ def test_eviction_drops_commands(state):
     (c,), _ = state.enqueue(a, "k", {}, now=0, wall=0)
     state.drain()
     state.deregister(a, now=1, wall=1)
-    assert a not in state.commands
+    assert a not in state.commands.queues
     assert ("commands", f"{c.id:012d}", None) in state.drain()
 
 
@@ -662,7 +662,7 @@ def test_status(state):
     a, b = join(state, "a", "b")
     form(state, [a, b], now=0, step=2)
     state.report_failure(a, [b], now=1, wall=1)
-    s = state.status(now=3.0)
+    s = state.status(now=3.0).model_dump(mode="json")
     pol = s["roles"]["policy"]
     assert (s["job_id"], s["epoch"]) == ("job", 0)
     assert (pol["quorum_id"], pol["round"], pol["step"]) == (1, 1, 2)
@@ -721,7 +721,7 @@ def test_restore_from_journal(make_state, journal):
     assert pol.pending == {}
     assert new.pending_commands(a) == [cmd]
     assert new.pending_commands(b) == []
-    assert new.command_seq == st.command_seq
+    assert new.commands.seq == st.commands.seq
     assert new.event_seq == st.event_seq + 1  # plus controller_start
     assert new.events[:-1] == st.events
     assert new.events[-1]["kind"] == "controller_start"
@@ -799,18 +799,18 @@ def test_restore_skips_roles_removed_from_config(state, journal):
     cfg = load_config()  # policy only
     new = ControllerState.restore(cfg, journal.load(), now=0)
     assert set(new.members) == {"p:i0"}
-    assert new.commands == {}
+    assert new.commands.queues == {}
 
 
 def test_restore_from_empty_journal(journal):
     st = ControllerState.restore(make_cfg(), journal.load(), now=0)
     st.start(0, 0)
-    assert (st.epoch, st.members, st.command_seq) == (1, {}, 0)
+    assert (st.epoch, st.members, st.commands.seq) == (1, {}, 0)
 
 
 def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
     from phalanx.config import JobConfig
-    from phalanx.controller.state import ControllerState
+    from phalanx.controller.core.state import ControllerState
 
     st = ControllerState(JobConfig())
     a, _ = st.register("policy", "a", "1", now=0.0, wall=0.0)
@@ -829,7 +829,7 @@ def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
 
 
 def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, journal):
-    from phalanx.controller.commands import CHECKPOINT_HISTORY
+    from phalanx.controller.core.commands import CHECKPOINT_HISTORY
 
     st = make_state()
     st.start(0, 0)
@@ -837,16 +837,16 @@ def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, 
     form(st, [a, b], now=0, step=3)
     # The saver knows of its commit before the controller (no quorum asked since).
     rec = st.record_checkpoint(a, 4, "s3://b/ck/step-000000004", 123, now=1, wall=1)
-    assert rec["by"] == a and st.roles["policy"].step == 4
+    assert rec.by == a and st.roles["policy"].step == 4
     for s in range(5, 5 + CHECKPOINT_HISTORY):
         st.record_checkpoint(b, s, f"file:///ck/step-{s:09d}", 1, now=2, wall=2)
     st.record_checkpoint(b, 6, "file:///ck/again", 2, now=3, wall=3)  # saved again: replaced
-    status = st.status(3)["checkpoints"]
+    status = st.status(3).model_dump(mode="json")["checkpoints"]
     assert status["latest"]["step"] == 4 + CHECKPOINT_HISTORY
-    assert [c["step"] for c in st.checkpoints] == list(range(5, 5 + CHECKPOINT_HISTORY))
-    assert next(c for c in st.checkpoints if c["step"] == 6)["url"] == "file:///ck/again"
+    assert [c.step for c in st.checkpoints.records] == list(range(5, 5 + CHECKPOINT_HISTORY))
+    assert next(c for c in st.checkpoints.records if c.step == 6).url == "file:///ck/again"
     assert st.events[-1]["kind"] == "checkpoint"
     new = restart(st, journal, now=10)
-    assert new.checkpoints == st.checkpoints
+    assert new.checkpoints.records == st.checkpoints.records
     with pytest.raises(UnknownReplica):
         new.record_checkpoint("ghost:1", 9, "x", 0, now=11, wall=11)

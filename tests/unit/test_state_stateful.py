@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -21,10 +22,11 @@ from hypothesis.stateful import (
 )
 
 from phalanx.config import JobConfig, load_config
+from phalanx.controller.core.base import Tick
+from phalanx.controller.core.records import RoleState
+from phalanx.controller.core.state import ControllerState
 from phalanx.controller.journal import Journal
-from phalanx.controller.records import Quorum, RoleState
-from phalanx.controller.state import ControllerState
-from phalanx.controller.tick import Tick
+from phalanx.protocol.membership import Quorum
 
 ROLES = ("policy", "rollout")
 NAMES = ("a", "b", "c", "d", "e")
@@ -52,16 +54,19 @@ CLOCK_STEPS = st.sampled_from([0.0, 0.01, 0.2, 0.3, 0.6, 1.2, 5.0, HEARTBEAT_S +
 class RecordingState(ControllerState):
     """Records the role's live members at the exact moment each quorum forms."""
 
-    def __init__(self, cfg: JobConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: JobConfig, **kwargs: Any):
+        super().__init__(cfg, **kwargs)
         self.formations: list[tuple[Quorum, frozenset[str]]] = []
+        form = self.quorums.try_form
 
-    def _try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
-        live = frozenset(rs.member_ids)
-        q = super()._try_form(rs, now, wall)
-        if q is not None:
-            self.formations.append((q, live))
-        return q
+        def recorded(rs: RoleState, now: float, wall: float) -> Quorum | None:
+            live = frozenset(rs.member_ids)
+            q = form(rs, now, wall)
+            if q is not None:
+                self.formations.append((q, live))
+            return q
+
+        self.quorums.try_form = recorded  # type: ignore[method-assign]
 
 
 class ControllerMachine(RuleBasedStateMachine):
@@ -304,9 +309,9 @@ class ControllerMachine(RuleBasedStateMachine):
         assert {r: m.record() for r, m in new.members.items()} == {
             r: m.record() for r, m in old.members.items()
         }
-        assert new.command_seq == old.command_seq
-        assert {r: q for r, q in new.commands.items() if q} == {
-            r: q for r, q in old.commands.items() if q
+        assert new.commands.seq == old.commands.seq
+        assert {r: q for r, q in new.commands.queues.items() if q} == {
+            r: q for r, q in old.commands.queues.items() if q
         }
         for name in ROLES:
             a, b = old.roles[name], new.roles[name]
@@ -343,11 +348,11 @@ class ControllerMachine(RuleBasedStateMachine):
             assert rs.prev_pending == len(set(rs.pending) & rs.prev_ids)
             assert (rs.pending_since is None) == (not rs.pending)
             assert rs.force_bump == self.failed_commit[name]
-        assert set(self.state.commands) <= set(self.state.members)
+        assert set(self.state.commands.queues) <= set(self.state.members)
 
     @invariant()
     def journal_matches(self) -> None:
-        assert self.state.changes == []
+        assert self.state.log.changes == []
 
 
 ControllerMachine.TestCase.settings = settings(

@@ -5,8 +5,8 @@ steps per second, and the terminal tables."""
 from __future__ import annotations
 
 from phalanx.config import load_config
-from phalanx.controller.overview import detector_of
-from phalanx.controller.state import ControllerState
+from phalanx.controller.core.overview import detector_of
+from phalanx.controller.core.state import ControllerState
 
 GRACE_S = 0.25
 
@@ -31,7 +31,7 @@ def form(st: ControllerState, rids: list[str], step: int, now: float) -> None:
 
 
 def states(st: ControllerState, now: float) -> dict[str, str]:
-    reps = st.status(now, 1000 + now)["overview"]["roles"]["policy"]["replicas"]
+    reps = st.status(now, 1000 + now).model_dump(mode="json")["overview"]["roles"]["policy"]["replicas"]
     return {r["name"]: r["state"] for r in reps}
 
 
@@ -59,7 +59,7 @@ def test_replica_states_detector_and_recovery_time():
     q = [e for e in st.events if e["kind"] == "quorum"][-1]
     assert q["recovered"] == [{"replica_id": b, "detector": "failure_report", "seconds": 1.0}]
 
-    ov = st.status(4, 1004)["overview"]
+    ov = st.status(4, 1004).model_dump(mode="json")["overview"]
     assert ov["roles"]["policy"]["evicted"][0]["detector"] == "failure_report"
     assert ov["job"]["step"] == 6 and ov["job"]["steps_per_s"] == 0.5  # (6 - 5) / (4 - 2)
     assert ov["series"]["loss"] == [[5, 0.5]]
@@ -92,14 +92,14 @@ def test_operator_actions():
 def test_status_tables_render():
     from rich.console import Console
 
-    from phalanx.launch.status_view import status_tables
+    from phalanx.console.status_view import status_tables
 
     st = make_state()
     a = st.register("policy", "a", "i0", now=0, wall=1000)[0].replica_id
     st.evict_replica(a, "test", now=1, wall=1001)
     st.register("policy", "a", "i1", now=1, wall=1001)
     console = Console(width=140, record=True)
-    console.print(status_tables({"job_id": "j", "epoch": 1, **st.status(2, 1002)}))
+    console.print(status_tables(st.status(2, 1002)))
     out = console.export_text()
     assert "joining" in out and "evicted" in out and "by operator" in out
 
@@ -107,8 +107,9 @@ def test_status_tables_render():
 def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
     from rich.console import Console
 
-    from phalanx.controller.overview import _timeline
-    from phalanx.launch.status_view import status_tables
+    from phalanx.console.status_view import status_tables
+    from phalanx.controller.core.overview import _timeline
+    from phalanx.protocol.status import Event
 
     def sync(seq: int) -> dict:
         return {"kind": "sync_done", "seq": seq, "version": 2 * seq, "at": 1000.0 + seq}
@@ -125,8 +126,11 @@ def test_timeline_folds_a_run_of_weight_syncs_into_one_event():
 
     st = make_state()
     st.register("policy", "a", "i0", now=0, wall=1000)
-    status = {"job_id": "j", "epoch": 1, **st.status(2, 1002)}
-    status["overview"]["timeline"] = tl
+    status = st.status(2, 1002)
+    timeline = [Event.model_validate(e) for e in tl]
+    status = status.model_copy(
+        update={"overview": status.overview.model_copy(update={"timeline": timeline})}
+    )
     console = Console(width=140, record=True)
     console.print(status_tables(status))
     out = console.export_text()
@@ -141,20 +145,20 @@ def test_diloco_inner_step_is_live_from_heartbeats():
     form(st, rids, 0, now=0.1)
 
     def diloco(now: float) -> dict:
-        return st.status(now, 1000 + now)["overview"]["job"]["diloco"]
+        return st.status(now, 1000 + now).model_dump(mode="json")["overview"]["job"]["diloco"]
 
     assert diloco(0.2) == {"outer_step": 0, "inner_step": 0, "sync_every": 20}
     st.heartbeat(rids[0], now=0.3, step=0, inner_step=7)
     st.heartbeat(rids[1], now=0.3, step=0, inner_step=9)
     assert diloco(0.4)["inner_step"] == 9
-    reps = st.status(0.4, 1000.4)["overview"]["roles"]["policy"]["replicas"]
+    reps = st.status(0.4, 1000.4).model_dump(mode="json")["overview"]["roles"]["policy"]["replicas"]
     assert {r["name"]: r["inner_step"] for r in reps} == {"a": 7, "b": 9, "c": None}
     assert "inner_step" not in st.members[rids[0]].record()  # liveness only
 
 
 def test_an_event_without_its_usual_fields_still_reads():
     """The words are made on every status request: a malformed event must not break it."""
-    from phalanx.controller.event_text import describe
+    from phalanx.controller.core.event_text import describe
 
     assert describe({"kind": "quorum", "role": "policy"}) == "quorum policy"
     assert describe({"kind": "checkpoint", "step": 3}) == "checkpoint"
@@ -173,7 +177,7 @@ def test_a_reported_heal_is_on_the_timeline_with_its_time():
     heal = {"source": a, "step": 7, "seconds": 0.031, "quorum_id": 3}
     st.heartbeat(b, now=1, wall=1001, healed=heal)
     st.heartbeat(b, now=2, wall=1002)  # reported once
-    tl = st.status(3, 1003)["overview"]["timeline"]
+    tl = st.status(3, 1003).model_dump(mode="json")["overview"]["timeline"]
     healed = [e for e in tl if e["kind"] == "healed"]
     assert len(healed) == 1 and healed[0]["at"] == 1001
     assert {k: healed[0][k] for k in heal} == heal and healed[0]["role"] == "policy"

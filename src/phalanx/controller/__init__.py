@@ -1,1 +1,31 @@
-"""The control plane: membership, quorum, commands and status of one job."""
+"""The control plane: membership, quorum, commands, the RL ledger and the status
+of one job, in two layers:
+
+- ``core/``: the pure state machine (no I/O, ids and clocks passed in);
+- around it, ``journal.py`` (SQLite), ``payloads.py`` (the payload log),
+  ``collector.py`` (drops from an external rollout store), ``service.py`` (the
+  asyncio glue), ``http/`` (the routes) and ``server.py`` (start one).
+
+Outside this package, nothing imports it but the ``phalanx controller``
+command (:func:`serve`); replicas and tools speak :mod:`phalanx.protocol`
+through :mod:`phalanx.client`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.config import JobConfig
+
+
+class StateDirLocked(RuntimeError):
+    """Another controller holds this state dir."""
+
+
+def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Run a controller in this process until it is stopped (SIGINT/SIGTERM)."""
+    from phalanx.controller.server import serve as run
+
+    run(cfg, state_dir, host, port)

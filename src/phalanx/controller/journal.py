@@ -24,14 +24,16 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from pydantic_core import to_json
-
-Change = tuple[str, str, dict[str, Any] | None]
+from phalanx.controller import StateDirLocked
+from phalanx.controller.core.base import Change
+from phalanx.controller.core.codec import encode
 
 LENIENT_TABLES = ("rq_items",)
 """Tables whose records are checked by their reader (a checksum), which sets a damaged
 one aside: a record there that is not even JSON is handed over as ``{"unreadable": text}``
 instead of failing the load."""
+
+__all__ = ["Change", "Journal", "StateDirLock", "StateDirLocked", "encode"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -41,10 +43,6 @@ CREATE TABLE IF NOT EXISTS records (
     PRIMARY KEY (tbl, key)
 ) WITHOUT ROWID;
 """
-
-
-class StateDirLocked(RuntimeError):
-    pass
 
 
 class StateDirLock:
@@ -80,14 +78,6 @@ class StateDirLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-
-def encode(record: Any) -> str:
-    """Compact JSON, as ``json.dumps`` writes it but about 7x faster (pydantic-core's
-    serializer): rollouts full of floats made the standard library's encoder the
-    controller's top cost (docs/benchmarks.md, Transports). Non-finite floats are
-    written as ``Infinity``/``NaN``, which ``json.loads`` reads back."""
-    return to_json(record, inf_nan_mode="constants").decode()
 
 
 class Journal:

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from phalanx.controller.overview import overview
+from phalanx.controller.core.overview import overview
 
 if TYPE_CHECKING:
-    from phalanx.controller.records import RoleState
+    from phalanx.controller.core.records import RoleState
     from phalanx.controller.service import ControllerService
 
 REPLICA_STATES = ("joining", "healing", "active", "suspected")
@@ -42,7 +42,7 @@ class OverviewCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         svc = self.service
-        ov = overview(svc.state, svc.clock(), svc.wall())
+        ov = overview(svc.state, svc.clock(), svc.wall()).model_dump()
         rl = ["role", "replica_id"]
         by_state = _gauge(
             "phalanx_replicas_by_state", "Live replicas per state.", ["role", "state"]

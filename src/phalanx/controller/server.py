@@ -2,9 +2,9 @@
 publish the URL, serve.
 
 The state dir holds everything the controller needs to come back after a
-SIGKILL: ``journal.sqlite`` (state), ``token`` (mode 0600), ``config.json``
-(the resolved job config), ``url`` (where it listens) and
-``controller.lock``. Restarted with ``--port 0``, a controller first tries
+SIGKILL: ``journal.sqlite`` (state), ``payloads/`` (the payload log of the
+``controller`` rollout store), ``token`` (mode 0600), ``config.json`` (the
+resolved job config), ``url`` (where it listens) and ``controller.lock``. Restarted with ``--port 0``, a controller first tries
 the port it had before, so replicas that only know the URL re-attach by
 themselves; if that port is taken it picks a new one and rewrites ``url``.
 """
@@ -17,6 +17,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from phalanx import env
@@ -85,12 +86,29 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def open_collector(cfg: JobConfig) -> Any:
+    """The payload collector of an RL job whose rollout store is outside the
+    controller (``rl.transport.rollouts`` set to a Redis or storage URL), else None."""
+    if cfg.rl is None or cfg.rl.transport.rollouts == "controller":
+        return None
+    from phalanx.controller.collector import Collector
+    from phalanx.transport.factory import open_store
+
+    lease_s, url = cfg.rl.loop.lease_s, cfg.rl.transport.rollouts
+    return Collector(
+        lambda name: open_store(url, name),
+        orphan_age_s=max(600.0, 4 * lease_s),
+        sweep_every_s=max(60.0, lease_s),
+    )
+
+
 def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
     """Run a controller in this process until it is stopped (SIGINT/SIGTERM)."""
     import uvicorn
 
-    from phalanx.controller.app import create_app
+    from phalanx.controller.http import create_app
     from phalanx.controller.journal import Journal, StateDirLock
+    from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +117,15 @@ def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 
     try:
         token = load_or_create_token(state_dir)
         _write_atomic(state_dir / "config.json", json.dumps(cfg.dump(), indent=2) + "\n")
-        journal = Journal(state_dir / "journal.sqlite", cfg.controller.journal_sync)
-        service = ControllerService(cfg, journal, time.monotonic, time.time)
+        sync = cfg.controller.journal_sync
+        service = ControllerService(
+            cfg,
+            Journal(state_dir / "journal.sqlite", sync),
+            PayloadLog(state_dir / "payloads", sync),
+            time.monotonic,
+            time.time,
+            collector=open_collector(cfg),
+        )
         app = create_app(service, token)
         sock = _bind(host, port, state_dir)
         url = url_of(sock)

@@ -1,23 +1,37 @@
-"""The controller service: the pure state machine, its journal, and the waiters
-of long-polls, glued together on one asyncio loop.
+"""The controller service: the pure core, its journal, the payload log, and the
+waiters of long-polls, glued together on one asyncio loop.
 
 Every mutation goes through :meth:`ControllerService.apply`, which runs the
-state-machine call, writes the resulting changes to the journal, and only
-then wakes the long-polls that the call answered. So no reply ever tells a
-replica something the journal does not hold yet.
+core call, writes the payloads it accepted to the payload log, writes the
+resulting changes to the journal, and only then drops the payloads it let go
+and wakes the long-polls that the call answered. So no reply ever tells a
+replica something the journal does not hold yet, and no journaled record
+refers to a payload that was not written first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.config import JobConfig
+from phalanx.controller.core.state import ControllerState, Tick
 from phalanx.controller.journal import Journal
 from phalanx.controller.metrics import Metrics
-from phalanx.controller.state import ControllerState, Tick
+from phalanx.controller.payloads import PayloadLog
+from phalanx.transport.base import store_name
+
+if TYPE_CHECKING:
+    from phalanx.controller.collector import Collector
+
+log = logging.getLogger("phalanx.controller")
+
+WAITS = ("quorum", "heartbeat", "lifeline", "commands", "ledger", "queue", "status")
+"""Kinds of long-poll a request may wait on (:meth:`ControllerService.wait`)."""
 
 
 class ControllerService:
@@ -25,37 +39,50 @@ class ControllerService:
         self,
         cfg: JobConfig,
         journal: Journal,
+        payloads: PayloadLog,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        collector: Collector | None = None,
     ):
         self.cfg = cfg
         self.journal = journal
+        self.payloads = payloads
         self.clock = clock
         self.wall = wall
-        self.state = ControllerState.restore(cfg, journal.load(), clock())
+        self.collector = collector
+        """Drops payloads from a rollout store outside the controller (None: the
+        controller's own payload log is the store)."""
+        payloads.load()
+        self.state = ControllerState.restore(
+            cfg,
+            journal.load(),
+            clock(),
+            run=uuid.uuid4().hex[:12],
+            payload_of=payloads.get,
+        )
+        payloads.put(self.state.moved)
+        self.state.moved = []
+        dropped = payloads.retain(self.state.payload_keys())
+        if dropped:
+            log.info("payload log: %d payload(s) no journal record refers to were dropped", dropped)
         self.state.start(clock(), wall())
-        self.journal.write(self.state.drain())
         self.metrics = Metrics(self)
-        self._quorum_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._heartbeat_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._lifeline_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        """Held lifelines: woken (ended) when their replica leaves or is evicted."""
-        self._command_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._ledger_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._queue_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        """Rollout-queue lease long-polls, by queue name."""
-        self._status_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        """Open dashboards (server-sent events): woken by every journaled change."""
+        self._waiters: dict[str, dict[str, list[asyncio.Future[None]]]] = {k: {} for k in WAITS}
         self._ticker: asyncio.Task[None] | None = None
+        self.apply(self.state.reconcile)
 
     @property
     def epoch(self) -> int:
         return self.state.epoch
 
+    def envelope(self) -> dict[str, Any]:
+        """The fields every reply carries."""
+        return {"epoch": self.state.epoch, "job_id": self.cfg.job.id}
+
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one state-machine call with the current clocks, journal its changes,
-        then wake whoever it answered. The call's own return value is passed
-        through (with the :class:`Tick` peeled off where it returns one)."""
+        """Run one core call with the current clocks, make its payloads and changes
+        durable, then act on its :class:`Tick`. The call's own return value is
+        passed through (with the Tick peeled off where it returns one)."""
         result: Any = fn(*args, now=self.clock(), wall=self.wall(), **kwargs)
         tick: Tick | None = None
         if isinstance(result, Tick):
@@ -67,19 +94,24 @@ class ControllerService:
         return result
 
     def commit(self, tick: Tick | None = None) -> None:
+        if tick is not None and tick.puts:
+            self.payloads.put(tick.puts)  # before the journal: no record without its payload
         changes = self.state.drain()
         if changes:
             self.journal.write(changes)
             self.metrics.journal_writes.inc()
-            if self._status_waiters:
-                for key in list(self._status_waiters):
-                    self._wake(self._status_waiters, key)
+            for key in list(self._waiters["status"]):
+                self._wake("status", key)
         if tick is None:
             return
+        if tick.drops:
+            self.payloads.drop(tick.drops)
+        if tick.sweeps and self.collector is not None:
+            self.collector.submit(tick.sweeps)
         for q in tick.formed:
             self.metrics.quorums.labels(q.role).inc()
             for rid in q.replica_ids:
-                self._wake(self._quorum_waiters, rid)
+                self._wake("quorum", rid)
         for rid in tick.evicted:
             ev: dict[str, Any] = next(
                 (e for e in reversed(self.state.events) if e.get("replica_id") == rid), {}
@@ -88,56 +120,41 @@ class ControllerService:
             self.metrics.evictions_by_detector.labels(
                 ev.get("role", "?"), ev.get("detector", "?")
             ).inc()
-            for waiters in (
-                self._quorum_waiters,
-                self._heartbeat_waiters,
-                self._lifeline_waiters,
-                self._command_waiters,
-                self._ledger_waiters,
-            ):
-                self._wake(waiters, rid)
+            for kind in ("quorum", "heartbeat", "lifeline", "commands", "ledger"):
+                self._wake(kind, rid)
         for rid in tick.probe:
-            self._wake(self._heartbeat_waiters, rid)
+            self._wake("heartbeat", rid)
         for rid in tick.commands_for:
-            self._wake(self._command_waiters, rid)
+            self._wake("commands", rid)
         for rid in tick.ledger_for:
-            self._wake(self._ledger_waiters, rid)
+            self._wake("ledger", rid)
         for name in tick.queues:
-            self._wake(self._queue_waiters, name)
+            self._wake("queue", name)
 
-    @staticmethod
-    def _wake(waiters: dict[str, list[asyncio.Future[None]]], rid: str) -> None:
-        for fut in waiters.pop(rid, []):
+    def _wake(self, kind: str, key: str) -> None:
+        for fut in self._waiters[kind].pop(key, []):
             if not fut.done():
                 fut.set_result(None)
 
-    async def wait(self, kind: str, replica_id: str, timeout: float) -> bool:
-        """Wait until ``replica_id`` (a queue's name for ``queue``) is woken for ``kind``
-        or ``timeout`` passes. Returns True when woken."""
-        waiters = {
-            "quorum": self._quorum_waiters,
-            "heartbeat": self._heartbeat_waiters,
-            "lifeline": self._lifeline_waiters,
-            "commands": self._command_waiters,
-            "ledger": self._ledger_waiters,
-            "queue": self._queue_waiters,
-            "status": self._status_waiters,
-        }[kind]
+    async def wait(self, kind: str, key: str, timeout: float) -> bool:
+        """Wait until ``key`` (a replica id; a queue's name for ``queue``) is woken for
+        ``kind`` or ``timeout`` passes. Returns True when woken."""
+        waiters = self._waiters[kind]
         if timeout <= 0:
             return False
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters.setdefault(replica_id, []).append(fut)
+        waiters.setdefault(key, []).append(fut)
         try:
             await asyncio.wait_for(fut, timeout)
             return True
         except TimeoutError:
             return False
         finally:
-            lst = waiters.get(replica_id)
+            lst = waiters.get(key)
             if lst is not None and fut in lst:
                 lst.remove(fut)
                 if not lst:
-                    del waiters[replica_id]
+                    del waiters[key]
 
     async def run_ticker(self) -> None:
         period = self.cfg.controller.tick_s
@@ -146,7 +163,21 @@ class ControllerService:
             self.apply(self.state.tick)
 
     def start(self) -> None:
-        self._ticker = asyncio.get_running_loop().create_task(self.run_ticker())
+        loop = asyncio.get_running_loop()
+        self._ticker = loop.create_task(self.run_ticker())
+        if self.collector is not None:
+            led = self.state.ledger
+
+            def swept(refs: list[str]) -> None:
+                loop.call_soon_threadsafe(self.apply, self.state.swept, refs)
+
+            def referenced() -> set[str]:
+                return {r["ref"] for r in led.rollouts.records.values()} if led else set()
+
+            name = store_name(self.cfg.job.id, led.run if led is not None else "")
+            self.collector.start(name, swept, loop, referenced)
+            if led is not None and led.unswept:
+                self.collector.submit(sorted(led.unswept.items()))
 
     async def stop(self) -> None:
         if self._ticker is not None:
@@ -155,4 +186,9 @@ class ControllerService:
                 await self._ticker
             except asyncio.CancelledError:
                 pass
+        if self.collector is not None:
+            # Drops still queued get a few seconds; the rest stay journaled for the next start.
+            await asyncio.get_running_loop().run_in_executor(None, self.collector.stop)
+            await asyncio.sleep(0)  # let the collector's last reports apply
         self.journal.close()
+        self.payloads.close()

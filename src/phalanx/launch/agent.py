@@ -60,7 +60,8 @@ from phalanx.launch.agent_options import (
     worker_env,
     write_atomic,
 )
-from phalanx.launch.local import _signal, stop_all
+from phalanx.launch.procs import signal_proc, stop_all
+from phalanx.launch.report import controller_problem, report_exit
 
 log = logging.getLogger("phalanx.agent")
 
@@ -296,7 +297,7 @@ class Agent:
         self.note(what, logging.WARNING)
         others = [x for x in self.workers if x is not w and x.proc.poll() is None]
         for x in others:  # before the report: a live rank 0 must not re-register
-            _signal(x.proc, signal.SIGTERM)
+            signal_proc(x.proc, signal.SIGTERM)
         self._report(f"{what} (reported by agent {self.opts.node})")
         stopped = self._stop_workers(self.opts.fail_grace_s)
         self.emit("stopped", generation=self.generation, workers=stopped)
@@ -335,48 +336,21 @@ class Agent:
 
     def _check_controller(self) -> None:
         """Say at once, not at the first failure, when exits cannot be reported."""
-        if not self.opts.controller:
-            return
-        from phalanx.client import ControllerError, find_token, resolve
-
-        try:
-            find_token(resolve(self.opts.controller)[1])
-        except ControllerError as e:
-            self.note(f"worker exits cannot be reported to the controller: {e}", logging.WARNING)
+        problem = controller_problem(self.opts.controller)
+        if problem is not None:
+            self.note(
+                f"worker exits cannot be reported to the controller: {problem}", logging.WARNING
+            )
 
     def _report(self, reason: str) -> None:
-        """Evict the replica's live incarnation(s) at the controller, so that the
-        quorum moves on now. The controller finds nothing when the workers left
-        by themselves (or never registered); a controller that cannot be reached
-        is logged, and heartbeats then detect the failure as before."""
+        """Evict the replica's live incarnation(s) at the controller (see
+        :func:`~phalanx.launch.report.report_exit`)."""
         if not self.opts.controller:
             return
-        import httpx
-
-        from phalanx.client import ControllerError, find_token, resolve
-
-        ids: list[str] = []
-        try:
-            url, state_dir = resolve(self.opts.controller)
-            headers = {"Authorization": f"Bearer {find_token(state_dir)}"}
-            with httpx.Client(headers=headers, timeout=5.0) as http:
-                r = http.get(f"{url}/v1/status")
-                r.raise_for_status()
-                ids = [
-                    m["replica_id"]
-                    for role in r.json()["roles"].values()
-                    for m in role["replicas"]
-                    if m["name"] == self.opts.name
-                ]
-                for rid in ids:
-                    r = http.post(
-                        f"{url}/v1/deregister", json={"replica_id": rid, "reason": reason}
-                    )
-                    if r.status_code >= 400 and r.status_code != 404:
-                        raise ControllerError(f"deregister {rid}: {r.status_code} {r.text[:200]}")
-        except (httpx.HTTPError, ControllerError, ValueError, KeyError) as e:
-            self.emit("reported", replica_ids=ids, reason=reason, error=str(e))
-            self.note(f"could not report to the controller: {e}", logging.WARNING)
+        ids, error = report_exit(self.opts.controller, self.opts.name, reason)
+        if error is not None:
+            self.emit("reported", replica_ids=ids, reason=reason, error=error)
+            self.note(f"could not report to the controller: {error}", logging.WARNING)
             return
         self.emit("reported", replica_ids=ids, reason=reason)
 

@@ -3,7 +3,7 @@ replicas (the policy replicas of an FT-DDP job; policy and rollout replicas of a
 RL job) as local processes, restarts replicas that crash, follows the replica
 counts an operator asks for with ``phalanx scale``, and can deliver chaos
 (SIGKILL a random replica on a period, restart it after a delay) so that anyone
-can watch the job survive. What it shows is in :mod:`phalanx.launch.view`.
+can watch the job survive. What it shows is in :mod:`phalanx.console.view`.
 
 Every process is started in its own process group and signalled through its
 pid's group; nothing is ever killed by name.
@@ -12,7 +12,6 @@ pid's group; nothing is ever killed by name.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -25,10 +24,12 @@ from urllib.parse import quote
 
 from phalanx.client import find_token
 from phalanx.config import JobConfig
+from phalanx.console.poll import StatusPoller
+from phalanx.console.view import View
 from phalanx.launch.options import Chaos
-from phalanx.launch.poll import StatusPoller
+from phalanx.launch.procs import signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
-from phalanx.launch.view import View
+from phalanx.protocol.status import Status
 
 __all__ = ["Chaos", "LocalJob", "Replica"]
 
@@ -37,41 +38,6 @@ RESTART_DELAY_S = 1.0
 MAX_FAILED_STARTS = 3
 """A replica that exits this many times in a row without progress stops the job:
 it is broken (bad config, import error), and restarting it forever hides that."""
-
-
-def _spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("ab") as f:
-        return subprocess.Popen(
-            cmd,
-            stdout=stdout if stdout is not None else f,
-            stderr=f,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
-
-
-def _signal(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
-    if proc is not None and proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def stop_all(procs: list[subprocess.Popen[bytes] | None], grace_s: float = 5.0) -> None:
-    """SIGTERM each process group, then SIGKILL those still alive after ``grace_s``."""
-    live = [p for p in procs if p is not None and p.poll() is None]
-    for p in live:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
-            p.wait()
 
 
 class LocalJob:
@@ -124,7 +90,7 @@ class LocalJob:
         url_file = state / "url"
         url_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
-        self.controller = _spawn([*cmd, *self._cfg_args()], self.run_dir / "controller.log")
+        self.controller = spawn([*cmd, *self._cfg_args()], self.run_dir / "controller.log")
         deadline = time.monotonic() + 30
         while not url_file.exists():
             if self.controller.poll() is not None:
@@ -150,7 +116,7 @@ class LocalJob:
         return [*cmd, *self._cfg_args()]
 
     def start_replica(self, r: Replica) -> None:
-        r.proc = _spawn(self.replica_cmd(r), self.run_dir / f"{r.name}.log", subprocess.PIPE)
+        r.proc = spawn(self.replica_cmd(r), self.run_dir / f"{r.name}.log", subprocess.PIPE)
         r.started()
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()
 
@@ -183,14 +149,14 @@ class LocalJob:
 
     # -- main loop -------------------------------------------------------
 
-    def status(self) -> dict[str, Any] | None:
+    def status(self) -> Status | None:
         return self.poller.latest if self.poller is not None else None
 
     def finished(self) -> bool:
         """The job is over: the controller says so (RL), or a replica trained all steps (FT)."""
         if self.rl:
             st = self.status()
-            return bool(st and st.get("rl", {}).get("finished"))
+            return st is not None and st.rl is not None and st.rl.finished
         return any(r.done for r in self.replicas.values())
 
     def run(self, live: bool = True, as_json: bool = False) -> int:
@@ -296,7 +262,7 @@ class LocalJob:
                 self.retired.append(self.replicas.pop(r.name))
                 self.note(f"{r.name} stopped (scale down)")
             elif now - r.retiring_since > self.stop_grace_s:
-                _signal(r.proc, signal.SIGKILL)
+                signal_proc(r.proc, signal.SIGKILL)
             return
         if r.proc is None:
             if r.restart_at is not None and finished:
@@ -330,10 +296,10 @@ class LocalJob:
     def _follow_desired(self, now: float) -> None:
         """Start or stop replicas so that each role has the count ``phalanx scale`` set."""
         st = self.status()
-        if not st:
+        if st is None:
             return
-        for role, info in st.get("roles", {}).items():
-            want = info.get("desired")
+        for role, info in st.roles.items():
+            want = info.desired
             if want is None:
                 continue
             active = sorted(
@@ -350,7 +316,7 @@ class LocalJob:
             for r in active[want:]:
                 r.retiring_since = now
                 r.restart_at = None
-                _signal(r.proc, signal.SIGTERM)
+                signal_proc(r.proc, signal.SIGTERM)
                 self.note(f"{r.name}: stopping (scale {role} to {want})")
 
     # -- chaos -----------------------------------------------------------
@@ -366,7 +332,7 @@ class LocalJob:
             return False
         r = self._rng.choice(alive)
         assert r.proc is not None
-        _signal(r.proc, signal.SIGKILL)
+        signal_proc(r.proc, signal.SIGKILL)
         r.proc.wait()
         r.proc = None
         r.kills += 1

@@ -29,6 +29,7 @@ from phalanx.launch.base import (
     check_launch,
     describe_exit,
 )
+from phalanx.launch.procs import signal_group
 
 __all__ = ["LocalProcessExecutor"]
 
@@ -113,13 +114,6 @@ class _Run:
         )
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
 class LocalProcessExecutor(ServerlessExecutor):
     """Replicas as local processes; see the module doc.
 
@@ -171,7 +165,7 @@ class LocalProcessExecutor(ServerlessExecutor):
                 for s in specs:
                     run, old = self._runs.get(s.name), before[s.name]
                     if run is not None and run is not old:
-                        _killpg(run.proc.pid, signal.SIGKILL)
+                        signal_group(run.proc.pid, signal.SIGKILL)
                         run.proc.wait()
                     if old is None:
                         self._runs.pop(s.name, None)
@@ -260,7 +254,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             targets = [r for r in runs if not r.state.ended and r.proc.poll() is None]
             for r in targets:
                 r.cancelling = True
-                _killpg(r.proc.pid, signal.SIGTERM)
+                signal_group(r.proc.pid, signal.SIGTERM)
         # Wait without the lock, so that poll() answers meanwhile.
         deadline = time.monotonic() + self.grace_s
         for r in targets:
@@ -270,7 +264,7 @@ class LocalProcessExecutor(ServerlessExecutor):
                 pass
             # Also after a clean exit of the leader: children it left in its group
             # must go too. The group id cannot be reused while any member lives.
-            _killpg(r.proc.pid, signal.SIGKILL)
+            signal_group(r.proc.pid, signal.SIGKILL)
             r.proc.wait()
         with self._lock:
             self._refresh()

@@ -24,12 +24,14 @@ whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from phalanx.config.rl import GRPOSection
 from phalanx.rl.engine.base import Completion
 
 
@@ -194,3 +196,33 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """Per-token log-probs of ``batch`` under the frozen reference model (for the KL term)."""
     return token_logprobs(ref_model, batch, temperature)
+
+
+def lr_lambda(g: GRPOSection, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of ``g.lr`` at optimizer step ``i``: linear warmup, then constant or cosine."""
+
+    def f(i: int) -> float:
+        if i < g.warmup_steps:
+            return (i + 1) / g.warmup_steps
+        if g.lr_decay == "constant":
+            return 1.0
+        frac = min(1.0, (i - g.warmup_steps) / max(1, total_steps - g.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return f
+
+
+def rows_to_train(adv: torch.Tensor, kl_coef: float) -> list[int]:
+    """Rows whose loss can have a non-zero gradient.
+
+    A zero advantage makes every term of the clipped surrogate zero whatever
+    the ratio, so without a KL term such rows (whole groups with equal
+    rewards, e.g. solved prompts) only cost a forward and backward. Dropping
+    them while keeping the batch's full token count as the normaliser leaves
+    the gradient unchanged. One row is always kept so that the optimizer still
+    steps (AdamW's moments decay on a zero gradient exactly as without the drop).
+    """
+    if kl_coef > 0:
+        return list(range(len(adv)))
+    keep = adv.nonzero().squeeze(1).tolist()
+    return keep or [0]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.config.rl import ModelSection
 from phalanx.rl.base import Tokenizer
-from phalanx.rl.config import ModelSection
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

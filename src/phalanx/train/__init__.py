@@ -1,4 +1,16 @@
-"""Fault-tolerant data parallelism: per-step quorum, commit, heal, constant global batch.
+"""The fault-tolerant training library: per-step quorum, commit, heal, constant
+global batch, and DiLoCo's outer loop. No process loop of its own (those are
+in :mod:`phalanx.jobs`).
+
+- ``manager.py``      quorum per step, all-reduce, commit everywhere or nowhere, live heal
+- ``grads.py``        gradients in flat buffers, bucketed all-reduce with the commit vote
+- ``heal.py``         the state a joiner receives, into a pre-faulted buffer
+- ``batch.py``        a replica's share of the global batch, micro-batches
+- ``snapshot.py``     a replica's whole state as one safetensors blob
+- ``orders.py``       operator commands honoured at step boundaries (drain, checkpoint)
+- ``diloco.py``       DiLoCo's outer loop (H inner steps, outer optimizer, streaming fragments)
+- ``diloco_sync.py``  DiLoCo's outer step over the FT group (a quorum per round)
+- ``tp.py``, ``tp_state.py``  a tensor-parallel transformer and its layout-free state
 
 Imported lazily, so that a worker that needs only one submodule (``train.tp``,
 ``train.diloco``) does not pay for the others."""

@@ -154,7 +154,7 @@ class SyncDiLoCo:
                     samples += idx
                     loss += self._inner_step(fn, idx)
                     self.diloco.after_inner_step()
-                    m.client.inner_step = self.diloco.inner_steps  # live, for the dashboard
+                    m.client.report_progress(inner_step=self.diloco.inner_steps)  # live, dashboard
                 if last:
                     self.diloco.finish()
             except CommError as e:
@@ -163,7 +163,7 @@ class SyncDiLoCo:
         committed = m.should_commit()
         if not committed and snapshot is not None:
             m.load_state_dict(snapshot)
-        m.client.inner_step = self.diloco.inner_steps  # back to the round's start if undone
+        m.client.report_progress(inner_step=self.diloco.inner_steps)  # back if undone
         return RoundResult(
             committed,
             m.step,

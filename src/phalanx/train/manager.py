@@ -37,9 +37,9 @@ import torch
 from phalanx.client import ControllerClient
 from phalanx.comm.base import CommError, Communicator
 from phalanx.comm.transfer import recv_state, send_state
-from phalanx.controller.records import Quorum
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
+from phalanx.protocol.membership import Quorum
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
 from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
@@ -124,6 +124,7 @@ class Manager:
         self._heal_buffer = PrefaultedBuffer()
         self._ok = True
         self._error: str | None = None
+        self._abstained: str | None = None
         self.heals = 0
         self.last_heal: dict[str, Any] = {}
         self.last_indices: list[int] = []
@@ -160,7 +161,7 @@ class Manager:
         for k, v in sd["extra"].items():
             if k in self.extra:
                 self.extra[k][1](v)
-        self.client.step = self.step
+        self.client.report_progress(step=self.step)
         self.client.who.step = self.step
 
     # -- quorum ----------------------------------------------------------
@@ -197,7 +198,7 @@ class Manager:
         finally:
             self._pending = None
         self.quorum = q
-        self._ok, self._error = True, None
+        self._ok, self._error, self._abstained = True, None, None
         if self.total_steps is not None and q.job_step >= self.total_steps > q.max_step:
             # The job ended (its last step committed by replicas that left)
             # while this one waited: training from its own older state would
@@ -258,12 +259,7 @@ class Manager:
             self.heals += 1
             nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
             self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step, "warm": warm}
-            self.client.healed = {
-                "source": q.heal[me],
-                "step": self.step,
-                "seconds": round(dt, 4),
-                "quorum_id": q.quorum_id,
-            }
+            self.client.report_heal(q.heal[me], self.step, round(dt, 4), q.quorum_id)
             self.log.info(
                 "healed from %s to step %d in %.3f s (%d model bytes, into %s memory)",
                 q.heal[me],
@@ -301,7 +297,8 @@ class Manager:
         if not self._ok:
             return float("nan")
         try:
-            return self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=True)
+            vote = self._abstained is None
+            return self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=vote)
         except CommError as e:
             self._fail(e)
             return float("nan")
@@ -323,6 +320,14 @@ class Manager:
         self.grads.vote_ok = round(meta[0].item()) == self.world_size
         return float(meta[1])
 
+    def abstain(self, reason: str) -> None:
+        """Vote no in this step without blaming a peer: this replica cannot train it
+        (its data is not there, e.g. a rollout payload could not be read). It still
+        takes part in the step's all-reduce, so every participant learns it there and
+        retries; nobody is reported and the group is kept. Call between
+        :meth:`wait_quorum` and :meth:`allreduce_grads`."""
+        self._abstained = reason
+
     def fail(self, e: Exception) -> None:
         """Record a failed collective made outside the manager (e.g. by a DiLoCo
         reducer over :attr:`comm`): vote no, report the peers, drop the group."""
@@ -331,7 +336,7 @@ class Manager:
     @property
     def error(self) -> str | None:
         """Why this replica votes no in the current step, if it does."""
-        return self._error
+        return self._error or self._abstained
 
     @property
     def ok(self) -> bool:
@@ -350,7 +355,7 @@ class Manager:
             self.step += 1
             if self.sampler is not None:
                 self.sampler.commit(self.global_batch_size)
-            self.client.step = self.step
+            self.client.report_progress(step=self.step)
             self.client.who.step = self.step
         return ok
 
@@ -395,7 +400,7 @@ class Manager:
             self.world_size,
             q.quorum_id,
             healed,
-            self._error,
+            self.error,
         )
 
     def close(self) -> None:

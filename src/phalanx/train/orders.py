@@ -7,8 +7,8 @@ controller's command queue (the dashboard's actions):
 - ``drain`` (``POST /v1/replicas/drain``): the replica leaves the job after
   its next commit; the others go on without it.
 
-RL replicas take only ``drain`` (:mod:`phalanx.rl.policy` leaves after a
-committed and acknowledged step, :mod:`phalanx.rl.rollout` between two
+RL replicas take only ``drain`` (:mod:`phalanx.jobs.rl_policy` leaves after a
+committed and acknowledged step, :mod:`phalanx.jobs.rl_rollout` between two
 generation batches); a command of another kind stays pending for them.
 
 Polled without waiting, at most once a second.
@@ -46,14 +46,14 @@ class Orders:
             return
         self.next_poll = now + self.every_s
         try:
-            cmds = [c for c in self.client.poll_commands(wait_s=0) if c["kind"] in self.kinds]
+            cmds = [c for c in self.client.poll_commands(wait_s=0) if c.kind in self.kinds]
             for c in cmds:
-                if c["kind"] == "checkpoint":
-                    self.checkpoints.add(int(c["payload"].get("step", step)))
+                if c.kind == "checkpoint":
+                    self.checkpoints.add(_step_of(c.payload, step))
                 else:
                     self.drain = True
             if cmds:
-                self.client.ack([c["id"] for c in cmds])
+                self.client.ack([c.id for c in cmds])
         except (ControllerError, ValueError) as e:
             log.warning("could not read operator commands: %s", e)
 
@@ -62,3 +62,11 @@ class Orders:
         hit = any(x <= step for x in self.checkpoints)
         self.checkpoints = {x for x in self.checkpoints if x > step}
         return hit
+
+
+def _step_of(payload: dict[str, object], default: int) -> int:
+    """The step a ``checkpoint`` command names (its payload is free-form JSON)."""
+    step = payload.get("step", default)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a checkpoint command's payload.step must be a step: got {step!r}")
+    return step

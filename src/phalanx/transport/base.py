@@ -26,33 +26,21 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from phalanx.protocol.rl import SyncOrder
+
 if TYPE_CHECKING:
     import torch
 
+    from phalanx.protocol.rl import RolloutPayload
 
-@dataclass(frozen=True)
-class SyncOrder:
-    """A weight-sync order from the controller, as one member sees it."""
-
-    seq: int
-    mesh_id: int
-    """Changes whenever the set of members (or the leader) changes: rebuild the group."""
-    members: tuple[str, ...]
-    """Replica ids: the policy leader first, then the rollout replicas."""
-    rank: int
-    """This member's position in ``members`` (0: the leader, the source)."""
-    store: str
-    """Rendezvous address (``host:port``) of the leader's store."""
-
-    @staticmethod
-    def from_reply(d: dict[str, Any]) -> SyncOrder:
-        return SyncOrder(d["seq"], d["mesh_id"], tuple(d["members"]), d["rank"], d["store"])
+__all__ = ["SyncOrder"]  # the controller's order, as a weight channel takes it
 
 
 @dataclass
@@ -178,6 +166,77 @@ class RolloutQueue(ABC):
 
 class TransportError(RuntimeError):
     """A transport backend failed (server unreachable, storage error)."""
+
+
+# -- rollout stores -----------------------------------------------------------
+
+
+def store_name(job_id: str, run: str) -> str:
+    """A job's namespace in a rollout store or weight store shared by jobs and reruns:
+    the job id and the ledger's run (a rerun's rollout ids start at p0.0 again)."""
+    return f"{job_id}.{run}" if run else job_id
+
+
+def new_ref(rollout_id: str, wall: float | None = None) -> str:
+    """A fresh payload ref: the rollout id, the put's wall-clock milliseconds and a
+    nonce. Never reused, so a late put of one rollout id never overwrites another
+    replica's payload of it; the time lets the orphan sweep age it."""
+    ms = int((time.time() if wall is None else wall) * 1000)
+    return f"{rollout_id}-{ms}-{uuid.uuid4().hex[:8]}"
+
+
+def ref_time(ref: str) -> float | None:
+    """The wall-clock time a ref was made (None if it is not one of :func:`new_ref`'s)."""
+    try:
+        return int(ref.rsplit("-", 2)[1]) / 1000
+    except (IndexError, ValueError):
+        return None
+
+
+class RolloutStore(ABC):
+    r"""Where rollout payloads wait between the rollout replica that made them and
+    the policy replicas that train on them, when the store is outside the
+    controller (Redis, storage). The controller's ledger records each rollout's
+    summary and the ``ref`` its :meth:`put` returned, never the payload.
+
+    - a rollout replica :meth:`put`\ s the payloads of a lease, then submits their
+      refs to the ledger;
+    - a policy replica :meth:`get`\ s the payloads of its batch by ref, and
+      reports to the ledger those it could not read (missing, or corrupt: set
+      aside and counted here);
+    - the controller's collector :meth:`drop`\ s a payload once its rollout is
+      trained or discarded, counted under the reason, and sweeps *orphans*: refs
+      no ledger record refers to, older than a few lease deadlines (a replica
+      that died between its put and its submit).
+
+    Every method may be called from any process, concurrently. Backend errors
+    (a server down) raise :class:`TransportError`.
+    """
+
+    @abstractmethod
+    def put(self, payloads: Sequence[RolloutPayload]) -> list[str]:
+        """Store ``payloads``; returns their refs, in order (fresh ones: :func:`new_ref`)."""
+
+    @abstractmethod
+    def get(self, refs: Sequence[str]) -> tuple[dict[str, RolloutPayload], dict[str, str]]:
+        """(the payloads found, by ref; the refs not found, with why:
+        ``payload_missing`` or ``payload_corrupt``)."""
+
+    @abstractmethod
+    def drop(self, refs: Sequence[str], reason: str) -> int:
+        """Delete these payloads (idempotent); returns how many were still held.
+        ``reason`` is ``trained`` or a discard reason, counted as such."""
+
+    @abstractmethod
+    def refs(self) -> list[str]:
+        """Every ref held now (the orphan sweep lists them)."""
+
+    @abstractmethod
+    def counts(self) -> dict[str, Any]:
+        """``{"put": n, "held": n, "trained": n, "discarded": {reason: n}, "corrupt": n}``."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections."""
 
 
 # -- weight stores ----------------------------------------------------------

@@ -1,13 +1,13 @@
 """A rollout queue held by the job's controller (``controller``): the embedded
 backend, nothing to install.
 
-The queue lives in the controller's state machine and journal
-(:mod:`~phalanx.controller.queue_book`), so it survives a controller killed
-and restarted on its state dir: queued, leased and settled rollouts, the
-deduplication index and the counters all come back, and a lease held across
-the restart keeps its holder (with a fresh deadline). This client talks to
-it over HTTP (:mod:`~phalanx.controller.queue_api`) with the controller
-client's retries: a restarting controller is waited for, up to the client's
+The queue lives in the controller's core and journal, its rollouts in the
+controller's payload log, so it survives a controller killed and restarted
+on its state dir: queued, leased and settled rollouts, the deduplication
+index and the counters all come back, and a lease held across the restart
+keeps its holder (with a fresh deadline). This client speaks the queue's
+part of the protocol (:mod:`phalanx.protocol.queue`) with the controller
+transport's retries: a restarting controller is waited for, up to
 ``unreachable_timeout_s``, then :class:`TransportError`.
 
 Deduplicated at put, like Redis: a put of an id the queue holds or has
@@ -20,11 +20,28 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from phalanx.client import ControllerClient, ControllerError, Rejected
-from phalanx.controller.queue_book import MAX_BATCH, MAX_WAIT_S
+from pydantic import BaseModel
+
+from phalanx.client import ControllerClient, ControllerError, Rejected, Transport
+from phalanx.protocol.base import MAX_WAIT_S
+from phalanx.protocol.queue import (
+    MAX_BATCH,
+    DeliveryRef,
+    QueueDiscardReq,
+    QueueLeaseReply,
+    QueueLeaseReq,
+    QueuePutReply,
+    QueuePutReq,
+    QueueSettleReply,
+    QueueSettleReq,
+    QueueStatusReply,
+    QueueStatusReq,
+)
 from phalanx.transport.base import Delivery, RolloutQueue, TransportError
+
+R = TypeVar("R", bound=BaseModel)
 
 
 class ControllerRolloutQueue(RolloutQueue):
@@ -43,23 +60,19 @@ class ControllerRolloutQueue(RolloutQueue):
         self.name, self.lease_s = name, lease_s
         self.consumer = consumer or f"queue-{uuid.uuid4().hex[:8]}"
         if isinstance(controller, ControllerClient):
-            self.client, self._own = controller, False
+            self.transport, self._own = controller.transport, False
         else:
             try:
-                self.client = ControllerClient(
-                    controller,
-                    "queue",
-                    self.consumer,
-                    token=token,
-                    unreachable_timeout_s=unreachable_timeout_s,
+                self.transport = Transport(
+                    controller, token=token, unreachable_timeout_s=unreachable_timeout_s
                 )
             except ControllerError as e:
                 raise TransportError(f"controller rollout queue {name!r}: {e}") from e
             self._own = True
 
-    def _call(self, path: str, body: dict[str, Any] | None, timeout: float = 30.0) -> Any:
+    def _call(self, path: str, req: BaseModel, reply: type[R], timeout: float = 30.0) -> R:
         try:
-            return self.client.request(f"/v1/queue/{path}", body, timeout=timeout)
+            return self.transport.call(f"/v1/queue/{path}", req, reply, timeout=timeout)
         except ControllerError as e:
             raise TransportError(f"controller rollout queue {self.name!r}: {e}") from e
 
@@ -71,11 +84,8 @@ class ControllerRolloutQueue(RolloutQueue):
 
     def _put(self, rollouts: list[dict[str, Any]]) -> list[str]:
         try:
-            return list(
-                self.client.request("/v1/queue/put", {"queue": self.name, "rollouts": rollouts})[
-                    "queued"
-                ]
-            )
+            req = QueuePutReq(queue=self.name, rollouts=rollouts)
+            return list(self.transport.call("/v1/queue/put", req, QueuePutReply).queued)
         except Rejected as e:
             if e.status != 413:
                 raise TransportError(f"controller rollout queue {self.name!r}: {e}") from e
@@ -94,35 +104,34 @@ class ControllerRolloutQueue(RolloutQueue):
         until = time.monotonic() + max(wait_s, 0.0)
         while True:  # one long-poll holds at most MAX_WAIT_S
             wait = min(max(until - time.monotonic(), 0.0), MAX_WAIT_S)
-            body = {
-                "queue": self.name,
-                "consumer": self.consumer,
-                "n": max(1, min(n, MAX_BATCH)),
-                "lease_s": self.lease_s,
-                "wait_s": wait,
-            }
-            got = self._call("lease", body, timeout=wait + 10)["deliveries"]
+            req = QueueLeaseReq(
+                queue=self.name,
+                consumer=self.consumer,
+                n=max(1, min(n, MAX_BATCH)),
+                lease_s=self.lease_s,
+                wait_s=wait,
+            )
+            got = self._call("lease", req, QueueLeaseReply, timeout=wait + 10).deliveries
             if got or time.monotonic() >= until:
                 break
         return [
-            Delivery(
-                d["rollout_id"],
-                d["rollout"],
-                f"{d['rollout_id']}@{d['attempt']}",
-                d["attempt"],
-                d["deadline"],
-            )
+            Delivery(d.rollout_id, d.rollout, f"{d.rollout_id}@{d.attempt}", d.attempt, d.deadline)
             for d in got
         ]
 
-    def _settle(self, how: str, deliveries: Sequence[Delivery], **extra: Any) -> int:
+    def _settle(self, how: str, deliveries: Sequence[Delivery], reason: str = "") -> int:
         n = 0
         for i in range(0, len(deliveries), MAX_BATCH):
             refs = [
-                {"rollout_id": d.rollout_id, "attempt": d.attempt}
+                DeliveryRef(rollout_id=d.rollout_id, attempt=d.attempt)
                 for d in deliveries[i : i + MAX_BATCH]
             ]
-            n += self._call(how, {"queue": self.name, "deliveries": refs, **extra})["settled"]
+            req: QueueSettleReq = (
+                QueueDiscardReq(queue=self.name, deliveries=refs, reason=reason)
+                if how == "discard"
+                else QueueSettleReq(queue=self.name, deliveries=refs)
+            )
+            n += self._call(how, req, QueueSettleReply).settled
         return n
 
     def ack(self, deliveries: Sequence[Delivery]) -> int:
@@ -132,19 +141,25 @@ class ControllerRolloutQueue(RolloutQueue):
         return self._settle("nack", deliveries)
 
     def discard(self, deliveries: Sequence[Delivery], reason: str) -> int:
-        return self._settle("discard", deliveries, reason=reason)
+        return self._settle("discard", deliveries, reason)
 
-    def _status(self) -> dict[str, Any]:
-        return dict(self._call("status", {"queue": self.name}))
+    def _status(self) -> QueueStatusReply:
+        return self._call("status", QueueStatusReq(queue=self.name), QueueStatusReply)
 
     def pending(self) -> int:
-        return int(self._status()["pending"])
+        return self._status().pending
 
     def counts(self) -> dict[str, Any]:
         s = self._status()
-        keys = ("put", "acked", "discarded", "corrupt", "duplicates", "leased")
-        return {k: s[k] for k in keys}
+        return {
+            "put": s.put,
+            "acked": s.acked,
+            "discarded": dict(s.discarded),
+            "corrupt": s.corrupt,
+            "duplicates": s.duplicates,
+            "leased": s.leased,
+        }
 
     def close(self) -> None:
         if self._own:
-            self.client.close()
+            self.transport.close()

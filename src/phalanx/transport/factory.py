@@ -1,5 +1,6 @@
-"""Pick each transport backend from the URL in the job's ``[rl.transport]``
-(or, for a rollout queue outside an RL job, from a URL: :func:`open_queue`).
+"""Pick each transport backend from the URL in the job's ``[rl.transport]``: the
+rollout store, the weight channel, the replay buffer (or, for a rollout queue
+outside an RL job, from a URL: :func:`open_queue`).
 
 Heavy and optional imports (redis, fsspec backends) happen only for the
 backend asked for.
@@ -12,21 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.transport.base import ReplayBuffer, RolloutQueue, TransportError, WeightChannel
+from phalanx.transport.base import (
+    ReplayBuffer,
+    RolloutQueue,
+    RolloutStore,
+    TransportError,
+    WeightChannel,
+)
 
 if TYPE_CHECKING:
     from phalanx.client import ControllerClient
-    from phalanx.rl.config import TransportSection
+    from phalanx.config.rl import TransportSection
 
 
 def is_redis(url: str) -> bool:
     return url.startswith(("redis://", "rediss://"))
-
-
-def queue_name(job_id: str, client: Any) -> str:
-    """The rollout queue's namespace: the job id and the ledger's run (from the
-    controller), so that a rerun of a job never meets the previous run's ids."""
-    return f"{job_id}.{client.status()['rl']['run']}"
 
 
 def open_queue(
@@ -70,33 +71,29 @@ def open_queue(
     )
 
 
-def rollout_queue(
-    t: TransportSection, name: str, consumer: str, group: str = "policy"
-) -> RolloutQueue | None:
-    """The RL job's rollout queue, or None when its rollouts go to the controller.
+def rollout_store(t: TransportSection, name: str) -> RolloutStore | None:
+    """The RL job's rollout store, or None when it is the controller's own.
 
-    With ``controller`` (the default) the rollout replicas submit to the RL
-    ledger itself, and the ledger is the queue: a submit is the put (recorded
-    once by id, refused or discarded with a reason that the submitter gets back
-    at once, such as ``stale``), a step's frozen batch is the lease (shared by
-    the policy quorum, and given again on a retried step), the commit's ack is
-    the ack, and an expired prompt lease is the redelivery. Routing the rollouts
-    through a :class:`~phalanx.transport.controller_queue.ControllerRolloutQueue`
-    instead would send each one through the controller three times (put, lease
-    by the policy's :class:`~phalanx.transport.ingest.Ingest`, submit), journal
-    it twice, and hide the ledger's verdict from the rollout replica. That queue
-    serves what is not the ledger: tools, benchmarks, and off-policy consumers
-    (``open_queue("controller", ...)``)."""
-    if t.rollouts == "controller":
-        return None
-    return open_queue(
-        t.rollouts,
-        name,
-        consumer,
-        group=group,
-        lease_s=t.lease_s,
-        keep_segments=t.keep_segments,
-    )
+    With ``controller`` (the default) the rollout replicas send the completions
+    with their submission, and the controller keeps them in its payload log
+    (not its journal) until the rollout is trained or discarded: one round trip
+    per lease, nothing to install. With ``redis://...`` or a storage URL, they
+    put the payloads there and submit only the refs; the policy replicas read
+    them by ref, and the controller's collector drops them when their rollouts
+    are trained or discarded. ``name`` is the job's namespace
+    (:func:`~phalanx.transport.base.store_name`)."""
+    return None if t.rollouts == "controller" else open_store(t.rollouts, name)
+
+
+def open_store(url: str, name: str) -> RolloutStore:
+    """The rollout store at ``url``: ``redis://host:port/db`` or a storage URL."""
+    if is_redis(url):
+        from phalanx.transport.redis_store import RedisRolloutStore
+
+        return RedisRolloutStore(url, name)
+    from phalanx.transport.storage_store import StorageRolloutStore
+
+    return StorageRolloutStore(url, name)
 
 
 def weight_channel(

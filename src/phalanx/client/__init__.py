@@ -1,0 +1,32 @@
+"""The replica side of the controller's protocol.
+
+- ``transport.py``  where the controller is, the job token, one typed call with retries
+- ``replica.py``    :class:`ControllerClient`: membership, quorum, commands, the RL ledger
+- ``liveness.py``   the heartbeat and lifeline threads, and the progress they carry
+"""
+
+from phalanx.client.liveness import LIFELINE_HOLD_S
+from phalanx.client.replica import ControllerClient
+from phalanx.client.transport import (
+    ControllerError,
+    ControllerUnreachable,
+    Evicted,
+    QuorumTimeout,
+    Rejected,
+    Transport,
+    find_token,
+    resolve,
+)
+
+__all__ = [
+    "LIFELINE_HOLD_S",
+    "ControllerClient",
+    "ControllerError",
+    "ControllerUnreachable",
+    "Evicted",
+    "QuorumTimeout",
+    "Rejected",
+    "Transport",
+    "find_token",
+    "resolve",
+]

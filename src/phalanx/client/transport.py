@@ -1,0 +1,198 @@
+"""The HTTP side of talking to a controller: where it is, the job token, and one
+typed call with retries.
+
+:class:`Transport` sends a request model of :mod:`phalanx.protocol` and parses
+the reply into its reply model; nothing here builds or reads a dict. It hides,
+and how:
+
+- **transient network errors and a restarting controller**: every call
+  retries with exponential backoff and full jitter, up to
+  ``unreachable_timeout_s``. Given a state dir instead of a URL, it re-reads
+  ``DIR/url`` while it retries, in case the controller came back on another
+  port.
+
+It raises :class:`ControllerUnreachable` after ``unreachable_timeout_s`` of
+failed attempts, :class:`Evicted` on 410, and :class:`Rejected` for any other
+refusal (4xx, with the fields the controller named).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from phalanx import env
+from phalanx.protocol.base import ErrorBody
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class ControllerError(RuntimeError):
+    pass
+
+
+class ControllerUnreachable(ControllerError):
+    def __init__(self, message: str, last_error: str = ""):
+        super().__init__(message)
+        self.last_error = last_error
+        """What the last attempt failed with."""
+
+
+class Rejected(ControllerError):
+    def __init__(self, status: int, body: ErrorBody):
+        self.status = status
+        self.body = body
+        fields = ", ".join(f"{f.field}: {f.message}" for f in body.fields)
+        super().__init__(
+            f"controller refused the request ({status}): {body.error}"
+            + (f" [{fields}]" if fields else "")
+        )
+
+
+class Evicted(Rejected):
+    """This incarnation is no longer a member (HTTP 410)."""
+
+
+class QuorumTimeout(ControllerError):
+    pass
+
+
+def resolve(controller: str) -> tuple[str, Path | None]:
+    """A controller is named by URL or by state dir. Returns (url, state_dir)."""
+    if controller.startswith(("http://", "https://")):
+        return controller.rstrip("/"), None
+    d = Path(controller)
+    url_file = d / "url" if d.is_dir() else d
+    try:
+        return url_file.read_text().strip().rstrip("/"), url_file.parent
+    except OSError as e:
+        raise ControllerError(
+            f"controller must be a URL (http://host:port) or a controller state dir with a "
+            f"'url' file: got {controller!r} ({e.strerror})."
+        ) from None
+
+
+def find_token(state_dir: Path | None) -> str:
+    token = os.environ.get(env.TOKEN)
+    if token:
+        return token
+    if state_dir is not None and (state_dir / "token").exists():
+        return (state_dir / "token").read_text().strip()
+    raise ControllerError(
+        f"a job token is needed to talk to the controller: set ${env.TOKEN}, or name the "
+        f"controller by its state dir so the token file can be read."
+    )
+
+
+def _error_body(r: httpx.Response) -> ErrorBody:
+    try:
+        return ErrorBody.model_validate_json(r.content)
+    except ValidationError:
+        return ErrorBody(error=r.text[:200] or f"HTTP {r.status_code}")
+
+
+class Transport:
+    """Typed calls to one controller, with retries. Thread-safe: each thread that
+    holds long-polls passes its own ``httpx.Client`` (:meth:`http_client`)."""
+
+    def __init__(
+        self,
+        controller: str,
+        *,
+        token: str | None = None,
+        unreachable_timeout_s: float = 30.0,
+        on_epoch: Callable[[int | None, int], None] | None = None,
+    ):
+        self.url, self.state_dir = resolve(controller)
+        self.token = token or find_token(self.state_dir)
+        self.unreachable_timeout_s = unreachable_timeout_s
+        self.on_epoch = on_epoch
+        """Called with (old, new) when the controller's epoch changes (it restarted)."""
+        self.epoch: int | None = None
+        self.closed = False
+        self._http = self.http_client()
+
+    def http_client(self) -> httpx.Client:
+        return httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=30.0)
+
+    def call(
+        self,
+        path: str,
+        req: BaseModel | None,
+        reply: type[R],
+        *,
+        timeout: float = 30.0,
+        http: httpx.Client | None = None,
+    ) -> R:
+        """POST ``req`` (GET when None) to ``path`` and parse the reply as ``reply``."""
+        http = http or self._http
+        body = None if req is None else req.model_dump_json().encode()
+        headers = {"content-type": "application/json"}
+        first_failure: float | None = None
+        backoff = 0.05
+        last_error = ""
+        while True:
+            try:
+                if body is None:
+                    r = http.get(self.url + path, timeout=timeout)
+                else:
+                    r = http.post(self.url + path, content=body, headers=headers, timeout=timeout)
+                if r.status_code < 500:
+                    return self._handle(r, reply)
+                last_error = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as e:
+                last_error = str(e) or type(e).__name__
+            if self.closed:
+                raise ControllerUnreachable(f"client closed while calling {path}")
+            now = time.monotonic()
+            first_failure = first_failure or now
+            if now - first_failure > self.unreachable_timeout_s:
+                raise ControllerUnreachable(
+                    f"controller at {self.url} unreachable for {now - first_failure:.0f} s "
+                    f"(last error: {last_error})",
+                    last_error,
+                )
+            time.sleep(random.uniform(0, backoff))
+            backoff = min(backoff * 2, 2.0)
+            if self.state_dir is not None:
+                try:
+                    self.url = resolve(str(self.state_dir))[0]
+                except ControllerError:
+                    pass
+
+    def _handle(self, r: httpx.Response, reply: type[R]) -> R:
+        if r.status_code == 410:
+            raise Evicted(r.status_code, _error_body(r))
+        if r.status_code == 401:
+            raise ControllerError(
+                f"controller at {self.url} refused the job token (401): check ${env.TOKEN} "
+                f"or the state dir's token file."
+            )
+        if r.status_code >= 400:
+            raise Rejected(r.status_code, _error_body(r))
+        try:
+            out = reply.model_validate_json(r.content)
+        except ValidationError as e:
+            raise ControllerError(
+                f"controller at {self.url} sent a reply that is not a {reply.__name__}: "
+                f"{e.error_count()} error(s), first: {e.errors()[0]['msg']} at "
+                f"{'.'.join(str(x) for x in e.errors()[0]['loc'])}. Are the controller and "
+                f"this replica the same phalanx version?"
+            ) from None
+        epoch = getattr(out, "epoch", None)
+        if isinstance(epoch, int) and epoch != self.epoch:
+            if self.on_epoch is not None:
+                self.on_epoch(self.epoch, epoch)
+            self.epoch = epoch
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        self._http.close()

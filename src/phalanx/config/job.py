@@ -1,0 +1,346 @@
+"""Typed job config: one TOML file per job, with dotted CLI overrides.
+
+A job file looks like::
+
+    [job]
+    id = "demo"
+
+    [timeouts]
+    collective_s = 5.0
+    heartbeat_s = 10.0
+    quorum_s = 60.0
+
+    [roles.policy]
+    min_replicas = 1
+    n_init_replicas = 2
+
+Unknown keys are refused (a typo must not silently fall back to a default),
+and the timeout ordering ``collective < heartbeat < quorum`` is checked here,
+at load, so that a bad combination never reaches a running job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
+from phalanx.config.rl import RLConfig
+
+ROLE_NAMES = ("policy", "rollout")
+
+
+class _Section(BaseModel):
+    # coerce_numbers_to_str: a CLI override is parsed as JSON, so `--job.id 42`
+    # arrives as an int; a string field must still accept it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class JobSection(_Section):
+    id: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Job identifier, carried in every reply and log line."""
+    seed: int = Field(0, ge=0)
+    """Seed for everything random in the job (data order, init, sampling)."""
+
+
+class TimeoutsSection(_Section):
+    """All timeouts of the job, in seconds, in one place.
+
+    The ordering ``collective_s < heartbeat_s < quorum_s`` is enforced: a
+    hung collective must be aborted (and its peer reported) before the
+    controller would evict that peer by heartbeat, and a quorum wait must
+    outlive one heartbeat eviction so that survivors re-form instead of
+    giving up.
+    """
+
+    collective_s: float = Field(5.0, gt=0, le=3600)
+    """Longest a collective (all-reduce, heal transfer) may block before it is aborted."""
+    heartbeat_s: float = Field(10.0, gt=0, le=3600)
+    """A replica not heard from for this long is evicted."""
+    quorum_s: float = Field(60.0, gt=0, le=86400)
+    """Longest a replica waits for a quorum before giving up the step."""
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=600)
+    """How often a replica heartbeats (each heartbeat is held open this long)."""
+    suspect_grace_s: float = Field(0.25, gt=0, le=60)
+    """A replica reported by a peer is evicted unless it heartbeats within this grace."""
+    suspect_on_disconnect: bool = True
+    """Suspect a replica whose held heartbeat (or quorum) connection drops, as if a
+    peer had reported it: a SIGKILLed process is then evicted after the grace,
+    with no collective in flight and no heartbeat timeout to wait for."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TimeoutsSection:
+        if not self.collective_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.collective_s must be < timeouts.heartbeat_s: got "
+                f"collective_s={self.collective_s}, heartbeat_s={self.heartbeat_s}. "
+                f"Raise heartbeat_s above {self.collective_s} or lower collective_s."
+            )
+        if not self.heartbeat_s < self.quorum_s:
+            raise ValueError(
+                f"timeouts.heartbeat_s must be < timeouts.quorum_s: got "
+                f"heartbeat_s={self.heartbeat_s}, quorum_s={self.quorum_s}. "
+                f"Raise quorum_s above {self.heartbeat_s} or lower heartbeat_s."
+            )
+        if not self.heartbeat_interval_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.heartbeat_interval_s must be < timeouts.heartbeat_s: got "
+                f"{self.heartbeat_interval_s} >= {self.heartbeat_s}. A replica must "
+                f"heartbeat several times per timeout; lower heartbeat_interval_s."
+            )
+        if not self.suspect_grace_s < self.heartbeat_s:
+            raise ValueError(
+                f"timeouts.suspect_grace_s must be < timeouts.heartbeat_s: got "
+                f"{self.suspect_grace_s} >= {self.heartbeat_s}. The grace after a failure "
+                f"report is meant to be short; lower suspect_grace_s."
+            )
+        return self
+
+
+class RoleSection(_Section):
+    """Membership and quorum rules of one role."""
+
+    min_replicas: int = Field(1, ge=1, le=100_000)
+    """No quorum (and so no step) with fewer participants than this."""
+    n_init_replicas: int = Field(1, ge=1, le=100_000)
+    """The role's first quorum waits until this many replicas ask for it."""
+    join_timeout_s: float = Field(1.0, ge=0, le=3600)
+    """When some live replicas have not asked for the quorum yet, wait this long for them."""
+
+    @model_validator(mode="after")
+    def _init_covers_min(self) -> RoleSection:
+        if self.n_init_replicas < self.min_replicas:
+            raise ValueError(
+                f"n_init_replicas must be >= min_replicas: got n_init_replicas="
+                f"{self.n_init_replicas}, min_replicas={self.min_replicas}. "
+                f"Raise n_init_replicas to at least {self.min_replicas}."
+            )
+        return self
+
+
+class ControllerSection(_Section):
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Requests with a larger body are refused with 413."""
+    journal_sync: Literal["normal", "full"] = "normal"
+    """SQLite synchronous mode. `normal` survives a killed controller; `full` also a power loss."""
+    tick_s: float = Field(0.02, gt=0, le=1)
+    """How often the controller checks deadlines (evictions, join timeouts)."""
+    history: int = Field(500, ge=10, le=100_000)
+    """How many past events (evictions, quorums) the status API keeps."""
+
+
+class TrainSection(_Section):
+    """The FT data-parallel training job (the built-in example task)."""
+
+    steps: int = Field(100, ge=1, le=10_000_000)
+    """Committed optimizer steps to run."""
+    global_batch_size: int = Field(64, ge=1, le=1 << 24)
+    """Samples per committed step, constant whatever the number of replicas."""
+    micro_batch_size: int = Field(0, ge=0, le=1 << 24)
+    """Largest forward/backward chunk; a replica's share is accumulated in such chunks. 0: whole share."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum (sgd only)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads per replica process."""
+    in_dim: int = Field(32, ge=1, le=1 << 16)
+    hidden: list[int] = Field(default_factory=lambda: [128, 128])
+    """Hidden layer widths of the MLP."""
+    out_dim: int = Field(8, ge=1, le=1 << 16)
+    dataset_size: int = Field(8192, ge=1, le=1 << 26)
+    """Samples in the synthetic regression dataset (generated from job.seed)."""
+    bucket_mb: float = Field(25.0, gt=0, le=4096)
+    """All-reduce bucket size."""
+    step_delay_s: float = Field(0.0, ge=0, le=60)
+    """Extra time per step (a stand-in for a bigger model, for demos)."""
+    log_samples: bool = False
+    """Print the sample indices each replica trained on with every committed step (for audits)."""
+
+
+class CheckpointSection(_Section):
+    """Universal checkpoints of the policy (``phalanx.checkpoint``)."""
+
+    url: str = ""
+    """Storage root: a path, ``file://``, ``s3://``, ``gs://`` or ``memory://`` URL.
+    Empty: no checkpoints."""
+    every_steps: int = Field(0, ge=0, le=10_000_000)
+    """Save after every N committed steps (and at the end of the job). 0: only at the end."""
+    keep_last: int = Field(3, ge=1, le=10_000)
+    """Committed checkpoints to keep; older ones are deleted after each commit."""
+    async_save: bool = True
+    """Copy the state to host memory and persist it in the background (the step
+    stalls only for the copy). False: the step waits for the whole save."""
+    resume: bool = True
+    """On start, load the latest usable checkpoint (any layout), before joining."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for the URL (e.g. ``{"anon": true}``, an S3 endpoint)."""
+
+
+class DiLoCoSection(_Section):
+    """DiLoCo / Streaming DiLoCo (``phalanx.train.diloco``). In a DiLoCo job,
+    ``train.steps`` counts inner steps (a multiple of ``sync_every``), the
+    inner optimizer is ``train.optimizer`` (the paper: AdamW, lr 4e-4, weight
+    decay 0.1) and a step of the controller (and of ``checkpoint.every_steps``)
+    is an outer round."""
+
+    mode: Literal["sync", "objectstore"] = "sync"
+    """``sync``: over the FT manager's process group, a quorum per round.
+    ``objectstore``: decoupled replicas exchange through ``url`` (no network
+    between replicas), launched by ``executor``."""
+    sync_every: int = Field(50, ge=1, le=1_000_000)
+    """H: inner steps per outer round."""
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    fragments: int = Field(1, ge=1, le=10_000)
+    """Streaming DiLoCo: parameter fragments synchronised in turn (must divide sync_every)."""
+    tau: int = Field(0, ge=0)
+    """Streaming DiLoCo overlap: inner steps between a fragment's exchange and its use."""
+    alpha: float = Field(0.0, ge=0, le=1)
+    """Streaming DiLoCo mixing of the local fragment with the new global one."""
+    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    """Wire format of pseudo-gradients (always accumulated in fp32)."""
+    url: str = ""
+    """objectstore: the exchange root (``file://``, ``s3://``, ``gs://``, ``memory://``)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    replicas: int = Field(4, ge=1, le=10_000)
+    """objectstore: replicas the launcher starts (named r0, r1, ...; each its own data shard)."""
+    min_replicas: int = Field(1, ge=1, le=10_000)
+    """objectstore without a controller: a round is decided once this many
+    pseudo-gradients are in and ``grace_s`` has passed."""
+    grace_s: float = Field(1.0, ge=0, le=3600)
+    round_timeout_s: float = Field(120.0, gt=0, le=86400)
+    """objectstore: decide with whoever is present after this long."""
+    aggregator: str = Field("", pattern=r"^(|syncer|r\d+)$")
+    """objectstore: who writes each round's average, so that the slots read one
+    object instead of k: a slot (``r0``), or ``syncer`` (a ``phalanx syncer``
+    process that takes no part; ``phalanx run`` starts it). Empty: every slot
+    averages the k objects itself."""
+    keep_rounds: int = Field(4, ge=1, le=1_000_000)
+    """objectstore: rounds kept in storage (older ones are deleted)."""
+    executor: Literal["local", "ray"] = "local"
+    """objectstore: where ``phalanx run`` starts the replicas."""
+    ray_address: str = ""
+    """executor = ray: the cluster to join (empty: start a local Ray instance)."""
+    ray_cpus_per_replica: float = Field(1.0, ge=0, le=1024)
+    """executor = ray: Ray CPUs each slot's actor asks for."""
+    max_restarts: int = Field(3, ge=0, le=1000)
+    """objectstore: restarts of a failed replica by ``phalanx run``."""
+
+    @model_validator(mode="after")
+    def _streaming(self) -> DiLoCoSection:
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"diloco.sync_every must be divisible by diloco.fragments: got sync_every="
+                f"{self.sync_every}, fragments={self.fragments}. Pick fragments among the "
+                f"divisors of sync_every."
+            )
+        if self.tau >= self.sync_every // self.fragments:
+            raise ValueError(
+                f"diloco.tau must be < sync_every / fragments = "
+                f"{self.sync_every // self.fragments}: got {self.tau}."
+            )
+        if self.mode == "objectstore" and not self.url:
+            raise ValueError(
+                "diloco.url must name the exchange root for mode = objectstore: got none. "
+                "Set it to a path or an fsspec URL (file://, s3://, gs://, memory://)."
+            )
+        if self.aggregator.startswith("r") and int(self.aggregator[1:]) >= self.replicas:
+            raise ValueError(
+                f"diloco.aggregator must be a slot r0 .. r{self.replicas - 1}, 'syncer' or empty: "
+                f"got {self.aggregator!r}."
+            )
+        if self.min_replicas > self.replicas:
+            raise ValueError(
+                f"diloco.min_replicas must be <= diloco.replicas: got {self.min_replicas} > "
+                f"{self.replicas}."
+            )
+        return self
+
+    def outer(self) -> Any:
+        """The :class:`~phalanx.train.diloco.DiLoCoConfig` of this section."""
+        from phalanx.train.diloco import DiLoCoConfig
+
+        return DiLoCoConfig(
+            H=self.sync_every,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            nesterov=self.nesterov,
+            fragments=self.fragments,
+            tau=self.tau,
+            alpha=self.alpha,
+            compression=self.compression,
+        )
+
+
+def _default_roles() -> dict[str, RoleSection]:
+    return {"policy": RoleSection()}
+
+
+class JobConfig(_Section):
+    job: JobSection = Field(default_factory=JobSection)
+    timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    controller: ControllerSection = Field(default_factory=ControllerSection)
+    roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
+    """Roles of the job, by name: `policy` and/or `rollout`."""
+    train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    rl: RLConfig | None = None
+    """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
+    diloco: DiLoCoSection | None = None
+    """DiLoCo outer loop for the training job. None: FT-DDP (an all-reduce every step)."""
+
+    @model_validator(mode="after")
+    def _known_roles(self) -> JobConfig:
+        unknown = sorted(set(self.roles) - set(ROLE_NAMES))
+        if unknown:
+            raise ValueError(
+                f"roles must be among {list(ROLE_NAMES)}: got {unknown}. "
+                f"Rename the [roles.*] section(s)."
+            )
+        if not self.roles:
+            raise ValueError("roles must name at least one role: add a [roles.policy] section.")
+        if self.rl is not None and set(self.roles) != set(ROLE_NAMES):
+            raise ValueError(
+                f"roles must be exactly {list(ROLE_NAMES)} for an RL job (one with an [rl] "
+                f"section): got {sorted(self.roles)}. Add [roles.policy] and [roles.rollout]."
+            )
+        if self.diloco is not None:
+            if self.rl is not None:
+                raise ValueError(
+                    "diloco applies to the training job, not to an RL job: got both [rl] and "
+                    "[diloco]. Remove one of the sections."
+                )
+            if self.train.steps % self.diloco.sync_every:
+                raise ValueError(
+                    f"train.steps must be a multiple of diloco.sync_every in a DiLoCo job "
+                    f"(train.steps counts inner steps): got steps={self.train.steps}, "
+                    f"sync_every={self.diloco.sync_every}."
+                )
+        return self
+
+    @property
+    def job_steps(self) -> int:
+        """The controller's steps until the job is done: optimizer steps, or
+        outer rounds in a DiLoCo job."""
+        if self.diloco is not None:
+            return self.train.steps // self.diloco.sync_every
+        return self.train.steps
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Load a job config from TOML (or defaults when ``path`` is None), then apply overrides."""
+    data, source = read_toml(path, "job config")
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(explain(e, "job config", source)) from e

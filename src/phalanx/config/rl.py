@@ -1,0 +1,260 @@
+"""Typed config of RL post-training (GRPO), one section per concern.
+
+Standalone TOML files for ``python -m phalanx.rl.single`` hold these sections at
+the top level (or under an ``[rl]`` table, the shape a job file will use)::
+
+    [model]
+    hidden_size = 64
+    num_layers = 2
+
+    [task]
+    name = "sort4"
+
+    [grpo]
+    prompts_per_step = 16
+    group_size = 16
+    lr = 1e-3
+
+Dotted CLI overrides (``--grpo.lr 3e-3``) apply on top, as for job files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """The policy model: a tiny random causal LM from config, or a local checkpoint."""
+
+    path: str | None = None
+    """Local directory of a saved HF model (``save_pretrained``). None: build from the fields below."""
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """Architecture of a model built from config. gpt2's learned absolute positions let a
+    2-layer model place EOS after exactly N tokens early in RL; llama (RoPE only) must
+    learn to count first and, on the sort task, tends to suppress EOS for good."""
+    hidden_size: int = Field(64, ge=8, le=1 << 16)
+    num_layers: int = Field(2, ge=1, le=256)
+    num_heads: int = Field(4, ge=1, le=256)
+    intermediate_size: int = Field(192, ge=8, le=1 << 18)
+    """MLP width (llama); gpt2 uses 4 x hidden_size."""
+    max_positions: int = Field(64, ge=8, le=1 << 20)
+    """Longest prompt + completion, in tokens."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    attn_implementation: Literal["eager", "sdpa"] = "eager"
+    """HF attention kernel. eager is the quickest for tiny models on CPU."""
+    seed: int = Field(0, ge=0)
+    """Seed of the random init: the same seed gives the same weights."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSection:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size must be divisible by model.num_heads: got hidden_size="
+                f"{self.hidden_size}, num_heads={self.num_heads}. Pick num_heads among the "
+                f"divisors of hidden_size."
+            )
+        return self
+
+
+class TaskSection(_Section):
+    """Where prompts and rewards come from."""
+
+    name: Literal["sort4", "jsonl"] = "sort4"
+    """``sort4``: the built-in digit-sorting task. ``jsonl``: prompts from ``path``, scored by ``reward``."""
+    seed: int = Field(0, ge=0)
+    """Seed of the built-in task's prompts (and of the order in which prompts are used)."""
+    path: str | None = None
+    """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (jsonl only)."""
+    reward: str | None = None
+    """Reward function as ``module:function`` (jsonl only)."""
+    tokenizer_path: str | None = None
+    """Local HF tokenizer directory. None: the built-in character tokenizer (digits and '>')."""
+
+    @model_validator(mode="after")
+    def _jsonl_complete(self) -> TaskSection:
+        if self.name == "jsonl" and (self.path is None or self.reward is None):
+            raise ValueError(
+                f"task.path and task.reward must both be set when task.name is 'jsonl': got "
+                f"path={self.path!r}, reward={self.reward!r}. Name the JSONL prompt file and "
+                f"the reward function as module:function."
+            )
+        return self
+
+
+class GRPOSection(_Section):
+    """Sampling and optimisation of GRPO (Shao et al. 2024, arXiv:2402.03300)."""
+
+    steps: int = Field(600, ge=1, le=10_000_000)
+    """Rollout rounds to run (each one does ``inner_epochs`` optimizer steps)."""
+    prompts_per_step: int = Field(16, ge=1, le=1 << 20)
+    """Distinct prompts per round."""
+    group_size: int = Field(16, ge=1, le=4096)
+    """G: completions sampled per prompt; advantages are normalised within a group."""
+    max_new_tokens: int = Field(5, ge=1, le=1 << 16)
+    """Longest completion, EOS included."""
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    """Sampling temperature; the loss evaluates the policy at the same temperature."""
+    lr: float = Field(7e-4, gt=0, le=1)
+    """AdamW peak learning rate (7e-4 with 2 inner epochs beat 1e-3 with 1 on the sort task)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup."""
+    lr_decay: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warmup (cosine decays to 10% over all optimizer steps)."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global grad norm; 0 disables clipping."""
+    inner_epochs: int = Field(2, ge=1, le=64)
+    """Optimizer steps per rollout batch. Above 1, the ratio departs from 1 and the clip acts."""
+    clip_eps: float = Field(0.2, gt=0, le=10)
+    """epsilon of the clipped ratio, lower side (and upper unless clip_eps_high is set)."""
+    clip_eps_high: float | None = Field(0.4, gt=0, le=10)
+    """Upper epsilon (DAPO's clip-higher, arXiv:2503.14476); None: same as clip_eps. A wider
+    upper band lets unlikely tokens with a positive advantage grow, which keeps exploration
+    alive longer (on the sort task: fewer rounds stuck on repeated digits)."""
+    adv_eps: float = Field(1e-4, gt=0)
+    """Added to the group std: a group whose rewards are all equal gets zero advantages."""
+    kl_coef: float = Field(0.0, ge=0)
+    """beta of the KL penalty to the initial (reference) policy; 0 disables it."""
+    seed: int = Field(0, ge=0)
+    """Seed of sampling."""
+    threads: int = Field(1, ge=0, le=256)
+    """torch intra-op threads; 0 leaves torch's default. The tiny model runs fastest on one:
+    more threads only add synchronisation (and collapse on a loaded machine)."""
+    device: str = "cpu"
+    """torch device of the policy and the engine (``cpu``, ``cuda``, ``cuda:1``)."""
+
+
+class LoopSection(_Section):
+    """The elastic loop of an RL job run by ``phalanx run``: prompt leases, the rollout
+    ledger and weight sync. Versions count policy optimizer steps (commits), so with
+    ``grpo.inner_epochs = 2`` a rollout batch spans two versions."""
+
+    prompts_per_lease: int = Field(4, ge=1, le=1 << 16)
+    """Prompts a rollout replica leases at a time (each yields ``group_size`` completions)."""
+    lease_s: float = Field(30.0, gt=0, le=86400)
+    """Deadline of a prompt lease: a lease not submitted by then is dispatched again."""
+    sync_every: int = Field(2, ge=1, le=1 << 20)
+    """Policy commits between weight syncs to the rollout replicas."""
+    max_staleness: int = Field(4, ge=0, le=1 << 20)
+    """A rollout made with weights more than this many versions older than the batch
+    it would train in is discarded (reason ``stale``) and its prompt dispatched again."""
+    max_ahead: int = Field(2, ge=1, le=1024)
+    """Rollout batches that may be leased or waiting ahead of the policy (backpressure:
+    generating further ahead would only make stale rollouts)."""
+    target_exact_match: float | None = Field(0.9, gt=0, le=1)
+    """Stop once the trailing mean exact match of trained batches reaches this (None: run
+    all ``grpo.steps`` batches)."""
+    target_reward: float | None = Field(None, gt=0, le=1e9)
+    """Also stop once the trailing mean reward reaches this (None: not a stop condition)."""
+    window: int = Field(10, ge=1, le=10_000)
+    """Batches in the trailing means."""
+    gen_delay_s: float = Field(0.0, ge=0, le=3600)
+    """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
+    model, for demos and failure tests (a lease is then held long enough to be hit)."""
+    sync_timeout_s: float = Field(2.0, gt=0, le=3600)
+    """Time limit of one weight sync (rendezvous and broadcast). Members are idle when
+    ordered, so they join at once; a member that died since the order makes the others
+    wait this long before the sync is ordered again without it."""
+    history: int = Field(2000, ge=10, le=1_000_000)
+    """Trained batches whose metrics the controller keeps for status and charts."""
+
+
+def _check_url(value: str, fixed: str, what: str) -> str:
+    if value == fixed or value.startswith(("redis://", "rediss://")):
+        if value != fixed and not value.split("://", 1)[1].split("/")[0]:
+            raise ValueError(
+                f"{what} must name the Redis server: got {value!r}, expected redis://host:port/db."
+            )
+        return value
+    if "://" not in value:
+        raise ValueError(
+            f"{what} must be {fixed!r}, a redis://host:port/db URL or a storage URL "
+            f"(file:///path, s3://bucket/prefix, memory://name): got {value!r}."
+        )
+    return value
+
+
+class TransportSection(_Section):
+    """How rollouts and weights travel (docs/architecture.md, "Transports"). Each backend
+    is picked by URL; nothing else in the job changes with it."""
+
+    rollouts: str = "controller"
+    """Rollout store, where rollout payloads (completions, log-probs, rewards) wait to be
+    trained: ``controller`` (the controller's payload log; the completions ride in each
+    submission), ``redis://host:port/db`` or a storage URL (``file:///path``,
+    ``s3://...``): the rollout replicas put payloads there and submit their refs. Either
+    way the controller's ledger records each rollout once and the policy trains it once."""
+    weights: str = "collective"
+    """Weight sync: ``collective`` (broadcast from the policy leader), a storage URL (safetensors
+    and a manifest) or ``redis://host:port/db`` (small models)."""
+    replay: str | None = None
+    """Replay buffer for off-policy algorithms: ``memory``, ``redis://host:port/db``, or None."""
+    replay_size: int = Field(4096, ge=1, le=1 << 24)
+    """Rollouts the replay buffer holds (the last N; sampling is uniform over them)."""
+    keep_versions: int = Field(2, ge=1, le=1000)
+    """Published weight versions kept (storage and redis); older ones are deleted."""
+
+    @model_validator(mode="after")
+    def _urls(self) -> TransportSection:
+        _check_url(self.rollouts, "controller", "rl.transport.rollouts")
+        _check_url(self.weights, "collective", "rl.transport.weights")
+        if self.replay not in (None, "memory") and not str(self.replay).startswith(
+            ("redis://", "rediss://")
+        ):
+            raise ValueError(
+                f"rl.transport.replay must be 'memory' or a redis://host:port/db URL: got "
+                f"{self.replay!r}."
+            )
+        return self
+
+
+class RLConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    loop: LoopSection = Field(default_factory=LoopSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+
+    @model_validator(mode="after")
+    def _window_within_history(self) -> RLConfig:
+        if self.loop.window > self.loop.history:
+            raise ValueError(
+                f"loop.window must be <= loop.history: got window={self.loop.window}, "
+                f"history={self.loop.history}. The trailing means need that many batches kept."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sync_within_staleness(self) -> RLConfig:
+        if self.loop.sync_every > self.loop.max_staleness + 1:
+            raise ValueError(
+                f"loop.sync_every must be <= loop.max_staleness + 1: got sync_every="
+                f"{self.loop.sync_every}, max_staleness={self.loop.max_staleness}. Between two "
+                f"syncs every rollout would turn stale; sync more often or allow more staleness."
+            )
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+    """Load an RL config from TOML (defaults when ``path`` is None), then apply dotted overrides."""
+    data, source = read_toml(path, "rl config")
+    data = apply_overrides(data.get("rl", data), list(overrides or []))
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(explain(e, "rl config", source)) from e

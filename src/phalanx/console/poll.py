@@ -1,0 +1,110 @@
+"""The launcher's and the CLI's view of the controller: ``GET /v1/status`` as a
+typed :class:`~phalanx.protocol.status.Status`, once (:func:`fetch_status`) or about
+twice a second on a background thread (:class:`StatusPoller`; the launcher is
+not a member of the job, so no replica client)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from phalanx.client import ControllerError, ControllerUnreachable, Rejected, Transport
+from phalanx.protocol.status import BatchRecord, Status
+
+
+def fetch_status(controller: str, timeout_s: float = 10.0) -> Status:
+    """One ``/v1/status`` of the controller named by URL or state dir, without
+    retries. Raises :class:`ControllerError` in one line when it cannot be had."""
+    t = Transport(controller, unreachable_timeout_s=0.0)
+    try:
+        return t.call("/v1/status", None, Status, timeout=timeout_s)
+    except ControllerUnreachable as e:
+        hint = (
+            f"Is the job still running (state dir {t.state_dir})?"
+            if t.state_dir is not None
+            else "Is the job still running? A restarted controller may listen on another "
+            "port: name it by its state dir, which always holds its current URL."
+        )
+        raise ControllerError(
+            f"controller at {t.url} is unreachable: {e.last_error}. {hint}"
+        ) from None
+    except Rejected as e:
+        raise ControllerError(
+            f"controller at {t.url} answered {e.status}: {e.body.error}"
+        ) from None
+    finally:
+        t.close()
+
+
+class StatusPoller:
+    """Keeps the latest controller status, and for RL jobs the first trained batch
+    whose trailing mean exact match reached the target.
+
+    The target counts only once the trailing window is full, as the controller's
+    own stopping rule does: an early lucky batch is not a solved task.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        target: float | None = None,
+        window: int = 1,
+        interval_s: float = 0.5,
+    ):
+        self.state_dir = state_dir
+        self.target, self.window = target, window
+        self.interval_s = interval_s
+        self.latest: Status | None = None
+        self.errors = 0
+        self.last_error = ""
+        self.target_hit: BatchRecord | None = None
+        self.best: BatchRecord | None = None
+        self._seen_at = float("-inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="phalanx-status", daemon=True)
+        self._thread.start()
+
+    def stop(self, final: bool = True) -> None:
+        """Stop polling; with ``final``, fetch once more (the numbers the summary reports)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        if final:
+            self.poll()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.interval_s)
+
+    def poll(self) -> Status | None:
+        try:
+            st = fetch_status(str(self.state_dir), timeout_s=5.0)
+        except ControllerError as e:
+            self.errors += 1
+            self.last_error = str(e)
+            return None
+        self._scan(st)
+        self.latest = st
+        return st
+
+    def _scan(self, st: Status) -> None:
+        if st.rl is None:
+            return
+        # By wall time, not batch index: after a policy rewind, batch numbers repeat.
+        for h in st.rl.history:
+            if h.at <= self._seen_at:
+                continue
+            self._seen_at = h.at
+            if self.best is None or h.exact_match_avg > self.best.exact_match_avg:
+                self.best = h
+            if (
+                self.target_hit is None
+                and self.target is not None
+                and h.batch + 1 >= self.window
+                and h.exact_match_avg >= self.target
+            ):
+                self.target_hit = h

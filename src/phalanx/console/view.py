@@ -1,0 +1,408 @@
+"""What ``phalanx run`` shows: a live rich table on a terminal (plain lines
+otherwise) while the job runs, and one summary line at the end (plus a JSON
+summary with ``--json``, for benchmarks to parse).
+
+Per-replica rows come from the replicas' own JSON lines; job-wide numbers of an
+RL job (step, batch, reward, exact match, the prompt and rollout ledger) come
+from the controller's status, which is the source of truth for them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.launch.local import LocalJob
+    from phalanx.launch.replica import Replica
+    from phalanx.protocol.status import Status
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _discards(d: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "none"
+
+
+class View:
+    """Live progress: a rich table on a terminal, plain lines otherwise."""
+
+    def __init__(self, job: LocalJob, live: bool):
+        self.job = job
+        self.live_enabled = live and sys.stdout.isatty()
+        self._live: Any = None
+        self._printed_step = 0
+        self._printed_events = 0
+        self._printed_at: float | None = None
+        self._printed_batch_at = 0.0
+
+    def __enter__(self) -> View:
+        if self.live_enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render(), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(*exc)
+        else:
+            with self.job.lock:
+                self._print_events()
+
+    # -- live table ------------------------------------------------------
+
+    def _render(self) -> Any:
+        from rich.console import Group
+
+        with self.job.lock:
+            table = self._rl_table() if self.job.rl else self._ft_table()
+            lines = [*self._rl_lines()] if self.job.rl else []
+            notes = self.job.events
+            if self.job.dashboard:
+                # Always in sight, not scrolled away with the notes.
+                link = f"dashboard: {self.job.dashboard}"
+                lines.append(link)
+                notes = [e for e in notes if not e.endswith(link)]
+            events = "\n".join(notes[-6:])
+        return Group(table, *lines, events)
+
+    def _ft_table(self) -> Any:
+        from rich.table import Table
+
+        job = self.job
+        steps = job.cfg.job_steps
+        t = Table(
+            title=f"phalanx run: job {job.cfg.job.id}  ({time.monotonic() - job.started:.0f} s)"
+        )
+        for col in ("replica", "pid", "step", "loss", "participants", "quorum", "starts", "heals"):
+            t.add_column(col)
+        for r in job.replicas.values():
+            t.add_row(
+                r.name,
+                r.state(),
+                f"{r.step}/{steps}",
+                _f(r.loss, ".5f"),
+                str(r.participants),
+                str(r.quorum_id),
+                str(r.starts),
+                str(r.heals),
+            )
+        return t
+
+    def _rl_table(self) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        job = self.job
+        st = job.status()
+        rl = st.rl if st is not None else None
+        last = rl.last if rl is not None else None
+        title = (
+            f"phalanx run: job {job.cfg.job.id}  ({time.monotonic() - job.started:.0f} s)  "
+            f"step {rl.policy_step if rl else 0}  batch {last.batch if last else '-'}  "
+            f"weights v{rl.weights.synced_version if rl else 0}"
+        )
+        # Narrow enough for an 80-column terminal.
+        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        for col in ("replica", "pid", "ver", "reward", "exact", "stale", "progress"):
+            t.add_column(col, no_wrap=True)
+        t.add_column("syncs", justify="right", no_wrap=True)
+        for r in sorted(job.replicas.values(), key=lambda r: (r.role, r.index)):
+            if r.role == "policy":
+                progress = f"step {r.step} loss {_f(r.loss)}"
+                progress += f" x{r.participants}" if r.participants > 1 else ""
+                progress += f" healed {r.heals}" if r.heals else ""
+                stale = "-" if r.staleness is None else str(r.staleness)
+            else:
+                progress = f"{r.rollouts} rollouts"
+                progress += f" ({r.duplicates} dup)" if r.duplicates else ""
+                stale = str(r.stale)
+            t.add_row(
+                r.name,
+                r.state(),
+                "-" if r.version is None else f"v{r.version}",
+                _f(r.reward),
+                _f(r.exact_match),
+                stale,
+                progress,
+                str(r.syncs),
+            )
+        return t
+
+    def _rl_lines(self) -> list[str]:
+        job = self.job
+        st = job.status()
+        rl = st.rl if st is not None else None
+        last = rl.last if rl is not None else None
+        target = job.cfg.rl.loop.target_exact_match if job.cfg.rl else None
+        lines = [
+            f"reward {_f(last.reward if last else None)} (avg {_f(last.reward_avg if last else None)})  "
+            f"exact {_f(last.exact_match if last else None)} (avg {_f(last.exact_match_avg if last else None)}, "
+            f"target {target if target is not None else 'none'})  "
+            f"staleness {last.staleness if last else '-'}"
+        ]
+        if rl is not None:
+            p, ro, le = rl.prompts, rl.rollouts, rl.leases
+            lines.append(
+                f"prompts: issued {p.issued} = queued {p.queued} + leased {p.leased} "
+                f"+ done {p.done} + trained {p.trained}"
+            )
+            lines.append(
+                f"rollouts: trained {ro.trained}, pending {ro.pending}, batched "
+                f"{ro.batched}, discarded {_discards(ro.discarded)}, duplicates "
+                f"{ro.duplicates_dropped}; leases open {le.open}, expired {le.expired}"
+                + ("" if rl.ok else "; LEDGER UNBALANCED")
+            )
+        roles = st.roles if st is not None else {}
+        parts = []
+        for role in job.cfg.roles:
+            n = sum(1 for r in job.replicas.values() if r.role == role and r.running)
+            info = roles.get(role)
+            desired = info.desired if info is not None else None
+            members = len(info.replicas) if info is not None else 0
+            parts.append(
+                f"{role} {n} running, {members} registered"
+                + (f", desired {desired}" if desired is not None else "")
+            )
+        lines.append("replicas: " + "; ".join(parts))
+        return lines
+
+    # -- plain lines -----------------------------------------------------
+
+    def _print_events(self) -> None:
+        job = self.job
+        for line in job.events[self._printed_events :]:
+            print(line, flush=True)
+        self._printed_events = len(job.events)
+
+    def update(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            return
+        job = self.job
+        with job.lock:
+            self._print_events()
+            if job.rl:
+                self._rl_progress()
+            elif job.replicas:
+                self._ft_progress()
+
+    def _ft_progress(self) -> None:
+        job = self.job
+        lead = max(job.replicas.values(), key=lambda r: r.step)
+        if lead.step >= self._printed_step + 25 or (
+            lead.step == job.cfg.job_steps and lead.step > self._printed_step
+        ):
+            self._printed_step = lead.step
+            print(
+                f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {_f(lead.loss, '.5f')}  "
+                f"participants {lead.participants}  quorum {lead.quorum_id}",
+                flush=True,
+            )
+
+    def _rl_progress(self) -> None:
+        """One line per trained batch, at most one a second (always the newest)."""
+        job = self.job
+        st = job.status()
+        rl = st.rl if st is not None else None
+        last = rl.last if rl is not None else None
+        now = time.monotonic()
+        if rl is None or last is None or last.at == self._printed_at:
+            return
+        if now - self._printed_batch_at < 1.0 and not rl.finished:
+            return
+        self._printed_at, self._printed_batch_at = last.at, now
+        ro = rl.rollouts
+        print(
+            f"{now - job.started:7.1f}s  batch {last.batch:4d}  step {last.step:5d}  "
+            f"reward {last.reward:.3f} (avg {last.reward_avg:.3f})  exact "
+            f"{last.exact_match:.3f} (avg {last.exact_match_avg:.3f})  staleness "
+            f"{last.staleness}  v{rl.weights.synced_version}  |  prompts "
+            f"{rl.prompts.issued}, rollouts trained {ro.trained}, discarded "
+            f"{sum(ro.discarded.values())}",
+            flush=True,
+        )
+
+    # -- summary ---------------------------------------------------------
+
+    def summary(self, as_json: bool = False) -> dict[str, Any]:
+        job = self.job
+        s = rl_summary(job) if job.rl else ft_summary(job)
+        print("\n" + (rl_line(job, s) if job.rl else ft_line(job, s)), flush=True)
+        (job.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        if as_json:
+            print(json.dumps(s), flush=True)
+        return s
+
+
+def _sync_stats(reps: list[Replica]) -> tuple[int, float | None]:
+    # One sync is led by the policy leader, which reports it once; rollout replicas
+    # report their side of the same sync, so count the leader's lines.
+    policy = [r for r in reps if r.role == "policy"]
+    src = policy if any(r.syncs for r in policy) else reps
+    ms = [m for r in src for m in r.sync_ms]
+    return sum(r.syncs for r in src), (round(sum(ms) / len(ms), 2) if ms else None)
+
+
+def ft_summary(job: LocalJob) -> dict[str, Any]:
+    reps = job.all_replicas()
+    lead = max(reps, key=lambda r: r.step, default=None)
+    gaps = [b - a for a, b in zip(job.commit_times, job.commit_times[1:], strict=False)]
+    return {
+        "event": "summary",
+        "job": job.cfg.job.id,
+        "ok": job.error is None,
+        "error": job.error,
+        "steps": lead.step if lead else 0,
+        "loss": lead.loss if lead else None,
+        "kills": sum(r.kills for r in reps),
+        "heals": sum(r.heals for r in reps),
+        "longest_gap_s": round(max(gaps), 3) if gaps else 0.0,
+        "wall_s": round(time.monotonic() - job.started, 2),
+        "run_dir": str(job.run_dir),
+    }
+
+
+def ft_line(job: LocalJob, s: dict[str, Any]) -> str:
+    what = f"{s['steps']} steps"
+    if job.cfg.diloco is not None:
+        what = f"{s['steps']} DiLoCo rounds ({s['steps'] * job.cfg.diloco.sync_every} inner steps)"
+    return (
+        f"job {s['job']}: {what} committed in {s['wall_s']:.1f} s, final loss "
+        f"{_f(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s); longest "
+        f"gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: {s['run_dir']}"
+        + (f". FAILED: {s['error']}" if s["error"] else "")
+    )
+
+
+def rl_summary(job: LocalJob) -> dict[str, Any]:
+    reps = job.all_replicas()
+    poller = job.poller
+    st = poller.latest if poller is not None else None
+    rl = st.rl if st is not None else None
+    hit = poller.target_hit if poller else None
+    best = poller.best if poller else None
+    last = rl.last if rl is not None else None
+    syncs, sync_ms = _sync_stats(reps)
+    return {
+        "event": "summary",
+        "job": job.cfg.job.id,
+        "ok": job.error is None and rl is not None and rl.finished,
+        "error": job.error,
+        "target": job.cfg.rl.loop.target_exact_match if job.cfg.rl else None,
+        "reached": hit is not None,
+        "seconds_to_target": round(hit.at - job.started_wall, 2) if hit else None,
+        "target_batch": hit.batch if hit else None,
+        "target_step": hit.step if hit else None,
+        "steps": rl.policy_step if rl else 0,
+        "batches": last.batch + 1 if last else 0,
+        "exact_match_avg": last.exact_match_avg if last else None,
+        "reward_avg": last.reward_avg if last else None,
+        "best_exact_match_avg": best.exact_match_avg if best else None,
+        "prompts": rl.prompts.issued if rl else 0,
+        "trained": rl.rollouts.trained if rl else 0,
+        "discarded": dict(rl.rollouts.discarded) if rl else {},
+        "duplicates": rl.rollouts.duplicates_dropped if rl else 0,
+        "ledger_ok": rl.ok if rl else None,
+        "kills": sum(r.kills for r in reps),
+        "heals": sum(r.heals for r in reps),
+        "restarts": sum(max(0, r.starts - 1) for r in reps),
+        "syncs": syncs,
+        "sync_ms_mean": sync_ms,
+        "replicas": {role: sum(1 for r in reps if r.role == role) for role in job.cfg.roles},
+        "wall_s": round(time.monotonic() - job.started, 2),
+        "run_dir": str(job.run_dir),
+    }
+
+
+def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
+    target = s["target"]
+    if s["reached"]:
+        head = (
+            f"exact match {target} reached at batch {s['target_batch']} (step "
+            f"{s['target_step']}) in {s['seconds_to_target']:.1f} s"
+        )
+    elif target is not None:
+        head = (
+            f"exact match {target} not reached in {s['batches']} batches (best trailing mean "
+            f"{_f(s['best_exact_match_avg'])}) after {s['wall_s']:.1f} s"
+        )
+    else:
+        head = (
+            f"{s['batches']} batches trained in {s['wall_s']:.1f} s, trailing exact match "
+            f"{_f(s['exact_match_avg'])}"
+        )
+    discarded = sum(s["discarded"].values())
+    sync = f"syncs {s['syncs']}" + (
+        f" (mean {s['sync_ms_mean']:.1f} ms)" if s["sync_ms_mean"] is not None else ""
+    )
+    tail = "" if s["ledger_ok"] in (True, None) else "; LEDGER UNBALANCED"
+    if s["error"]:
+        tail += f". FAILED: {s['error']}"
+    return (
+        f"job {s['job']}: {head}; prompts {s['prompts']}, rollouts trained {s['trained']}, "
+        f"discarded {discarded} ({_discards(s['discarded'])}); {s['kills']} replica(s) killed, "
+        f"{s['heals']} heal(s), {sync}. Logs: {s['run_dir']}{tail}"
+    )
+
+
+def status_text(st: Status) -> str:
+    """``phalanx status`` without ``--json``: a few lines a person can read at a glance."""
+    lines = [f"job {st.job_id} (controller epoch {st.epoch})"]
+    for role, info in st.roles.items():
+        reps = info.replicas
+        suspects = sum(1 for r in reps if r.suspect)
+        desired = info.desired
+        ov = st.overview.roles.get(role)
+        quorate = ov.forms_quorums if ov is not None else True
+        lines.append(
+            f"  {role}: {len(reps)} replica(s)"
+            + (f" (desired {desired})" if desired is not None else "")
+            + (f", {suspects} suspect" if suspects else "")
+            + (f", step {info.step}, quorum {info.quorum_id}" if quorate else "")
+        )
+    ck = st.checkpoints.latest
+    if ck is not None:
+        lines.append(
+            f"  checkpoint: step {ck.step} at {ck.url} ({ck.nbytes / 1e6:.1f} MB, by {ck.by})"
+        )
+    rl = st.rl
+    if rl is not None:
+        p, ro = rl.prompts, rl.rollouts
+        lines.append(
+            f"  rl: {'finished' if rl.finished else 'running'}, policy step "
+            f"{rl.policy_step}, next batch {rl.next_batch}, weights "
+            f"v{rl.weights.synced_version}"
+        )
+        lines.append(
+            f"  prompts: issued {p.issued} = queued {p.queued} + leased {p.leased} + "
+            f"done {p.done} + trained {p.trained}"
+        )
+        lines.append(
+            f"  rollouts: accepted {ro.accepted} = pending {ro.pending} + batched "
+            f"{ro.batched} + trained {ro.trained} + discarded "
+            f"{sum(ro.discarded.values())} ({_discards(ro.discarded)}); duplicates "
+            f"dropped {ro.duplicates_dropped}; ledger " + ("balanced" if rl.ok else "UNBALANCED")
+        )
+        last = rl.last
+        if last is not None:
+            lines.append(
+                f"  last batch {last.batch}: reward {last.reward:.3f} (avg "
+                f"{last.reward_avg:.3f}), exact match {last.exact_match:.3f} (avg "
+                f"{last.exact_match_avg:.3f}), staleness {last.staleness}"
+            )
+    for name, q in (st.queues or {}).items():
+        lines.append(
+            f"  queue {name}: pending {q.pending} (leased {q.leased}), put {q.put}, "
+            f"acked {q.acked}, discarded {sum(q.discarded.values())} "
+            f"({_discards(q.discarded)}), corrupt {q.corrupt}, duplicates dropped "
+            f"{q.duplicates}"
+        )
+    return "\n".join(lines)

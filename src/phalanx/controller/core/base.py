@@ -1,0 +1,106 @@
+"""What every part of the controller's core shares: the refusals it raises, the
+change log it journals through, and the :class:`Tick` of waiters the service
+must wake once a call's changes are durable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.protocol.membership import Quorum
+
+Change = tuple[str, str, dict[str, Any] | None]
+"""``(table, key, record)``: one row the journal must write (``None`` deletes it)."""
+
+
+class StateError(Exception):
+    """A request the core refuses. ``status`` is the HTTP status to use."""
+
+    status = 400
+
+    def __init__(self, message: str, field: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.field = field
+        if status is not None:
+            self.status = status
+
+
+class UnknownReplica(StateError):
+    """The replica id is not a member: never registered, or evicted (gone for good)."""
+
+    status = 410
+
+
+class Conflict(StateError):
+    status = 409
+
+
+class ChangeLog:
+    """The durable changes of the calls since the last :meth:`drain`, and the job's
+    event log. Every part of the core writes through one shared instance; the
+    service drains it into the journal before it answers."""
+
+    def __init__(self, history: int):
+        self.history = history
+        """Events kept (older ones are deleted from the journal too)."""
+        self.changes: list[Change] = []
+        self.events: list[dict[str, Any]] = []
+        self.event_seq = 0
+
+    def put(self, table: str, key: str, record: dict[str, Any] | None) -> None:
+        self.changes.append((table, key, record))
+
+    def drain(self) -> list[Change]:
+        out, self.changes = self.changes, []
+        return out
+
+    def event(self, kind: str, wall: float, **fields: Any) -> None:
+        self.event_seq += 1
+        ev = {"seq": self.event_seq, "kind": kind, "at": wall, **fields}
+        self.events.append(ev)
+        self.put("events", f"{self.event_seq:012d}", ev)
+        while len(self.events) > self.history:
+            old = self.events.pop(0)
+            self.put("events", f"{old['seq']:012d}", None)
+        self.put("meta", "event_seq", {"value": self.event_seq})
+
+    def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
+        meta = tables.get("meta", {})
+        self.event_seq = meta.get("event_seq", {}).get("value", 0)
+        self.events = [tables["events"][k] for k in sorted(tables.get("events", {}))]
+
+
+@dataclass
+class Tick:
+    """What a call changed that the service must act on once it is journaled."""
+
+    formed: list[Quorum] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    probe: list[str] = field(default_factory=list)
+    commands_for: set[str] = field(default_factory=set)
+    ledger_for: set[str] = field(default_factory=set)
+    """Replicas whose ledger long-poll (prompt or batch lease) may now have an answer."""
+    queues: set[str] = field(default_factory=set)
+    """Rollout queues (by name) whose lease long-polls may now have an answer."""
+    puts: list[tuple[str, Any]] = field(default_factory=list)
+    """(key, payload) to write to the controller's payload log *before* the commit:
+    the payloads of rollouts the call accepted or queued."""
+    drops: list[str] = field(default_factory=list)
+    """Keys of the payload log that nothing refers to any more (trained, discarded,
+    settled): dropped after the commit."""
+    sweeps: list[tuple[str, str]] = field(default_factory=list)
+    """(ref, reason) of payloads to drop from a rollout store outside the controller
+    (journaled until the service's collector has made them)."""
+
+    def merge(self, other: Tick) -> Tick:
+        self.formed += other.formed
+        self.evicted += other.evicted
+        self.probe += other.probe
+        self.commands_for |= other.commands_for
+        self.ledger_for |= other.ledger_for
+        self.queues |= other.queues
+        self.puts += other.puts
+        self.drops += other.drops
+        self.sweeps += other.sweeps
+        return self

@@ -1,0 +1,356 @@
+"""The RL ledger: prompt leases, rollouts, training batches and weight syncs.
+
+Part of the controller's pure core (no I/O, no clock: every call takes
+``now``/``wall``), journaled through the same change log as membership. It is
+composed of three books:
+
+- :class:`~.prompts.PromptBook`: the cursor, prompts in flight, their leases;
+- :class:`~.rollouts.RolloutBook`: accepted rollouts and training batches;
+- :class:`~.sync.WeightSync`: weight-sync orders and the replicas' versions.
+
+The ledger records each rollout's id, prompt, weights version, state and
+summary figures, and the ``ref`` of its payload, never the payload itself: the
+completions live in the job's rollout store (the controller's payload log by
+default, or Redis or storage). When a rollout is trained or discarded, its
+payload is dropped from the store (:attr:`Ledger.drops`).
+
+Where each prompt is, at every moment (:meth:`Ledger.balance` checks it)::
+
+    issued (cursor) = queued + leased + done + trained
+    accepted rollouts = pending + batched + trained + discarded (by reason)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from phalanx.config.rl import RLConfig
+from phalanx.controller.core.base import ChangeLog, StateError, Tick
+from phalanx.controller.core.ledger.prompts import Lease, PromptBook
+from phalanx.controller.core.ledger.rollouts import RolloutBook
+from phalanx.controller.core.ledger.sync import Sync, WeightSync
+from phalanx.protocol.rl import RolloutIn, RolloutPayload, parse_rollout_id
+from phalanx.protocol.status import LedgerStatus
+
+__all__ = ["Lease", "Ledger", "Sync"]
+
+
+def payload_key(ref: str) -> str:
+    """A ledger rollout's key in the controller's payload log."""
+    return f"rl/{ref}"
+
+
+def rollout_prompt(rollout_id: str) -> tuple[int, int]:
+    """``p<prompt>.<attempt>`` -> (prompt, attempt); a 400 naming the field if malformed."""
+    try:
+        return parse_rollout_id(rollout_id)
+    except ValueError as e:
+        raise StateError(str(e), field="rollouts.rollout_id") from None
+
+
+class Ledger:
+    """Prompt dispatch, the rollout ledger and weight-sync orders of one RL job."""
+
+    def __init__(
+        self,
+        rl: RLConfig,
+        log: ChangeLog,
+        *,
+        run: str,
+        sync_timeout_s: float = 60.0,
+        external_store: bool = False,
+    ):
+        self.rl, self.log = rl, log
+        self.loop, self.grpo = rl.loop, rl.grpo
+        self.run = run
+        """This run of the job (journaled: a restarted controller keeps it). Rollout ids
+        restart at p0.0 in every fresh run, so stores outside the controller (Redis, a
+        bucket) keep runs apart under it, or a rerun's rollouts would look like duplicates."""
+        self.external_store = external_store
+        """Payloads live outside the controller: submissions carry refs, and drops are
+        journaled until the controller's collector has made them."""
+        self.counts: dict[str, int] = {
+            "trained_prompts": 0,
+            "trained_rollouts": 0,
+            "trained_completions": 0,
+            "accepted": 0,
+            "duplicates": 0,
+            "leases_issued": 0,
+            "leases_expired": 0,
+        }
+        self.prompts = PromptBook(log, self.counts, self.save, self.loop.lease_s)
+        self.weights = WeightSync(log, self.save, sync_timeout_s)
+        self.rollouts = RolloutBook(
+            rl, log, self.counts, self.save, self._drop, self.prompts, self.weights
+        )
+        self.puts: list[tuple[str, RolloutPayload]] = []
+        """(key, payload) of rollouts accepted by the last calls, for the controller's
+        payload log (written before the commit)."""
+        self.drops: list[str] = []
+        """Payload-log keys no longer needed by the last calls (dropped after the commit)."""
+        self.sweeps: list[tuple[str, str]] = []
+        """(ref, reason) to drop from the external rollout store (by the collector)."""
+        self.unswept: dict[str, str] = {}
+        """External store: drops journaled and not yet made (ref -> reason)."""
+
+    # -- persistence -----------------------------------------------------
+
+    def save(self) -> None:
+        self.log.put(
+            "ledger",
+            "meta",
+            {
+                **self.prompts.meta(),
+                **self.rollouts.meta(),
+                **self.weights.meta(),
+                "counts": self.counts,
+                "run": self.run,
+            },
+        )
+
+    def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
+        self.unswept = {k: v["reason"] for k, v in tables.get("payload_drops", {}).items()}
+        meta = tables.get("ledger", {}).get("meta")
+        if meta is None:
+            return
+        self.counts.update(meta["counts"])
+        self.run = meta.get("run", self.run)
+        self.prompts.restore(meta, tables, now)
+        self.rollouts.restore(meta, tables)
+        self.weights.restore(meta)
+
+    def _drop(self, ref: str, reason: str) -> None:
+        if not self.external_store:
+            self.drops.append(payload_key(ref))
+            return
+        self.sweeps.append((ref, reason))
+        self.unswept[ref] = reason
+        self.log.put("payload_drops", ref, {"reason": reason})
+
+    def swept(self, refs: Iterable[str]) -> None:
+        """The collector dropped these payloads from the external store."""
+        for ref in refs:
+            if self.unswept.pop(ref, None) is not None:
+                self.log.put("payload_drops", ref, None)
+
+    def take(self, tick: Tick) -> Tick:
+        """Move the payloads to store and to drop that the last calls decided into ``tick``."""
+        tick.puts += self.puts
+        tick.drops += self.drops
+        tick.sweeps += self.sweeps
+        self.puts, self.drops, self.sweeps = [], [], []
+        return tick
+
+    # -- accounting ------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.rollouts.finished
+
+    @property
+    def policy_step(self) -> int:
+        return self.rollouts.policy_step
+
+    def balance(self) -> dict[str, Any]:
+        """Where every prompt and rollout is. ``ok`` is the ledger's invariant."""
+        states = self.prompts.states()
+        c, ro = self.counts, self.rollouts
+        batched = ro.batched()
+        discarded = sum(ro.discarded.values())
+        prompts_ok = self.prompts.cursor == sum(states.values()) + c["trained_prompts"]
+        rollouts_ok = c["accepted"] == len(ro.pending) + batched + c["trained_rollouts"] + discarded
+        return {
+            "ok": prompts_ok and rollouts_ok,
+            "prompts": {"issued": self.prompts.cursor, **states, "trained": c["trained_prompts"]},
+            "rollouts": {
+                "accepted": c["accepted"],
+                "pending": len(ro.pending),
+                "batched": batched,
+                "trained": c["trained_rollouts"],
+                "discarded": dict(ro.discarded),
+                "duplicates_dropped": c["duplicates"],
+            },
+            "leases": {
+                "open": len(self.prompts.leases),
+                "issued": c["leases_issued"],
+                "expired": c["leases_expired"],
+            },
+        }
+
+    def status(self) -> LedgerStatus:
+        hist = self.rollouts.history
+        return LedgerStatus.model_validate(
+            {
+                **self.balance(),
+                "policy_step": self.rollouts.policy_step,
+                "next_batch": self.rollouts.next_batch,
+                "run": self.run,
+                "leased_by": self.prompts.leased_by(),
+                "finished": self.rollouts.finished,
+                "last": hist[-1] if hist else None,
+                "history": hist[-200:],
+                "weights": self.weights.status(),
+                **({"payloads": {"unswept": len(self.unswept)}} if self.external_store else {}),
+            },
+            strict=False,  # built here: lists stand for tuples
+        )
+
+    # -- prompt leases (rollout replicas) --------------------------------
+
+    def lease(
+        self, replica_id: str, version: int, max_prompts: int, *, now: float, wall: float
+    ) -> Lease | None:
+        """Lease up to ``max_prompts`` prompts to a rollout replica holding ``version``
+        (-1: no weights yet). None when the job is finished, when the replica's
+        weights are too old (it must sync first), or under backpressure."""
+        self.weights.versions[replica_id] = version
+        if self.finished or version < 0 or version < self.rollouts.floor():
+            return None
+        outstanding = self.prompts.outstanding() + len(self.rollouts.pending)
+        room = self.loop.max_ahead * self.grpo.prompts_per_step - outstanding
+        return self.prompts.lease(replica_id, version, max_prompts, room, now=now, wall=wall)
+
+    def expire(self, now: float, wall: float) -> bool:
+        return self.prompts.expire(now, wall)
+
+    def drop_replica(self, replica_id: str, wall: float) -> bool:
+        """A replica left or was evicted: its leases go back at once, and an in-flight
+        sync that counts on it is abandoned. True if it held prompts."""
+        self.weights.versions.pop(replica_id, None)
+        held = self.prompts.drop_holder(replica_id, wall)
+        self.weights.drop_member(replica_id, wall)
+        return held
+
+    # -- rollouts --------------------------------------------------------
+
+    def _check(self, rollouts: list[RolloutIn]) -> None:
+        """Refuse a submission whose payloads do not fit the job, before recording
+        anything."""
+        g = self.grpo
+        for k, r in enumerate(rollouts):
+            rollout_prompt(r.rollout_id)
+            if self.external_store != (r.ref is not None):
+                where = (
+                    "its ref in the job's rollout store"
+                    if self.external_store
+                    else ("its completions (this job's rollout store is the controller)")
+                )
+                raise StateError(
+                    f"rollouts[{k}] must carry {where}: check rl.transport.rollouts, which "
+                    f"must be the same for the controller and every replica.",
+                    field=f"rollouts.{k}",
+                )
+            if r.ref is not None:
+                continue  # the payload is checked by the policy when it reads it
+            comps = r.completions
+            if len(comps) != g.group_size:
+                raise StateError(
+                    f"rollouts[{k}].completions must hold group_size={g.group_size} "
+                    f"completions: got {len(comps)}. Submit every sample of the group.",
+                    field=f"rollouts.{k}.completions",
+                )
+            for j, c in enumerate(comps):
+                if len(c.token_ids) != len(c.logprobs) or not c.token_ids:
+                    raise StateError(
+                        f"rollouts[{k}].completions[{j}] must have one log-prob per token and "
+                        f"at least one token: got {len(c.token_ids)} tokens, "
+                        f"{len(c.logprobs)} log-probs.",
+                        field=f"rollouts.{k}.completions.{j}",
+                    )
+                if len(c.token_ids) > g.max_new_tokens:
+                    raise StateError(
+                        f"rollouts[{k}].completions[{j}] must have at most max_new_tokens="
+                        f"{g.max_new_tokens} tokens: got {len(c.token_ids)}.",
+                        field=f"rollouts.{k}.completions.{j}.token_ids",
+                    )
+
+    def submit(
+        self, replica_id: str, lease_id: str, rollouts: list[RolloutIn], *, now: float, wall: float
+    ) -> dict[str, list[str]]:
+        """Record a lease's rollouts. Each is accepted once by id; a later copy (late
+        submission of an expired lease, a retry) is dropped as a duplicate, and one
+        made with too old weights is discarded as stale. Validates everything
+        before recording anything. Returns the ids by verdict: ``accepted``,
+        ``duplicate``, ``stale``."""
+        self._check(rollouts)
+        out: dict[str, list[str]] = {"accepted": [], "duplicate": [], "stale": []}
+        floor = self.rollouts.floor()
+        for r in rollouts:
+            rid = r.rollout_id
+            idx, attempt = rollout_prompt(rid)
+            p = self.prompts.by_index.get(idx)
+            if p is None or p.attempt != attempt or p.state == "done":
+                self.counts["duplicates"] += 1
+                out["duplicate"].append(rid)
+                if r.ref is not None:
+                    self._drop(r.ref, "duplicate")
+                continue
+            self.prompts.done(idx, lease_id)
+            ref = r.ref if r.ref is not None else rid
+            if r.ref is None and r.version >= floor:  # a stale one is discarded below
+                self.puts.append((payload_key(ref), r.payload()))
+            self.rollouts.accept(
+                {
+                    "rollout_id": rid,
+                    "prompt": idx,
+                    "version": r.version,
+                    "replica_id": replica_id,
+                    "reward": r.reward,
+                    "exact_match": r.exact_match,
+                    "ref": ref,
+                }
+            )
+            if r.version < floor:
+                self.rollouts.discard(rid, "stale", wall)
+                out["stale"].append(rid)
+            else:
+                out["accepted"].append(rid)
+        self.prompts.settle_lease(lease_id)
+        self.save()
+        return out
+
+    def lose(self, lost: list[tuple[str, str]], *, wall: float) -> tuple[list[str], list[int]]:
+        """Rollouts whose payloads could not be read (``(rollout id, reason)``): discard
+        them under the reason, dispatch their prompts again, and unfreeze the
+        untrained batches they were in. Returns (discarded ids, batches reopened)."""
+        discarded: list[str] = []
+        reopened: list[int] = []
+        for rid, reason in lost:
+            if rid not in self.rollouts.records:
+                continue  # trained or discarded already: nothing left to lose
+            b = self.rollouts.batch_of(rid)
+            if b is not None:
+                self.rollouts.reopen(b)
+                reopened.append(b)
+            self.rollouts.discard(rid, reason, wall)
+            discarded.append(rid)
+        if discarded:
+            self.save()
+        return discarded, reopened
+
+    # -- training batches (policy replicas) ------------------------------
+
+    def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
+        return self.rollouts.batch_for(step, wall=wall)
+
+    def ack(self, step: int, *, wall: float) -> bool:
+        """Policy step count ``step`` is committed: every batch it covers is trained.
+        Returns True when this moved the ledger (idempotent per step)."""
+        if not self.rollouts.ack(step, wall=wall):
+            return False
+        self.weights.committed(step, self.loop.sync_every)
+        self.save()
+        return True
+
+    def maybe_sync(
+        self, leader: tuple[str, str] | None, rollout_ids: Iterable[str], *, now: float, wall: float
+    ) -> Sync | None:
+        return self.weights.maybe_sync(
+            leader,
+            rollout_ids,
+            self.prompts.busy(),
+            finished=self.finished,
+            now=now,
+            wall=wall,
+        )

@@ -1,0 +1,160 @@
+"""Membership: who is in the job, who is alive, and who is suspected.
+
+A replica registers (a fresh incarnation of its stable name), heartbeats,
+and leaves or is evicted. Failure detection has three sources (DESIGN.md,
+Failure): a peer's report and a dropped held connection make a member
+*suspect*, evicted only if it does not heartbeat within ``suspect_grace_s``;
+a heartbeat silence past ``heartbeat_s`` evicts it outright. What an eviction
+sets off elsewhere (quorums, the ledger, command queues) is the state's to
+orchestrate (:mod:`phalanx.controller.core.state`); this class keeps the
+member records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.config import JobConfig
+from phalanx.controller.core.base import ChangeLog, Conflict, StateError, UnknownReplica
+from phalanx.controller.core.records import Member, RoleState, save_role
+
+
+class Membership:
+    def __init__(self, cfg: JobConfig, log: ChangeLog, roles: dict[str, RoleState]):
+        self.cfg, self.log, self.roles = cfg, log, roles
+        self.members: dict[str, Member] = {}
+        self._by_name: dict[tuple[str, str], str] = {}
+
+    def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
+        for rec in tables.get("members", {}).values():
+            if rec["role"] not in self.roles:
+                continue  # role removed from the config: the member cannot take part
+            self._add(Member(**rec, last_seen=now))
+
+    def _add(self, m: Member) -> None:
+        self.members[m.replica_id] = m
+        self._by_name[(m.role, m.name)] = m.replica_id
+        self.roles[m.role].member_ids.add(m.replica_id)
+
+    # -- lookups ---------------------------------------------------------
+
+    def role(self, role: str) -> RoleState:
+        try:
+            return self.roles[role]
+        except KeyError:
+            raise StateError(
+                f"role must be one of the job's roles {sorted(self.roles)}: got {role!r}. "
+                f"Add a [roles.{role}] section to the job config or register with another role.",
+                field="role",
+            ) from None
+
+    def member(self, replica_id: str, field: str = "replica_id") -> Member:
+        m = self.members.get(replica_id)
+        if m is None:
+            raise UnknownReplica(
+                f"replica {replica_id!r} is not a member of this job (never registered, or "
+                f"evicted). Register again to get a new incarnation.",
+                field=field,
+            )
+        return m
+
+    def alive(self, role: str) -> list[Member]:
+        return [self.members[rid] for rid in sorted(self.roles[role].member_ids)]
+
+    def seen(self, replica_id: str, now: float) -> Member:
+        """The member, marked alive now (any request of its own is a sign of life)."""
+        m = self.member(replica_id)
+        m.last_seen = now
+        return m
+
+    # -- changes ---------------------------------------------------------
+
+    def add(
+        self,
+        role: str,
+        name: str,
+        incarnation: str,
+        *,
+        now: float,
+        wall: float,
+        ranks: int,
+        address: str,
+        capabilities: dict[str, Any],
+    ) -> tuple[Member, str | None]:
+        """Add a replica; returns it and the live older incarnation of the same role
+        and name, which the caller must evict."""
+        rs = self.role(role)
+        rid = f"{name}:{incarnation}"
+        # Checked before anything changes: a reused id must be refused without side
+        # effects, not evict the live member and revive its id.
+        if rid in self.members:
+            raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
+        old = self._by_name.get((role, name))
+        m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall)
+        m.last_seen = now
+        return m, old
+
+    def admit(self, m: Member, wall: float) -> None:
+        """Record a member made by :meth:`add` (after its old incarnation left)."""
+        self._add(m)
+        self.log.put("members", m.replica_id, m.record())
+        self.log.event("join", wall, role=m.role, replica_id=m.replica_id)
+
+    def save(self, m: Member) -> None:
+        self.log.put("members", m.replica_id, m.record())
+
+    def remove(self, replica_id: str) -> Member:
+        m = self.members.pop(replica_id)
+        del self._by_name[(m.role, m.name)]
+        self.roles[m.role].member_ids.discard(replica_id)
+        self.log.put("members", replica_id, None)
+        return m
+
+    def heartbeat(
+        self,
+        replica_id: str,
+        *,
+        now: float,
+        wall: float,
+        step: int | None,
+        loss: float | None,
+        inner_step: int | None,
+        healed: dict[str, Any] | None,
+    ) -> Member:
+        m = self.seen(replica_id, now)
+        m.suspect_since = None
+        if healed is not None:
+            self.log.event("healed", wall, role=m.role, replica_id=replica_id, **healed)
+        if inner_step is not None:
+            m.inner_step = inner_step
+        rs = self.roles[m.role]
+        if loss is not None and step is not None:
+            m.loss = loss
+            if not rs.losses or step > rs.losses[-1][0]:
+                rs.losses.append((step, loss))
+        if step is not None and step > m.step:
+            m.step = step
+            self.save(m)
+            if rs.bump_step(step, now):
+                save_role(self.log, rs)
+        return m
+
+    def suspect(self, replica_id: str, reason: str, now: float) -> bool:
+        """Start the grace of a live, unsuspected member; False if unknown or already."""
+        m = self.members.get(replica_id)
+        if m is None or m.suspect_since is not None:
+            return False
+        m.suspect_since, m.suspect_reason = now, reason
+        return True
+
+    def overdue(self, now: float) -> list[tuple[str, str]]:
+        """(replica id, reason) of every member to evict now: suspects past their
+        grace, and members silent past the heartbeat timeout."""
+        t = self.cfg.timeouts
+        out = []
+        for m in list(self.members.values()):
+            if m.suspect_since is not None and now - m.suspect_since >= t.suspect_grace_s:
+                out.append((m.replica_id, f"{m.suspect_reason}, no heartbeat in grace"))
+            elif now - m.last_seen >= t.heartbeat_s:
+                out.append((m.replica_id, "heartbeat timeout"))
+        return out

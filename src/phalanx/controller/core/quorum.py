@@ -1,0 +1,192 @@
+"""Quorum formation: who takes part in a role's next step, and who heals whom.
+
+Replicas ask with their committed step; a quorum forms once enough of the
+role's live members have asked (:meth:`Quorums.ready`), and every asker gets
+the same answer. ``quorum_id`` changes iff the membership changed or a commit
+failed, so that the participants know when to rebuild their process group;
+replicas behind the quorum's ``max_step`` are each assigned an up-to-date peer
+to heal from (DESIGN.md, Main flows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.controller.core.base import ChangeLog
+from phalanx.controller.core.membership import Membership
+from phalanx.controller.core.records import Member, Pending, RoleState, quorum_of, save_role
+from phalanx.protocol.membership import Quorum, QuorumMember
+
+QUORUM_HISTORY = 8
+"""Formed quorums kept per role, so that a retried request finds its answer."""
+
+
+class Quorums:
+    def __init__(self, log: ChangeLog, roles: dict[str, RoleState], members: Membership):
+        self.log, self.roles, self.members = log, roles, members
+
+    def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
+        meta = tables.get("meta", {})
+        for name, role in self.roles.items():
+            m = meta.get(f"role/{name}")
+            if m:
+                role.quorum_id, role.round = m["quorum_id"], m["round"]
+                role.step, role.force_bump = m["step"], m["force_bump"]
+        for key in sorted(tables.get("quorums", {})):
+            q = quorum_of(tables["quorums"][key])
+            if q.role in self.roles:
+                self.roles[q.role].set_formed(q)
+
+    def request(
+        self, m: Member, step: int, request_id: str, timeout_s: float, *, now: float, wall: float
+    ) -> tuple[Quorum | None, Quorum | None]:
+        """Ask for ``m`` to take part in its role's next quorum, at ``step`` (its
+        committed step). Returns (its quorum if formed now or for the same
+        ``request_id`` earlier, a quorum formed by this request)."""
+        done = self.answer(m.replica_id, request_id)
+        if done is not None:
+            return done, None
+        rs = self.roles[m.role]
+        rs.add_pending(m.replica_id, Pending(step, request_id, now + timeout_s), now)
+        formed = self.try_form(rs, now, wall)
+        return self.answer(m.replica_id, request_id), formed
+
+    def answer(self, replica_id: str, request_id: str) -> Quorum | None:
+        m = self.members.members.get(replica_id)
+        if m is None or m.last_request_id != request_id or m.last_round is None:
+            return None
+        for q in reversed(self.roles[m.role].quorums):
+            if q.round == m.last_round:
+                return q
+        return None
+
+    def expire_requests(self, now: float) -> None:
+        """Drop requests whose asker gave up waiting (past their ``timeout_s``)."""
+        for rs in self.roles.values():
+            for rid in [rid for rid, p in rs.pending.items() if p.deadline <= now]:
+                rs.drop_pending(rid)
+
+    def force_bump(self, role: str) -> None:
+        """A commit failed: the role's next quorum gets a new id, whatever its members."""
+        rs = self.roles[role]
+        if not rs.force_bump:
+            rs.force_bump = True
+            save_role(self.log, rs)
+
+    def ready(self, rs: RoleState, now: float) -> bool:
+        pend = len(rs.pending)
+        if pend == 0:
+            return False
+        n_alive = len(rs.member_ids)
+        first = rs.last_quorum is None
+        need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
+        if pend < need or 2 * pend <= n_alive:
+            return False  # too few, or not a majority of the heartbeating replicas
+        if pend == n_alive:
+            return True  # everyone who is alive has asked
+        last = rs.last_quorum
+        if last is not None and rs.prev_pending == len(rs.prev_ids):
+            return True  # fast path: the previous quorum rejoined in full
+        # Stragglers are timed from the round's start: the first of the previous
+        # quorum to ask again. Replicas that asked before it (a joiner, or one left
+        # out of the last round) must not start the clock, or the next quorum forms
+        # at the first finisher's request and leaves the others out; the one left
+        # out asks early in turn, and every later round forms short and heals.
+        since = rs.prev_since
+        if since is None:
+            if last is not None and any(rid in rs.member_ids for rid in rs.prev_ids):
+                return False  # the previous quorum's live members are still in their step
+            since = rs.pending_since
+        if since is None:  # unreachable: a pending request set pending_since
+            return False
+        return now - since >= rs.cfg.join_timeout_s
+
+    def try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
+        if not self.ready(rs, now):
+            return None
+        ids = sorted(rs.pending)
+        last = rs.last_quorum
+        if last is None or rs.force_bump or ids != sorted(last.replica_ids):
+            rs.quorum_id += 1
+        rs.force_bump = False
+        rs.round += 1
+        steps = {rid: rs.pending[rid].step for rid in ids}
+        max_step = max(steps.values())
+        fresh = [rid for rid in ids if steps[rid] == max_step]
+        lagging = [rid for rid in ids if steps[rid] < max_step]
+        heal = {rid: fresh[i % len(fresh)] for i, rid in enumerate(lagging)}
+        members = self.members.members
+        q = Quorum.model_construct(
+            role=rs.name,
+            quorum_id=rs.quorum_id,
+            round=rs.round,
+            members=tuple(
+                QuorumMember.model_construct(
+                    replica_id=rid,
+                    name=members[rid].name,
+                    address=members[rid].address,
+                    ranks=members[rid].ranks,
+                    step=steps[rid],
+                    rank=rank,
+                )
+                for rank, rid in enumerate(ids)
+            ),
+            max_step=max_step,
+            heal=heal,
+            formed_at=wall,
+            job_step=max(rs.step, max_step),
+        )
+        ready = []
+        for rid in ids:
+            m = members[rid]
+            m.last_request_id = rs.pending[rid].request_id
+            m.last_round = q.round
+            m.step = max(m.step, steps[rid])
+            if m.active_at is None and rid not in heal:
+                m.active_at = wall
+                ready.append(m)
+            self.members.save(m)
+        rs.set_formed(q)
+        self.log.put("quorums", f"{rs.name}/{q.round:012d}", q.model_dump())
+        if len(rs.quorums) > QUORUM_HISTORY:
+            old = rs.quorums.pop(0)
+            self.log.put("quorums", f"{rs.name}/{old.round:012d}", None)
+        if max_step > rs.step:
+            rs.steps_seen.append((now, max_step))
+        rs.step = max(rs.step, max_step)
+        save_role(self.log, rs)
+        self._formed_events(rs, q, len(ids), wall, ready)
+        return q
+
+    def _formed_events(
+        self, rs: RoleState, q: Quorum, size: int, wall: float, ready: list[Member]
+    ) -> None:
+        recovered = [
+            {
+                "replica_id": f["replica_id"],
+                "detector": f["detector"],
+                "seconds": round(wall - f["failed_at"], 3),
+            }
+            for f in rs.failures
+        ]
+        rs.failures.clear()
+        self.log.event(
+            "quorum",
+            wall,
+            role=rs.name,
+            quorum_id=q.quorum_id,
+            round=q.round,
+            size=size,
+            max_step=q.max_step,
+            healing=len(q.heal),
+            **({"heal": dict(q.heal)} if q.heal else {}),
+            **({"recovered": recovered} if recovered else {}),
+        )
+        for m in ready:
+            self.log.event(
+                "active",
+                wall,
+                role=rs.name,
+                replica_id=m.replica_id,
+                join_s=round(wall - m.registered_at, 3),
+            )

@@ -1,0 +1,138 @@
+"""The records of the core: members, pending quorum requests, each role's state.
+
+Quorums, commands and checkpoint records are the wire types themselves
+(:mod:`phalanx.protocol`), built here from trusted values; nothing here does
+I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from phalanx.config import RoleSection
+from phalanx.controller.core.base import ChangeLog
+from phalanx.protocol.membership import Quorum, QuorumMember
+
+
+@dataclass
+class Member:
+    replica_id: str
+    role: str
+    name: str
+    ranks: int
+    address: str
+    capabilities: dict[str, Any]
+    registered_at: float
+    """Wall-clock time of registration (for people; never used in decisions)."""
+    step: int = 0
+    last_request_id: str | None = None
+    last_round: int | None = None
+    active_at: float | None = None
+    """Wall-clock time it first took part in a quorum without being healed (None while
+    it joins or heals)."""
+    # Liveness and figures for people: not durable, reset on restore.
+    last_seen: float = field(default=0.0, compare=False)
+    suspect_since: float | None = field(default=None, compare=False)
+    suspect_reason: str = field(default="", compare=False)
+    loss: float | None = field(default=None, compare=False)
+    inner_step: int | None = field(default=None, compare=False)
+
+    def record(self) -> dict[str, Any]:
+        """The durable fields: those marked ``compare=False`` are liveness and figures."""
+        d = asdict(self)
+        for f in fields(self):
+            if not f.compare:
+                del d[f.name]
+        return d
+
+
+def quorum_of(rec: dict[str, Any]) -> Quorum:
+    """A journaled quorum record as the wire type (trusted: it was built here)."""
+    members = tuple(QuorumMember.model_construct(**m) for m in rec["members"])
+    return Quorum.model_construct(**{**rec, "members": members})
+
+
+@dataclass
+class Pending:
+    step: int
+    request_id: str
+    deadline: float
+
+
+@dataclass
+class RoleState:
+    name: str
+    cfg: RoleSection
+    quorum_id: int = 0
+    round: int = 0
+    step: int = 0
+    force_bump: bool = False
+    quorums: list[Quorum] = field(default_factory=list)
+    pending: dict[str, Pending] = field(default_factory=dict)
+    pending_since: float | None = None
+    member_ids: set[str] = field(default_factory=set)
+    prev_ids: frozenset[str] = frozenset()
+    prev_pending: int = 0
+    """How many of the previous quorum's members are pending (kept incrementally,
+    so that each quorum request is O(1) and a round of N requests is O(N))."""
+    prev_since: float | None = None
+    """When the first of the previous quorum's members asked again: the start of the
+    round, from which stragglers are timed (``join_timeout_s``)."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """Evictions not yet followed by a quorum: the next quorum reports, for each,
+    the time from the failure to it (not durable)."""
+    steps_seen: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    """(monotonic time, step) whenever the role's step grew: the steps-per-second rate."""
+    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=500))
+    """(step, loss) as the replicas report them with their heartbeats (not durable)."""
+
+    @property
+    def last_quorum(self) -> Quorum | None:
+        return self.quorums[-1] if self.quorums else None
+
+    def add_pending(self, replica_id: str, p: Pending, now: float) -> None:
+        if replica_id not in self.pending and replica_id in self.prev_ids:
+            self.prev_pending += 1
+            if self.prev_since is None:
+                self.prev_since = now
+        self.pending[replica_id] = p
+        if self.pending_since is None:
+            self.pending_since = now
+
+    def drop_pending(self, replica_id: str) -> None:
+        if self.pending.pop(replica_id, None) is not None and replica_id in self.prev_ids:
+            self.prev_pending -= 1
+            if self.prev_pending == 0:
+                self.prev_since = None
+        if not self.pending:
+            self.pending_since = None
+
+    def set_formed(self, q: Quorum) -> None:
+        self.quorums.append(q)
+        self.prev_ids = frozenset(q.replica_ids)
+        self.pending.clear()
+        self.pending_since = None
+        self.prev_pending = 0
+        self.prev_since = None
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "quorum_id": self.quorum_id,
+            "round": self.round,
+            "step": self.step,
+            "force_bump": self.force_bump,
+        }
+
+    def bump_step(self, step: int, now: float) -> bool:
+        """Raise the role's step (the saver of a checkpoint, a heartbeat); True if it grew."""
+        if step > self.step:
+            self.step = step
+            self.steps_seen.append((now, step))
+            return True
+        return False
+
+
+def save_role(log: ChangeLog, rs: RoleState) -> None:
+    log.put("meta", f"role/{rs.name}", rs.meta())

@@ -1,0 +1,262 @@
+"""The RL requests of the core: prompt leases, rollout submissions, batch leases
+and acks, weight-sync reports, lost payloads.
+
+Membership checks and wake-ups are done here, the bookkeeping in
+:class:`~phalanx.controller.core.ledger.Ledger`. Every method takes
+``now``/``wall`` and returns ``(reply, Tick)`` like the rest of the core; the
+replies are those of :mod:`phalanx.protocol.rl`. A batch carries each
+rollout's payload, read through the ``payload_of`` lookup of the controller's
+payload log, or, with a rollout store outside the controller, its ref.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from phalanx.controller.core.base import StateError, Tick
+from phalanx.controller.core.ledger import Ledger, payload_key
+from phalanx.controller.core.membership import Membership
+from phalanx.controller.core.queues import PayloadOf
+from phalanx.controller.core.records import Member, RoleState
+from phalanx.protocol.rl import (
+    Batch,
+    BatchAckReply,
+    BatchLeaseReply,
+    BatchRollout,
+    LostReply,
+    PromptLease,
+    PromptLeaseReply,
+    PromptRef,
+    RolloutIn,
+    RolloutPayload,
+    SubmitReply,
+    SyncDoneReply,
+)
+
+Envelope = Callable[[], dict[str, Any]]
+"""The fields every reply carries (epoch, job id)."""
+
+
+class RLRequests:
+    def __init__(
+        self,
+        ledger: Ledger | None,
+        members: Membership,
+        roles: dict[str, RoleState],
+        envelope: Envelope,
+        payload_of: PayloadOf,
+    ):
+        self.ledger, self.members, self.roles = ledger, members, roles
+        self.envelope, self.payload_of = envelope, payload_of
+
+    def _ledger(self, replica_id: str, *roles: str) -> tuple[Member, Ledger]:
+        if self.ledger is None:
+            raise StateError(
+                "this job has no RL ledger: the controller's config has no [rl] section. "
+                "Start the controller with the RL job's TOML.",
+            )
+        m = self.members.member(replica_id)
+        if m.role not in roles:
+            want = " or ".join(repr(r) for r in roles)
+            raise StateError(
+                f"replica {replica_id!r} must have role {want} for this request: got {m.role!r}.",
+                field="replica_id",
+            )
+        return m, self.ledger
+
+    def _tick(self, led: Ledger, tick: Tick | None = None) -> Tick:
+        """``tick`` with the payloads the ledger decided to store and drop."""
+        return led.take(tick or Tick())
+
+    def leader(self) -> tuple[str, str] | None:
+        """The policy leader (rank 0 of the newest policy quorum), if still a member."""
+        q = self.roles["policy"].last_quorum
+        if q is None or not q.members or q.members[0].replica_id not in self.members.members:
+            return None
+        return q.members[0].replica_id, q.members[0].address
+
+    def maybe_sync(self, now: float, wall: float) -> Tick:
+        if self.ledger is None:
+            return Tick()
+        order = self.ledger.maybe_sync(
+            self.leader(), self.roles["rollout"].member_ids, now=now, wall=wall
+        )
+        return Tick(ledger_for=set(order.members)) if order is not None else Tick()
+
+    def tick(self, now: float, wall: float) -> Tick:
+        """Deadlines: expired prompt leases, timed-out syncs."""
+        if self.ledger is None:
+            return Tick()
+        tick = Tick()
+        if self.ledger.expire(now, wall):
+            tick.ledger_for |= self.roles["rollout"].member_ids
+        return tick.merge(self.maybe_sync(now, wall))
+
+    def evicted(self, replica_id: str, wall: float) -> Tick:
+        if self.ledger is not None and self.ledger.drop_replica(replica_id, wall):
+            return Tick(ledger_for=set(self.roles["rollout"].member_ids))
+        return Tick()
+
+    def lease_prompts(
+        self, replica_id: str, version: int, max_prompts: int, *, now: float, wall: float
+    ) -> tuple[PromptLeaseReply, Tick]:
+        """A rollout replica asks for prompts. The reply carries the lease (or None),
+        the sync order it must take part in first (or None), and the job's state."""
+        m, led = self._ledger(replica_id, "rollout")
+        m.last_seen = now
+        led.weights.versions[replica_id] = version  # before deciding whether anyone syncs
+        tick = self.maybe_sync(now, wall)
+        lease = led.lease(replica_id, version, max_prompts, now=now, wall=wall)
+        wire = None
+        if lease is not None:
+            wire = PromptLease.model_construct(
+                lease_id=lease.lease_id,
+                deadline_s=led.loop.lease_s,
+                prompts=[
+                    PromptRef.model_construct(
+                        index=i, rollout_id=led.prompts.by_index[i].rollout_id
+                    )
+                    for i in lease.prompts
+                ],
+            )
+        reply = PromptLeaseReply.model_construct(
+            **self.envelope(),
+            lease=wire,
+            sync=led.weights.order_for(replica_id),
+            init_weights=led.weights.init_allowed(),
+            finished=led.finished,
+            policy_step=led.policy_step,
+            min_version=led.rollouts.floor(),
+        )
+        return reply, self._tick(led, tick)
+
+    def submit_rollouts(
+        self, replica_id: str, lease_id: str, rollouts: list[RolloutIn], *, now: float, wall: float
+    ) -> tuple[SubmitReply, Tick]:
+        """Record a lease's rollouts (policy replicas may submit too, under the prompt
+        lease each was made for)."""
+        m, led = self._ledger(replica_id, "rollout", "policy")
+        m.last_seen = now
+        out = led.submit(replica_id, lease_id, rollouts, now=now, wall=wall)
+        tick = Tick()
+        if out["accepted"]:
+            tick.ledger_for |= self.roles["policy"].member_ids
+        if out["stale"]:
+            tick.ledger_for |= self.roles["rollout"].member_ids
+        reply = SubmitReply.model_construct(
+            **self.envelope(),
+            accepted=out["accepted"],
+            duplicate=out["duplicate"],
+            stale=out["stale"],
+        )
+        return reply, self._tick(led, tick)
+
+    def lease_batch(
+        self, replica_id: str, step: int, *, now: float, wall: float
+    ) -> tuple[BatchLeaseReply, Tick]:
+        """A policy replica asks for the rollouts of ``step`` (its committed step count)."""
+        m, led = self._ledger(replica_id, "policy")
+        m.last_seen = now
+        discarded_before = sum(led.rollouts.discarded.values())
+        # The asker committed ``step`` steps: batches those cover are trained even if
+        # the ack was lost (the replica died between its commit and its ack).
+        if step > 0:
+            led.ack(step, wall=wall)
+        batch = led.batch_for(step, wall=wall)
+        tick = self.maybe_sync(now, wall)
+        if sum(led.rollouts.discarded.values()) != discarded_before:
+            tick.ledger_for |= self.roles["rollout"].member_ids
+        reply = BatchLeaseReply.model_construct(
+            **self.envelope(),
+            batch=self._batch(led, batch) if batch is not None else None,
+            sync=led.weights.order_for(replica_id),
+            finished=led.finished,
+        )
+        return reply, self._tick(led, tick)
+
+    def _batch(self, led: Ledger, b: dict[str, Any]) -> Batch:
+        """The wire batch: each rollout's summary, with its payload from the payload
+        log, or its ref in the external rollout store."""
+        rollouts = []
+        for rid in b["rollout_ids"]:
+            rec = led.rollouts.records[rid]
+            payload = None if led.external_store else self._payload(rec["ref"])
+            rollouts.append(
+                BatchRollout.model_construct(
+                    rollout_id=rid,
+                    prompt=rec["prompt"],
+                    version=rec["version"],
+                    reward=rec["reward"],
+                    exact_match=rec["exact_match"],
+                    ref=rec["ref"] if led.external_store else None,
+                    completions=payload.completions if payload is not None else [],
+                )
+            )
+        return Batch.model_construct(
+            index=b["index"],
+            step=b["step"],
+            frozen_at=b["frozen_at"],
+            reward=b["reward"],
+            exact_match=b["exact_match"],
+            staleness=b["staleness"],
+            rollouts=rollouts,
+        )
+
+    def _payload(self, ref: str) -> RolloutPayload | None:
+        p = self.payload_of(payload_key(ref))
+        if p is None or isinstance(p, RolloutPayload):
+            return p
+        return RolloutPayload.model_validate(p, strict=False)  # read back from disk at a restart
+
+    def ack_batch(
+        self, replica_id: str, step: int, *, now: float, wall: float
+    ) -> tuple[BatchAckReply, Tick]:
+        """A policy replica committed up to ``step``: its batches are trained. The reply
+        names the sync order it must serve, and whether the job is finished."""
+        m, led = self._ledger(replica_id, "policy")
+        m.last_seen = now
+        tick = Tick()
+        if led.ack(step, wall=wall):
+            tick.ledger_for |= self.roles["rollout"].member_ids
+            if led.finished:
+                tick.ledger_for |= self.roles["policy"].member_ids
+        tick.merge(self.maybe_sync(now, wall))
+        reply = BatchAckReply.model_construct(
+            **self.envelope(), sync=led.weights.order_for(replica_id), finished=led.finished
+        )
+        return reply, self._tick(led, tick)
+
+    def lost_payloads(
+        self, replica_id: str, lost: list[tuple[str, str]], *, now: float, wall: float
+    ) -> tuple[LostReply, Tick]:
+        """A policy replica could not read these rollouts' payloads."""
+        m, led = self._ledger(replica_id, "policy")
+        m.last_seen = now
+        discarded, reopened = led.lose(lost, wall=wall)
+        tick = Tick()
+        if discarded:
+            tick.ledger_for |= self.roles["rollout"].member_ids | self.roles["policy"].member_ids
+        reply = LostReply(**self.envelope(), discarded=discarded, reopened=reopened)
+        return reply, self._tick(led, tick)
+
+    def sync_done(
+        self,
+        replica_id: str,
+        seq: int,
+        version: int,
+        ok: bool,
+        error: str = "",
+        *,
+        now: float,
+        wall: float,
+    ) -> tuple[SyncDoneReply, Tick]:
+        m = self.members.member(replica_id)
+        _, led = self._ledger(replica_id, m.role)
+        m.last_seen = now
+        tick = Tick()
+        if led.weights.done(replica_id, seq, version, ok, error, wall=wall):
+            tick.ledger_for |= self.roles["rollout"].member_ids
+            tick.merge(self.maybe_sync(now, wall))
+        reply = SyncDoneReply(**self.envelope(), synced_version=led.weights.synced_version)
+        return reply, self._tick(led, tick)

@@ -1,0 +1,451 @@
+"""The controller's logic as a pure state machine, composed of its parts.
+
+No I/O, no threads, no clock of its own: every request takes ``now`` (a
+monotonic time in seconds) and ``wall``, and everything random (incarnation
+ids, the RL run id) is passed in. Given the same calls, it makes the same
+decisions, which is what lets the hypothesis tests drive it through joins,
+failures, clock jumps and restarts.
+
+Durability works by *changes*: every mutation of durable state appends a
+``(table, key, record | None)`` to the shared :class:`ChangeLog`. The service
+drains them into the journal (one SQLite transaction) before it answers the
+request that caused them, and :meth:`ControllerState.restore` rebuilds the
+state from the journal's tables. Liveness (last heartbeat, suspicion, pending
+quorum requests) is deliberately not durable: after a restart every member
+gets a fresh heartbeat grace and re-asks for its quorum, which the client
+does by itself.
+
+The parts, each a class of its own:
+
+- :class:`~.membership.Membership`: members, heartbeats, suspicion;
+- :class:`~.quorum.Quorums`: quorum formation and heal assignment;
+- :class:`~.commands.Commands` and :class:`~.commands.CheckpointBook`;
+- :class:`~.ledger.Ledger`: the RL ledger, whose requests are :attr:`ControllerState.rl`
+  (:class:`~.rl.RLRequests`);
+- :class:`~.queues.RolloutQueues`: the controller's named rollout queues.
+
+This class orchestrates what spans parts (an eviction touches all of them)
+and is the one API the service calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.config import JobConfig
+from phalanx.controller.core.base import ChangeLog, Conflict, StateError, Tick, UnknownReplica
+from phalanx.controller.core.commands import CheckpointBook, Commands
+from phalanx.controller.core.ledger import Ledger, payload_key
+from phalanx.controller.core.membership import Membership
+from phalanx.controller.core.overview import detector_of
+from phalanx.controller.core.queues import PayloadOf, RolloutQueues
+from phalanx.controller.core.quorum import Quorums
+from phalanx.controller.core.records import Member, RoleState, save_role
+from phalanx.controller.core.rl import RLRequests
+from phalanx.controller.core.status import status_of
+from phalanx.protocol.commands import CheckpointRecord, Command
+from phalanx.protocol.membership import Quorum
+from phalanx.protocol.status import Status
+
+__all__ = [
+    "Conflict",
+    "ControllerState",
+    "Member",
+    "Quorum",
+    "StateError",
+    "Tick",
+    "UnknownReplica",
+]
+
+
+def _no_payloads(key: str) -> Any:
+    return None
+
+
+class ControllerState:
+    """Membership, quorums, commands, the RL ledger and the queues of one job."""
+
+    def __init__(self, cfg: JobConfig, *, run: str = "run", payload_of: PayloadOf = _no_payloads):
+        self.cfg = cfg
+        self.epoch = 0
+        self.log = ChangeLog(cfg.controller.history)
+        self.roles = {name: RoleState(name, rc) for name, rc in cfg.roles.items()}
+        self.membership = Membership(cfg, self.log, self.roles)
+        self.quorums = Quorums(self.log, self.roles, self.membership)
+        self.commands = Commands(self.log)
+        self.checkpoints = CheckpointBook(self.log)
+        self.desired: dict[str, int] = {}
+        """Replica count per role that an operator asked for (``phalanx scale``); a
+        launcher that can start and stop replicas follows it."""
+        self.ledger = (
+            Ledger(
+                cfg.rl,
+                self.log,
+                run=run,
+                sync_timeout_s=2 * cfg.rl.loop.sync_timeout_s + cfg.timeouts.heartbeat_s,
+                external_store=cfg.rl.transport.rollouts != "controller",
+            )
+            if cfg.rl is not None
+            else None
+        )
+        self.rl = RLRequests(self.ledger, self.membership, self.roles, self.envelope, payload_of)
+        self.queues = RolloutQueues(self.log, payload_of)
+        """The controller's named rollout queues (the ``controller`` queue backend)."""
+        self.moved: list[tuple[str, Any]] = []
+        """Payloads a restore moved out of an old journal's records, for the payload log."""
+
+    # -- shared records ----------------------------------------------------
+
+    @property
+    def members(self) -> dict[str, Member]:
+        return self.membership.members
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.log.events
+
+    @property
+    def event_seq(self) -> int:
+        return self.log.event_seq
+
+    def drain(self) -> list[tuple[str, str, dict[str, Any] | None]]:
+        return self.log.drain()
+
+    def member(self, replica_id: str, field: str = "replica_id") -> Member:
+        return self.membership.member(replica_id, field)
+
+    def envelope(self) -> dict[str, Any]:
+        """The fields every reply carries: the epoch (it changes when the controller
+        restarts) and the job id."""
+        return {"epoch": self.epoch, "job_id": self.cfg.job.id}
+
+    def alive(self, role: str) -> list[Member]:
+        return self.membership.alive(role)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self, now: float, wall: float) -> None:
+        """Begin a new controller epoch (call once per process start, after restore)."""
+        self.epoch += 1
+        self.log.put("meta", "epoch", {"value": self.epoch})
+        self.log.event("controller_start", wall, epoch=self.epoch)
+
+    @classmethod
+    def restore(
+        cls,
+        cfg: JobConfig,
+        tables: dict[str, dict[str, dict[str, Any]]],
+        now: float,
+        *,
+        run: str = "run",
+        payload_of: PayloadOf = _no_payloads,
+    ) -> ControllerState:
+        """Rebuild from the journal's tables. Every member gets a fresh heartbeat grace.
+        ``payload_of`` looks up the payload log (restored first), to check it holds
+        what the records refer to."""
+        st = cls(cfg, run=run, payload_of=payload_of)
+        meta = tables.get("meta", {})
+        st.epoch = meta.get("epoch", {}).get("value", 0)
+        st.log.restore(tables)
+        st.quorums.restore(tables)
+        st.membership.restore(tables, now)
+        st.commands.restore(tables, set(st.members))
+        st.checkpoints.restore(tables)
+        st.desired = {
+            k.removeprefix("desired/"): v["value"]
+            for k, v in meta.items()
+            if k.startswith("desired/") and k.removeprefix("desired/") in st.roles
+        }
+        if st.ledger is not None:
+            st.ledger.restore(tables, now)
+        st.moved = st.queues.restore(tables, now)
+        return st
+
+    # -- membership --------------------------------------------------------
+
+    def register(
+        self,
+        role: str,
+        name: str,
+        incarnation: str,
+        *,
+        now: float,
+        wall: float,
+        ranks: int = 1,
+        address: str = "",
+        capabilities: dict[str, Any] | None = None,
+    ) -> tuple[Member, Tick]:
+        """Add a replica. A live member with the same role and name is an older
+        incarnation of the same process: it is evicted first."""
+        m, old = self.membership.add(
+            role,
+            name,
+            incarnation,
+            now=now,
+            wall=wall,
+            ranks=ranks,
+            address=address,
+            capabilities=capabilities or {},
+        )
+        tick = Tick()
+        if old is not None:
+            tick.merge(self._evict(old, "replaced by a new incarnation", now, wall))
+        self.membership.admit(m, wall)
+        return m, tick
+
+    def heartbeat(
+        self,
+        replica_id: str,
+        *,
+        now: float,
+        wall: float = 0.0,
+        step: int | None = None,
+        loss: float | None = None,
+        inner_step: int | None = None,
+        healed: dict[str, Any] | None = None,
+    ) -> None:
+        self.membership.heartbeat(
+            replica_id,
+            now=now,
+            wall=wall,
+            step=step,
+            loss=loss,
+            inner_step=inner_step,
+            healed=healed,
+        )
+
+    def deregister(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
+        self.member(replica_id)
+        return self._evict(replica_id, f"left: {reason}" if reason else "left", now, wall)
+
+    def _evict(self, replica_id: str, reason: str, now: float, wall: float) -> Tick:
+        m = self.membership.remove(replica_id)
+        self.commands.drop_for(replica_id)
+        rs = self.roles[m.role]
+        rs.drop_pending(replica_id)
+        # When it failed, as well as the controller can tell: the suspicion's start,
+        # else its last heartbeat (for a timeout), else now.
+        detector = detector_of(reason)
+        since = m.suspect_since if m.suspect_since is not None else m.last_seen
+        failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
+        if detector not in ("left", "operator"):
+            rs.failures.append(
+                {"replica_id": replica_id, "detector": detector, "failed_at": failed_at}
+            )
+        self.log.event(
+            "evict",
+            wall,
+            role=m.role,
+            replica_id=replica_id,
+            reason=reason,
+            detector=detector,
+            failed_at=round(failed_at, 3),
+            uptime_s=round(wall - m.registered_at, 3),
+        )
+        tick = Tick(evicted=[replica_id])
+        tick.merge(self.rl.evicted(replica_id, wall))
+        # One fewer live member can complete a waiting quorum.
+        q = self.quorums.try_form(rs, now, wall)
+        if q is not None:
+            tick.formed.append(q)
+        return tick
+
+    def report_failure(
+        self,
+        reporter: str,
+        suspects: list[str],
+        *,
+        now: float,
+        wall: float,
+        reason: str = "",
+        failed_commit: bool = False,
+    ) -> tuple[list[str], Tick]:
+        """A peer saw a collective error. Returns the suspects that are unknown.
+
+        Suspects are not evicted on the report alone (a report may be false,
+        or come from the faulty side of a partition): each one is probed and
+        evicted only if it does not heartbeat within ``suspect_grace_s``.
+        ``failed_commit`` forces a new ``quorum_id`` at the reporter's role's
+        next quorum, so that every participant rebuilds its process group.
+        """
+        rep = self.member(reporter, field="reporter")
+        if reporter in suspects:
+            raise StateError("suspects must not include the reporter itself.", field="suspects")
+        tick = Tick()
+        unknown = []
+        for sid in dict.fromkeys(suspects):
+            if sid not in self.members:
+                unknown.append(sid)
+            elif self.membership.suspect(sid, "failure report", now):
+                tick.probe.append(sid)
+        if failed_commit:
+            self.quorums.force_bump(rep.role)
+        self.log.event(
+            "failure_report",
+            wall,
+            reporter=reporter,
+            suspects=list(suspects),
+            reason=reason[:200],
+            failed_commit=failed_commit,
+        )
+        return unknown, tick
+
+    def suspect(self, replica_id: str, reason: str, *, now: float, wall: float) -> Tick:
+        """Suspect a member on the controller's own evidence (its held connection
+        dropped). Like a peer's report: evicted unless it heartbeats within
+        ``suspect_grace_s``. Unknown or already suspect members are left alone."""
+        if not self.membership.suspect(replica_id, reason, now):
+            return Tick()
+        self.log.event("suspect", wall, replica_id=replica_id, reason=reason)
+        return Tick(probe=[replica_id])
+
+    def tick(self, *, now: float, wall: float) -> Tick:
+        """Apply deadlines: heartbeat timeouts, suspect graces, stale quorum requests,
+        join timeouts, prompt leases. Call it often (every ``controller.tick_s``)."""
+        tick = Tick()
+        # Stale requests go first: an eviction below may form a quorum, and it
+        # must not count a replica whose request timed out (it gave up waiting).
+        self.quorums.expire_requests(now)
+        for rid, reason in self.membership.overdue(now):
+            tick.merge(self._evict(rid, reason, now, wall))
+        for rs in self.roles.values():
+            q = self.quorums.try_form(rs, now, wall)
+            if q is not None:
+                tick.formed.append(q)
+        return tick.merge(self.rl.tick(now, wall))
+
+    # -- quorum ------------------------------------------------------------
+
+    def request_quorum(
+        self,
+        replica_id: str,
+        step: int,
+        request_id: str,
+        timeout_s: float,
+        *,
+        now: float,
+        wall: float,
+    ) -> tuple[Quorum | None, Tick]:
+        """Ask to take part in the role's next quorum, at ``step`` (this replica's
+        committed step). Returns the quorum if it formed now (or was formed
+        earlier for the same ``request_id``: retries are idempotent), else None
+        and the caller waits for a :class:`Tick` that names it."""
+        m = self.membership.seen(replica_id, now)
+        q, formed = self.quorums.request(m, step, request_id, timeout_s, now=now, wall=wall)
+        return q, Tick(formed=[formed] if formed is not None else [])
+
+    def answer(self, replica_id: str, request_id: str) -> Quorum | None:
+        return self.quorums.answer(replica_id, request_id)
+
+    # -- commands and the operator's actions -------------------------------
+
+    def enqueue(
+        self, target: str, kind: str, payload: dict[str, Any], *, now: float, wall: float
+    ) -> tuple[list[Command], Tick]:
+        """Queue a command for one replica (by id) or every member of a role (by name)."""
+        if target in self.roles:
+            ids = [m.replica_id for m in self.alive(target)]
+        else:
+            ids = [self.member(target, field="target").replica_id]
+        return self.commands.enqueue(ids, kind, payload, wall), Tick(commands_for=set(ids))
+
+    def pending_commands(self, replica_id: str, after: int = 0) -> list[Command]:
+        self.member(replica_id)
+        return self.commands.pending(replica_id, after)
+
+    def ack(self, replica_id: str, command_ids: list[int]) -> list[int]:
+        """Acknowledge commands; returns the ids that were not pending (already acked)."""
+        self.member(replica_id)
+        return self.commands.ack(replica_id, command_ids)
+
+    def set_desired(self, role: str, replicas: int, *, now: float, wall: float) -> dict[str, int]:
+        """Record the replica count an operator wants for ``role``."""
+        self.membership.role(role)
+        self.desired[role] = replicas
+        self.log.put("meta", f"desired/{role}", {"value": replicas})
+        self.log.event("scale", wall, role=role, replicas=replicas)
+        return dict(self.desired)
+
+    def evict_replica(self, replica_id: str, reason: str = "", *, now: float, wall: float) -> Tick:
+        """An operator evicts a replica. The process, if alive, gets 410 at its next
+        call and registers again as a new incarnation."""
+        self.member(replica_id)
+        why = f"evicted by operator: {reason or 'no reason given'}"
+        return self._evict(replica_id, why, now, wall)
+
+    def drain_replica(
+        self, replica_id: str, *, now: float, wall: float
+    ) -> tuple[list[Command], Tick]:
+        """Ask a replica to leave at its next step boundary (a ``drain`` command)."""
+        cmds, tick = self.enqueue(replica_id, "drain", {}, now=now, wall=wall)
+        self.log.event("drain", wall, role=self.members[replica_id].role, replica_id=replica_id)
+        return cmds, tick
+
+    def request_checkpoint(
+        self, lead: int, *, now: float, wall: float
+    ) -> tuple[list[Command], Tick]:
+        """Ask the policy replicas to checkpoint the step ``lead`` steps from the
+        role's current one: the same step on every replica, far enough ahead that
+        each has polled its commands by then."""
+        rs = self.membership.role("policy")
+        if not self.cfg.checkpoint.url:
+            raise Conflict(
+                "checkpoint.url must be set to trigger a checkpoint: got none. Set "
+                "[checkpoint] url in the job config."
+            )
+        step = rs.step + max(1, lead)
+        cmds, tick = self.enqueue("policy", "checkpoint", {"step": step}, now=now, wall=wall)
+        self.log.event("checkpoint_requested", wall, role="policy", step=step, replicas=len(cmds))
+        return cmds, tick
+
+    def record_checkpoint(
+        self, replica_id: str, step: int, url: str, nbytes: int, *, now: float, wall: float
+    ) -> CheckpointRecord:
+        """A replica committed a checkpoint of ``step`` at ``url``: remember it (the
+        job's latest restorable step is in the status)."""
+        m = self.member(replica_id)
+        # The saver knows its step committed before the controller does (it learns
+        # of commits from the next quorum request or heartbeat).
+        rs = self.roles[m.role]
+        if rs.bump_step(step, now):
+            save_role(self.log, rs)
+        rec = CheckpointRecord.model_construct(
+            step=step, url=url, nbytes=nbytes, by=replica_id, role=m.role, at=wall
+        )
+        self.checkpoints.record(rec, wall)
+        return rec
+
+    def swept(self, refs: list[str], *, now: float, wall: float) -> None:
+        """The service's collector dropped these payloads from the external store."""
+        if self.ledger is not None:
+            self.ledger.swept(refs)
+
+    def payload_keys(self) -> set[str]:
+        """Every key of the payload log that the records refer to (a restart keeps
+        these and drops the rest: payloads of a write the journal never took)."""
+        keys = self.queues.keys()
+        led = self.ledger
+        if led is not None and not led.external_store:
+            keys |= {payload_key(rec["ref"]) for rec in led.rollouts.records.values()}
+        return keys
+
+    def reconcile(self, *, now: float, wall: float) -> Tick:
+        """At start: rollouts the ledger holds whose payloads the payload log does not
+        (a torn write, a lost file) are discarded as ``payload_missing`` and their
+        prompts dispatched again."""
+        led = self.ledger
+        if led is None or led.external_store:
+            return Tick()
+        payload_of = self.queues.payload_of
+        lost = [
+            (rid, "payload_missing")
+            for rid, rec in led.rollouts.records.items()
+            if payload_of(payload_key(rec["ref"])) is None
+        ]
+        led.lose(lost, wall=wall)
+        return led.take(Tick())
+
+    # -- status ------------------------------------------------------------
+
+    def status(self, now: float, wall: float | None = None) -> Status:
+        return status_of(self, now, wall)

@@ -1,0 +1,65 @@
+"""What the HTTP routes share: the context they are called with, the route table's
+entry, and the reply encoding.
+
+A route is a plain ``async def route(api: Api, req: SomeReq) -> SomeReply``:
+it validates nothing itself (the request model did), calls the core through
+``api.service.apply`` and builds its reply from :mod:`phalanx.protocol`.
+:func:`phalanx.controller.http.create_app` binds every :class:`Route` to
+FastAPI; the hottest ones are also served by the
+:class:`~phalanx.controller.http.middleware.FastPath`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from phalanx.controller.core.state import ControllerState
+from phalanx.controller.service import ControllerService
+
+REPLY_CACHE = 32
+"""Encoded quorum replies kept (every member of a quorum gets the same bytes)."""
+
+
+@dataclass
+class Api:
+    """The context every route is called with."""
+
+    service: ControllerService
+    quorum_replies: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
+    """(role, round, quorum_id) -> the encoded ``ok`` reply of that quorum."""
+
+    @property
+    def state(self) -> ControllerState:
+        return self.service.state
+
+    def envelope(self) -> dict[str, Any]:
+        return self.service.envelope()
+
+
+Handler = Callable[[Api, Any], Awaitable[BaseModel | Response]]
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    handler: Handler
+    request: type[BaseModel]
+    reply: type[BaseModel]
+    held: bool = False
+    """A long-poll whose dropped connection says its replica died (the fast path
+    watches it: ``timeouts.suspect_on_disconnect``)."""
+
+
+def encode(reply: BaseModel) -> bytes:
+    return reply.__pydantic_serializer__.to_json(reply)
+
+
+def json_response(reply: BaseModel | Response) -> Response:
+    if isinstance(reply, Response):
+        return reply
+    return Response(encode(reply), media_type="application/json")

@@ -1,0 +1,150 @@
+"""Membership routes: register, heartbeat, lifeline, quorum, failure reports, deregister."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.responses import Response
+
+from phalanx.controller.http.base import REPLY_CACHE, Api, Route, encode
+from phalanx.protocol.base import OkReply, Reply
+from phalanx.protocol.membership import (
+    DeregisterReq,
+    HeartbeatReply,
+    HeartbeatReq,
+    LifelineReq,
+    Quorum,
+    QuorumReply,
+    QuorumReq,
+    RegisterReply,
+    RegisterReq,
+    ReportReply,
+    ReportReq,
+)
+
+
+async def register(api: Api, req: RegisterReq) -> RegisterReply:
+    """Register a new incarnation of a replica (a live older one of the same name is
+    evicted). The reply carries the timeouts the replica must keep."""
+    st = api.state
+    member = api.service.apply(
+        st.register,
+        req.role,
+        req.name,
+        uuid.uuid4().hex[:8],
+        ranks=req.ranks,
+        address=req.address,
+        capabilities=dict(req.capabilities),
+    )
+    t = st.cfg.timeouts
+    return RegisterReply(
+        **api.envelope(),
+        replica_id=member.replica_id,
+        heartbeat_interval_s=t.heartbeat_interval_s,
+        heartbeat_timeout_s=t.heartbeat_s,
+        suspect_grace_s=t.suspect_grace_s,
+        quorum_timeout_s=t.quorum_s,
+    )
+
+
+async def heartbeat(api: Api, req: HeartbeatReq) -> HeartbeatReply:
+    """Report liveness and progress; held up to ``wait_s`` (at most the heartbeat
+    interval) and answered at once with ``probe`` when a peer suspects the replica."""
+    svc, st = api.service, api.state
+    healed = req.healed.model_dump() if req.healed is not None else None
+    svc.apply(
+        st.heartbeat,
+        req.replica_id,
+        step=req.step,
+        loss=req.loss,
+        inner_step=req.inner_step,
+        healed=healed,
+    )
+    svc.metrics.heartbeats.inc()
+    if req.healed is not None:
+        svc.metrics.heal_seconds.observe(req.healed.seconds)
+    wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
+    woken = await svc.wait("heartbeat", req.replica_id, wait)
+    m = st.members.get(req.replica_id)
+    if m is None:
+        st.member(req.replica_id)  # raises 410: evicted while we waited
+    probe = woken and m is not None and m.suspect_since is not None
+    return HeartbeatReply.model_construct(**api.envelope(), probe=probe)
+
+
+async def lifeline(api: Api, req: LifelineReq) -> Reply:
+    """Held open by a replica for as long as it lives (re-posted every ``wait_s``):
+    when the connection drops with no reply, the process died, and the replica is
+    suspected at once (``timeouts.suspect_on_disconnect``). Unlike the held
+    heartbeat, it is held almost all the time, whatever the replica's heartbeat
+    thread is doing. Ends early if the replica leaves."""
+    api.state.member(req.replica_id)  # 410 when not a member
+    await api.service.wait("lifeline", req.replica_id, req.wait_s)
+    return Reply.model_construct(**api.envelope())
+
+
+def _quorum_ok(api: Api, q: Quorum) -> Response:
+    # Every member of a quorum gets the same reply: encode it once per quorum, not
+    # once per member. Building and serializing the N-member record N times a round
+    # was O(N^2) and the controller's top cost from N = 100 on (docs/benchmarks.md).
+    key = (q.role, q.round, q.quorum_id)
+    body = api.quorum_replies.get(key)
+    if body is None:
+        reply = QuorumReply.model_construct(**api.envelope(), status="ok", quorum=q)
+        body = api.quorum_replies[key] = encode(reply)
+        while len(api.quorum_replies) > REPLY_CACHE:
+            del api.quorum_replies[next(iter(api.quorum_replies))]
+    return Response(body, media_type="application/json")
+
+
+async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
+    """Ask to take part in the role's next quorum at ``step``; held up to ``wait_s``.
+    ``pending``: ask again with the same ``request_id``."""
+    svc, st = api.service, api.state
+    t0 = time.monotonic()
+    q = svc.apply(st.request_quorum, req.replica_id, req.step, req.request_id, req.timeout_s)
+    deadline = t0 + req.wait_s
+    while q is None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not await svc.wait("quorum", req.replica_id, left):
+            break
+        st.member(req.replica_id)  # raises 410 if evicted while waiting
+        q = st.answer(req.replica_id, req.request_id)
+    if q is None:
+        return QuorumReply.model_construct(**api.envelope(), status="pending", quorum=None)
+    svc.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
+    return _quorum_ok(api, q)
+
+
+async def report_failure(api: Api, req: ReportReq) -> ReportReply:
+    """A peer saw a collective error: each suspect is probed, and evicted unless it
+    heartbeats within ``suspect_grace_s``."""
+    st = api.state
+    unknown = api.service.apply(
+        st.report_failure,
+        req.reporter,
+        list(req.suspects),
+        reason=req.reason,
+        failed_commit=req.failed_commit,
+    )
+    api.service.metrics.reports.inc()
+    return ReportReply(**api.envelope(), unknown=unknown)
+
+
+async def deregister(api: Api, req: DeregisterReq) -> OkReply:
+    """Leave the job for good."""
+    api.service.apply(api.state.deregister, req.replica_id, req.reason)
+    return OkReply(**api.envelope(), ok=True)
+
+
+ROUTES = [
+    Route("/v1/register", register, RegisterReq, RegisterReply),
+    Route("/v1/heartbeat", heartbeat, HeartbeatReq, HeartbeatReply, held=True),
+    Route("/v1/lifeline", lifeline, LifelineReq, Reply, held=True),
+    Route("/v1/quorum", quorum, QuorumReq, QuorumReply, held=True),
+    Route("/v1/report-failure", report_failure, ReportReq, ReportReply),
+    Route("/v1/deregister", deregister, DeregisterReq, OkReply),
+]
+FAST = ("/v1/heartbeat", "/v1/quorum", "/v1/lifeline")
+"""Served by the fast path (the hot long-polls)."""

@@ -1,0 +1,165 @@
+"""The controller's ASGI middleware, outermost first: :class:`BodyLimit` ->
+:class:`AuthAndEpoch` -> :class:`FastPath` -> FastAPI.
+
+Plain ASGI classes on purpose: each ``@app.middleware("http")`` costs a task
+group and memory streams per request, which was most of the controller's
+per-request CPU (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import Request
+from fastapi.security.utils import get_authorization_scheme_param
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response
+
+from phalanx.controller.core.base import StateError
+from phalanx.controller.http.base import Api, Route, encode
+from phalanx.controller.http.errors import error
+
+
+class BodyLimit:
+    """Refuse bodies over ``limit`` bytes with 413, whether the client declared a
+    Content-Length or streamed the body."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+
+        def too_big() -> JSONResponse:
+            # Built only when needed: a JSONResponse per request was a measurable cost.
+            return error(
+                413, f"request body must be at most {self.limit} bytes; send less per request."
+            )
+
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await too_big()(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await too_big()(scope, receive, send)
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+class AuthAndEpoch:
+    """Refuse a request without the job token (401) before FastAPI parses its body,
+    so that an anonymous request with a malformed body gets 401, not 422; and
+    stamp every reply with ``X-Phalanx-Epoch``."""
+
+    def __init__(
+        self,
+        app: Any,
+        token: bytes,
+        epoch: Callable[[], int],
+        unauthorized: Callable[[Request], Awaitable[Response]],
+        is_public: Callable[[str], bool],
+    ):
+        self.app, self.token, self.epoch, self.unauthorized = app, token, epoch, unauthorized
+        self.is_public = is_public
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_epoch(msg: MutableMapping[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                headers = [*msg.get("headers", []), (b"x-phalanx-epoch", b"%d" % self.epoch())]
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        if not self.is_public(scope["path"]):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, given = get_authorization_scheme_param(header.decode("latin-1"))
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
+                response = await self.unauthorized(Request(scope))
+                return await response(scope, receive, send_with_epoch)
+        return await self.app(scope, receive, send_with_epoch)
+
+
+OnDisconnect = Callable[[Any], None]
+
+
+class FastPath:
+    """Serve the hot long-polls (heartbeat, quorum, lifeline) without FastAPI's
+    routing and dependency layers: validate the body with the route's own request
+    model, call the route's own handler, write its reply. Every request it cannot
+    validate goes on to FastAPI unchanged, so error replies are exactly FastAPI's.
+    Sits inside :class:`BodyLimit` (which hands it the whole body as one message)
+    and :class:`AuthAndEpoch` (token checked, epoch stamped). Per request this
+    halves the controller's CPU, which is what a quorum round of N replicas waits
+    on (docs/benchmarks.md)."""
+
+    def __init__(self, app: Any, api: Api, routes: list[Route], on_disconnect: OnDisconnect | None):
+        self.app, self.api, self.on_disconnect = app, api, on_disconnect
+        self.routes = {r.path: r for r in routes}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        route = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = self.routes.get(scope["path"])
+        if route is None:
+            return await self.app(scope, receive, send)
+        msg = await receive()
+        try:
+            req = route.request.model_validate_json(msg.get("body", b""))
+        except ValidationError:
+            sent = False
+
+            async def replay() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return msg
+                return await receive()
+
+            return await self.app(scope, replay, send)
+        # While a long-poll is held, the only thing the client can send is its
+        # disconnect: a replica that died (SIGKILL) drops its held request.
+        watch = None
+        on_disconnect = self.on_disconnect if route.held else None
+        if on_disconnect is not None:
+            watch = asyncio.ensure_future(receive())
+            watch.add_done_callback(
+                lambda w: (
+                    on_disconnect(req)
+                    if not w.cancelled()
+                    and w.exception() is None
+                    and w.result()["type"] == "http.disconnect"
+                    else None
+                )
+            )
+        try:
+            out = await route.handler(self.api, req)
+        except StateError as exc:
+            fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
+            return await error(exc.status, str(exc), fields)(scope, receive, send)
+        finally:
+            if watch is not None and not watch.done():
+                watch.cancel()
+        body = out.body if isinstance(out, Response) else encode(out)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,309 @@
+"""What the job loops share: the JSON lines they print for the launcher, the
+setup of an FT replica of the built-in task (client, model, data, manager),
+its checkpoints, and the step boundary after a commit (operator commands,
+scheduled saves, drain).
+
+Every job loop prints one JSON line per event on stdout (:func:`emit`):
+``start``, ``step``, ``retry``, ``checkpoint``, ``sync``, ``rollout``,
+``done``; ``phalanx run`` reads them for its progress view and summary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.client import ControllerClient, ControllerError
+from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.config import JobConfig
+from phalanx.data.sampler import ElasticSampler
+from phalanx.jobs.mlp import build_data, build_model, build_optimizer, make_compute
+from phalanx.train.manager import Compute, Manager
+from phalanx.train.orders import Orders
+from phalanx.transport.base import store_name
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint import Checkpointer
+
+log = logging.getLogger("phalanx.train")
+
+
+def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors under stable names (for comparing replicas)."""
+    out = {f"model.{k}": v.detach().clone() for k, v in manager.model.state_dict().items()}
+    for pid, st in manager.optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{pid}.{k}"] = v.detach().clone().reshape(v.shape)
+    return out
+
+
+def save_final(path: Path, manager: Manager) -> None:
+    from safetensors.torch import save_file
+
+    cursor = manager.sampler.cursor if manager.sampler is not None else 0
+    meta = {"step": str(manager.step), "cursor": str(cursor)}
+    tmp = path.with_suffix(".tmp")
+    save_file(flat_state(manager), str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def job_store_name(job_id: str, client: ControllerClient) -> str:
+    """The job's namespace in a rollout store: the job id and the ledger's run (from
+    the controller), so that a rerun of a job never meets the previous run's payloads."""
+    st = client.status()
+    return store_name(job_id, st.rl.run if st.rl is not None else "")
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of handing it back to the OS.
+
+    Every step, the optimizer's temporaries (two of the model's size for AdamW)
+    are freed and allocated again; with glibc's defaults they are unmapped and
+    faulted back in each time, which costs more than the all-reduce on a small
+    CPU replica (docs/benchmarks.md). With these thresholds they stay in the
+    heap. Returns False where the C library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer | None:
+    """The job's checkpointer, or None when ``checkpoint.url`` is empty. Each
+    commit is reported to the controller and printed as a ``checkpoint`` event."""
+    cc = cfg.checkpoint
+    if not cc.url:
+        return None
+    from phalanx.checkpoint import Checkpointer
+
+    def committed(step: int, url: str, manifest: Any) -> None:
+        try:
+            client.checkpoint_committed(step, url, manifest.nbytes)
+        except ControllerError as e:  # the checkpoint is committed all the same
+            log.warning("could not tell the controller about checkpoint step %d: %s", step, e)
+        emit(
+            {
+                "event": "checkpoint",
+                "replica": client.replica_id,
+                "step": step,
+                "url": url,
+                "nbytes": manifest.nbytes,
+                "stall_s": round(ckpt.last_stall_s, 6),
+                "save_s": round(ckpt.last_save_s, 4),
+            }
+        )
+
+    ckpt = Checkpointer(
+        cc.url,
+        keep_last=cc.keep_last,
+        storage_options=cc.storage_options,
+        layout={"kind": "ft-ddp"},
+        on_commit=committed,
+    )
+    return ckpt
+
+
+def resume(ckpt: Checkpointer, manager: Manager) -> int | None:
+    """Load the latest usable checkpoint into ``manager`` (model in place, then
+    everything else). Returns its step, or None when there is none."""
+    r = ckpt.load({"model": manager.model.state_dict()})
+    if r is None:
+        return None
+    manager.load_state_dict(r.state)
+    log.info("resumed from checkpoint step %d (%s) in %.2f s", r.step, r.url, r.seconds)
+    return r.step
+
+
+def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, final: bool) -> None:
+    """Rank 0 of the quorum saves (all replicas hold the same state after a commit)."""
+    if manager.rank != 0:
+        return
+    extra = {"config": cfg.model_dump(mode="json"), "job_id": cfg.job.id}
+    # Every replica of the quorum holds the whole state: one process (rank 0) writes
+    # it, and the layout says how many replicas trained the step.
+    ckpt.layout = {"kind": "ft-ddp", "replicas": manager.world_size}
+    if final or not cfg.checkpoint.async_save:
+        ckpt.save(manager.step, manager.state_dict(), extra)
+    else:
+        ckpt.save_async(manager.step, manager.state_dict(), extra)
+
+
+@dataclass
+class ReplicaSetup:
+    """What every replica of the training job holds once it has joined."""
+
+    client: ControllerClient
+    store: Any
+    """This replica's rendezvous store (kept alive for the replica's lifetime)."""
+    manager: Manager
+    compute: Compute
+    ckpt: Checkpointer | None
+    resumed: int | None
+    orders: Orders
+    saved: int | None = None
+    """The last step durable in a checkpoint by this replica's doing (saved, or
+    resumed from): :func:`finish_replica` saves the final step unless it is this one."""
+
+
+def setup_replica(
+    cfg: JobConfig, controller: str, name: str, global_batch_size: int
+) -> ReplicaSetup | None:
+    """Register with the controller and build the model, data, inner optimizer,
+    manager and checkpointer (resuming from the latest checkpoint); print the
+    ``start`` line. None (after printing ``done``) when the job already
+    committed its steps."""
+    tc = cfg.train
+    keep_freed_memory()
+    torch.set_num_threads(tc.threads)
+    store, address = serve_store()
+    client = ControllerClient(controller, "policy", name, address=address)
+    client.register()
+    job_step = client.status().role_step("policy")
+    total = cfg.job_steps
+    if job_step >= total:
+        emit({"event": "done", "replica": client.replica_id, "step": job_step, "heals": 0})
+        log.info("the job already committed its %d steps; nothing to do", total)
+        client.close("job already finished")
+        return None
+    client.start_heartbeat()
+    model = build_model(tc, cfg.job.seed)
+    x, y = build_data(tc, cfg.job.seed)
+    manager = Manager(
+        client,
+        TorchCommunicator(cfg.timeouts.collective_s),
+        model,
+        build_optimizer(tc, model),
+        ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
+        global_batch_size=global_batch_size,
+        micro_batch_size=tc.micro_batch_size or None,
+        bucket_bytes=int(tc.bucket_mb * (1 << 20)),
+        quorum_timeout_s=cfg.timeouts.quorum_s,
+    )
+    manager.total_steps = total
+    compute = make_compute(model, x, y, tc.step_delay_s)
+    return ReplicaSetup(
+        client, store, manager, compute, ckpt=None, resumed=None, orders=Orders(client)
+    )
+
+
+def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
+    """Make the checkpointer, resume from the latest checkpoint, print ``start``.
+    Call after every piece of state is registered with the manager."""
+    s.ckpt = make_checkpointer(cfg, s.client)
+    if s.ckpt is not None and cfg.checkpoint.resume:
+        s.resumed = s.saved = resume(s.ckpt, s.manager)
+    emit(
+        {
+            "event": "start",
+            "replica": s.client.replica_id,
+            "params": sum(p.numel() for p in s.manager.model.parameters()),
+            "resumed_from": s.resumed,
+        }
+    )
+
+
+def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
+    """End of the job: the last step durable in a checkpoint, the final state
+    written, ``done`` printed."""
+    if s.ckpt is not None:
+        # The last step is always durable before ``done``: a save in flight
+        # (the final step may be a multiple of every_steps) is waited for.
+        s.ckpt.wait()
+        if s.saved != s.manager.step:
+            save_checkpoint(s.ckpt, cfg, s.manager, final=True)
+    if out is not None:
+        save_final(out, s.manager)
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+        }
+    )
+
+
+def emit_finished_elsewhere(s: ReplicaSetup) -> None:
+    """``done`` for a replica that found the job finished by others (no final
+    state of its own to write: it holds none of the job's last step)."""
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+            "finished_elsewhere": True,
+        }
+    )
+
+
+def emit_drained(s: ReplicaSetup) -> None:
+    """``done`` for a replica drained by the operator: it leaves after a commit
+    (the others go on; the next quorum re-forms without it)."""
+    log.info("drained at step %d: leaving the job", s.manager.step)
+    emit(
+        {
+            "event": "done",
+            "replica": s.client.replica_id,
+            "step": s.manager.step,
+            "heals": s.manager.heals,
+            "drained": True,
+        }
+    )
+
+
+def emit_retry(s: ReplicaSetup, step: int, error: str | None) -> None:
+    """``retry`` for a step (or round) that did not commit: it runs again with the
+    next quorum."""
+    emit(
+        {
+            "event": "retry",
+            "replica": s.client.replica_id,
+            "step": step,
+            "error": (error or "")[:200],
+        }
+    )
+
+
+def close_replica(s: ReplicaSetup) -> None:
+    if s.ckpt is not None:
+        s.ckpt.close()
+    s.manager.close()
+    s.client.close("finished")
+
+
+def after_commit(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
+    """The step boundary after a committed ``step`` (an FT-DDP step or a DiLoCo
+    round): take in operator commands, save a checkpoint when one is due
+    (``checkpoint.every_steps``) or was ordered, and leave if drained. Call it on
+    every replica of the quorum, after printing the ``step`` line. Returns True
+    when the replica must leave the job (its ``done`` line already printed)."""
+    s.orders.poll(step)
+    ckpt, every = s.ckpt, cfg.checkpoint.every_steps
+    scheduled = ckpt is not None and bool(every) and step % every == 0
+    # An order for a step that a scheduled save covers stays pending, and saves
+    # again at the next commit: redundant, not wrong.
+    ordered = not scheduled and s.orders.checkpoint_due(step)
+    if ckpt is not None and (scheduled or ordered):
+        save_checkpoint(ckpt, cfg, s.manager, final=False)
+        s.saved = step
+    if s.orders.drain:
+        emit_drained(s)
+        return True
+    return False

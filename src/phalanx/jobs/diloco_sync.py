@@ -1,0 +1,85 @@
+"""The built-in training job with DiLoCo's outer loop (``[diloco]`` in the job
+config): the same model, data and controller as the FT-DDP job, with the
+replicas exchanging pseudo-gradients once per ``sync_every`` inner steps.
+
+``mode = "sync"`` runs :class:`~phalanx.train.diloco_sync.SyncDiLoCo` (a
+quorum per round over the FT manager's process group); ``mode =
+"objectstore"`` runs the decoupled slot of :mod:`phalanx.jobs.diloco_slot`.
+Each replica prints one JSON line per committed round on stdout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from phalanx.client import QuorumTimeout
+from phalanx.jobs.base import JobError, ReplicaArgs
+from phalanx.jobs.common import (
+    after_commit,
+    close_replica,
+    emit,
+    emit_finished_elsewhere,
+    emit_retry,
+    finish_replica,
+    setup_replica,
+    start_checkpoints,
+)
+from phalanx.train.diloco_sync import SyncDiLoCo
+from phalanx.train.manager import JobFinished
+
+log = logging.getLogger("phalanx.diloco")
+
+
+def run(args: ReplicaArgs) -> int:
+    """One replica of a synchronous DiLoCo job, until the job's rounds are committed."""
+    cfg = args.cfg
+    dc, tc = cfg.diloco, cfg.train
+    if dc is None:
+        raise JobError("a DiLoCo replica needs a [diloco] section in the job config: got none.")
+    rounds = tc.steps // dc.sync_every
+    s = setup_replica(cfg, str(args.controller), args.name, dc.sync_every * tc.global_batch_size)
+    if s is None:
+        return 0
+    loop = SyncDiLoCo(s.manager, dc.outer(), tc.global_batch_size)
+    start_checkpoints(cfg, s)
+    m, client = s.manager, s.client
+    try:
+        while m.step < rounds:
+            try:
+                r = loop.train_round(s.compute, last=m.step + 1 == rounds)
+            except QuorumTimeout as e:
+                log.warning("%s; asking again", e)
+                continue
+            except JobFinished as e:
+                log.info("%s; nothing left to do", e)
+                emit_finished_elsewhere(s)
+                return 0
+            if not r.committed:
+                emit_retry(s, r.round, r.error)
+                continue
+            client.report_progress(loss=r.loss)
+            extra = {"samples": r.samples} if tc.log_samples else {}
+            emit(
+                {
+                    **extra,
+                    "event": "step",
+                    "replica": client.replica_id,
+                    "step": r.round,
+                    "inner_step": loop.diloco.inner_steps,
+                    "loss": r.loss,
+                    "participants": r.participants,
+                    "quorum_id": r.quorum_id,
+                    "healed": r.healed,
+                    "cursor": m.sampler.cursor if m.sampler is not None else 0,
+                    "bytes_sent": loop.reducer.bytes_sent,
+                    "round_s": round(r.seconds, 4),
+                    "t": time.time(),
+                }
+            )
+            if after_commit(cfg, s, r.round):
+                return 0
+        finish_replica(cfg, s, args.out)
+    finally:
+        close_replica(s)
+    return 0

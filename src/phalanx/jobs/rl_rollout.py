@@ -1,0 +1,184 @@
+"""A rollout replica of an RL job: lease prompts, generate, score, submit.
+
+The loop, between two generation batches:
+
+1. ask the controller for a prompt lease, declaring the weights version held
+   (long-poll; the reply may carry a weight-sync order instead of, or with,
+   a lease);
+2. if a sync order names this replica, join it first and swap the weights
+   (:class:`WeightChannel`), then report the version now held;
+3. generate ``group_size`` completions per leased prompt with the engine
+   (keyed by the job seed and the prompt's index, so that a prompt dispatched
+   again regenerates the same completions under the same weights), score
+   them with the task (:func:`phalanx.rl.generate.make_rollouts`), and submit
+   them against the lease. With the default rollout store, the controller's,
+   the completions ride in the submission; with a store outside the
+   controller (``rl.transport.rollouts``: Redis, storage) they are put there
+   first and only their refs are submitted. Every rollout carries the
+   version that made it.
+
+A replica that joins a running job holds no weights (version -1) and gets
+no prompts until a sync has brought it to the current version; at the very
+start (nothing trained yet) it builds version 0 itself from the model
+config, exactly as the policy did. A replica killed mid-lease loses
+nothing: the controller dispatches its prompts again once it is evicted or
+the lease's deadline passes.
+
+An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured between
+two generation batches: after the last batch was submitted and the next
+lease reply (with any weight sync it orders) was taken, the replica prints
+``done`` with ``drained`` and deregisters without generating, and that
+lease's prompts go back to the front of the queue at once. It leaves
+holding a lease on purpose: the controller names only idle replicas (no
+lease) in weight-sync orders, so leaving right after a submit could let a
+sync name it on its way out, and the others would wait for it until
+``sync_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from phalanx.client import ControllerClient
+from phalanx.comm.base import CommError
+from phalanx.jobs.base import JobError, ReplicaArgs
+from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
+from phalanx.log import ReplicaLogger
+from phalanx.protocol.rl import RolloutIn, SubmitReply
+from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.generate import make_rollouts
+from phalanx.rl.model import build_model
+from phalanx.rl.tasks import build_task
+from phalanx.rl.tokenizer import load_tokenizer
+from phalanx.train.orders import Orders
+from phalanx.transport.base import RolloutStore
+from phalanx.transport.factory import rollout_store, weight_channel
+
+log = logging.getLogger("phalanx.rl.rollout")
+
+
+def submit(
+    client: ControllerClient, store: RolloutStore | None, lease_id: str, rollouts: list[RolloutIn]
+) -> SubmitReply:
+    """Submit a lease's rollouts: with their completions, or, with a rollout store
+    outside the controller, put there first and submitted by ref. A payload the
+    ledger did not accept (a duplicate, a stale one) is dropped from the store."""
+    if store is None:
+        return client.submit_rollouts(lease_id, rollouts)
+    refs = store.put([r.payload() for r in rollouts])
+    by_ref = [
+        r.model_copy(update={"completions": [], "ref": ref})
+        for r, ref in zip(rollouts, refs, strict=True)
+    ]
+    return client.submit_rollouts(lease_id, by_ref)
+
+
+def run(args: ReplicaArgs) -> int:
+    """Generate rollouts for the job's RL ledger until the job finishes or the
+    replica is drained."""
+    cfg = args.cfg
+    if cfg.rl is None:
+        raise JobError("a rollout replica needs a job config with an [rl] section: got none.")
+    rl, g = cfg.rl, cfg.rl.grpo
+    keep_freed_memory()
+    if g.threads:
+        torch.set_num_threads(g.threads)
+    client = ControllerClient(str(args.controller), "rollout", args.name)
+    client.register()
+    client.start_heartbeat()
+    rlog = ReplicaLogger(log, client.who)
+    device = torch.device(g.device)
+    tok = load_tokenizer(rl.task.tokenizer_path)
+    task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
+    model = build_model(rl.model, tok, device)
+    # Completions are keyed by prompt (make_rollouts), so which replica draws a
+    # prompt, and how often it was dispatched, changes nothing.
+    engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
+    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
+    store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
+    orders = Orders(client, kinds=("drain",))
+    synced = released = 0
+    drained = False
+    emit({"event": "start", "role": "rollout", "replica": client.replica_id, "pid": os.getpid()})
+    try:
+        while True:
+            r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
+            order = r.sync
+            if order is not None and order.seq > synced:
+                synced = order.seq
+                t0 = time.perf_counter()
+                try:
+                    version, w = weights.fetch(order, model.state_dict())
+                    engine.load_weights(w, version)
+                    ok, err = True, ""
+                except CommError as e:
+                    ok, err = False, str(e)
+                    rlog.warning("weight sync %d failed: %s", order.seq, err[:200])
+                ms = 1e3 * (time.perf_counter() - t0)
+                client.sync_done(order.seq, engine.version, ok, err)
+                emit(
+                    {
+                        "event": "sync",
+                        "role": "rollout",
+                        "replica": client.replica_id,
+                        "seq": order.seq,
+                        "version": engine.version,
+                        "ms": round(ms, 3),
+                        "ok": ok,
+                    }
+                )
+            if r.finished:
+                break  # after any sync in flight: the leader is waiting on this replica
+            if engine.version < 0 and r.init_weights:
+                engine.version = 0  # the model was built from config: the policy's step 0
+            lease = r.lease
+            orders.poll(0)
+            if orders.drain:
+                # Between two batches, after the sync (if any) this reply ordered: the
+                # lease, if one came, goes back when this replica deregisters below.
+                drained = True
+                released = len(lease.prompts) if lease is not None else 0
+                rlog.info("drained: leaving the job (%d leased prompts go back)", released)
+                break
+            if lease is None or engine.version < 0:
+                continue
+            t0 = time.perf_counter()
+            rollouts = make_rollouts(rl, engine, tok, task, lease.prompts)
+            if rl.loop.gen_delay_s:
+                time.sleep(rl.loop.gen_delay_s * len(rollouts))
+            gen_s = time.perf_counter() - t0
+            res = submit(client, store, lease.lease_id, rollouts)
+            n = len(rollouts)
+            emit(
+                {
+                    "event": "rollout",
+                    "role": "rollout",
+                    "replica": client.replica_id,
+                    "version": engine.version,
+                    "prompts": n,
+                    # Audit trail: the rollouts (prompt.attempt) of this lease.
+                    "rollouts": [x.rollout_id for x in rollouts],
+                    "accepted": len(res.accepted),
+                    "duplicate": len(res.duplicate),
+                    "stale": len(res.stale),
+                    "reward": round(sum(x.reward for x in rollouts) / n, 4),
+                    "exact_match": round(sum(x.exact_match for x in rollouts) / n, 4),
+                    "gen_s": round(gen_s, 4),
+                    "t": time.time(),
+                }
+            )
+        done: dict[str, Any] = {"event": "done", "role": "rollout", "replica": client.replica_id}
+        if drained:
+            done.update(drained=True, released=released)
+        emit(done)
+    finally:
+        weights.close()
+        if store is not None:
+            store.close()
+        client.close("drained" if drained else "finished")
+    return 0

@@ -1,0 +1,222 @@
+"""Single-process GRPO: the baseline the elastic policy/rollout split is measured against.
+
+Each round (a ``step`` in the printed lines): sync the engine to the policy's
+weights (version = optimizer steps taken so far), sample G completions for each
+of P fresh prompts, score them, compute group advantages, then take
+``inner_epochs`` optimizer steps on the clipped GRPO loss over that batch.
+Every round prints one JSON line (step, mean reward, exact match, seconds);
+the run ends with a ``summary`` line giving the first step at which the
+trailing mean reward and exact match reached 0.9.
+
+    python -m phalanx.jobs.rl_single --stop-at-exact-match 0.9
+    python -m phalanx.jobs.rl_single --config rl.toml --grpo.lr 3e-3 --grpo.steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx.config.rl import RLConfig, load_rl_config
+from phalanx.jobs.base import JobError, ReplicaArgs
+from phalanx.rl.engine.base import prompt_key
+from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.grpo import (
+    collate,
+    group_advantages,
+    grpo_loss,
+    lr_lambda,
+    reference_logprobs,
+    rows_to_train,
+)
+from phalanx.rl.model import build_model, num_params
+from phalanx.rl.tasks import build_task
+from phalanx.rl.tokenizer import load_tokenizer
+
+THRESHOLD = 0.9
+"""Reward and exact-match level whose first crossing the summary reports."""
+
+
+def train(
+    cfg: RLConfig,
+    *,
+    stop_at_exact_match: float | None = None,
+    window: int = 10,
+    emit: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run GRPO for ``cfg.grpo.steps`` rounds in this process; return the per-round records.
+
+    ``emit`` gets each record as it is made (the CLI prints them as JSON lines).
+    With ``stop_at_exact_match``, stops once the trailing ``window``-round mean
+    exact match reaches it. Deterministic for a given config on one device and
+    thread count.
+    """
+    before = torch.get_num_threads()
+    if cfg.grpo.threads:
+        torch.set_num_threads(cfg.grpo.threads)
+    try:
+        return _train(cfg, stop_at_exact_match, window, emit or (lambda rec: None))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(
+    cfg: RLConfig,
+    stop_at_exact_match: float | None,
+    window: int,
+    emit: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    g = cfg.grpo
+    device = torch.device(g.device)
+    tok = load_tokenizer(cfg.task.tokenizer_path)
+    task = build_task(cfg.task.name, cfg.task.seed, cfg.task.path, cfg.task.reward)
+    policy = build_model(cfg.model, tok, device).train()
+    engine = HFEngine(copy.deepcopy(policy), tok.eos_id, tok.pad_id, seed=g.seed)
+    ref = None
+    if g.kl_coef > 0:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(
+        policy.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))
+    emit({"event": "start", "params": num_params(policy), "config": cfg.dump()})
+
+    records: list[dict[str, Any]] = []
+    recent_r: deque[float] = deque(maxlen=window)
+    recent_em: deque[float] = deque(maxlen=window)
+    reached: dict[str, dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    for step in range(g.steps):
+        t0 = time.perf_counter()
+        # The weights version is the policy's optimizer-step count (DESIGN.md).
+        engine.load_weights(policy.state_dict(), version=step * g.inner_epochs)
+        prompts = task.prompts(step * g.prompts_per_step, g.prompts_per_step)
+        first = step * g.prompts_per_step
+        comps = engine.generate(
+            [tok.encode(p) for p in prompts],
+            g.group_size,
+            g.max_new_tokens,
+            g.temperature,
+            # Keyed as the rollout replicas key them: the same weights draw the same
+            # completions here as in a phalanx job.
+            keys=[prompt_key(g.seed, first + i) for i in range(len(prompts))],
+        )
+        rewards, em = [], []
+        for c in comps:
+            text, prompt = tok.decode(c.token_ids), prompts[c.prompt_index]
+            rewards.append(task.reward(prompt, text, c.finished))
+            em.append(float(task.exact_match(prompt, text, c.finished)))
+        t_gen = time.perf_counter() - t0
+        adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
+        n_tokens = sum(len(c.token_ids) for c in comps)
+        keep = rows_to_train(adv, g.kl_coef)
+        batch = collate([comps[i] for i in keep], adv[keep], tok.pad_id, device)
+        ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
+        for _ in range(g.inner_epochs):
+            loss, stats = grpo_loss(
+                policy,
+                batch,
+                clip_eps=g.clip_eps,
+                clip_eps_high=g.clip_eps_high,
+                temperature=g.temperature,
+                num_tokens=n_tokens,
+                kl_coef=g.kl_coef,
+                ref_logprobs=ref_lp,
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if g.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), g.grad_clip)
+            opt.step()
+            sched.step()
+        now = time.perf_counter()
+        mean_r, mean_em = sum(rewards) / len(rewards), sum(em) / len(em)
+        recent_r.append(mean_r)
+        recent_em.append(mean_em)
+        # reward / exact_match: this round's sampled completions (at the sampling
+        # temperature); *_avg: trailing means over `window` rounds; loss,
+        # clip_frac, kl_behaviour: the round's last inner epoch; trained: rows
+        # with a non-zero advantage that went through the backward pass.
+        rec: dict[str, Any] = {
+            "step": step + 1,
+            "opt_steps": (step + 1) * g.inner_epochs,
+            "reward": round(mean_r, 4),
+            "exact_match": round(mean_em, 4),
+            "reward_avg": round(sum(recent_r) / len(recent_r), 4),
+            "exact_match_avg": round(sum(recent_em) / len(recent_em), 4),
+            "len": round(n_tokens / len(comps), 3),
+            "trained": len(keep),
+            "loss": round(stats["loss"], 5),
+            "clip_frac": round(stats["clip_frac"], 4),
+            "kl_behaviour": round(stats["kl_behaviour"], 6),
+            "lr": sched.get_last_lr()[0],
+            "gen_s": round(t_gen, 4),
+            "step_s": round(now - t0, 4),
+            "seconds": round(now - t_start, 3),
+        }
+        records.append(rec)
+        emit(rec)
+        for key in ("reward_avg", "exact_match_avg"):
+            if key not in reached and len(recent_r) == window and rec[key] >= THRESHOLD:
+                reached[key] = {"step": rec["step"], "seconds": rec["seconds"]}
+        if (
+            stop_at_exact_match is not None
+            and len(recent_em) == window
+            and rec["exact_match_avg"] >= stop_at_exact_match
+        ):
+            break
+    emit(
+        {
+            "event": "summary",
+            "steps": len(records),
+            "seconds": records[-1]["seconds"],
+            "window": window,
+            "threshold": THRESHOLD,
+            "reached": reached,
+        }
+    )
+    return records
+
+
+def run(args: ReplicaArgs) -> int:
+    """The baseline on a job config's ``[rl]`` sections, printing one JSON line per round."""
+    if args.cfg.rl is None:
+        raise JobError("the single-process GRPO baseline needs an [rl] section: got none.")
+    train(args.cfg.rl, emit=lambda rec: print(json.dumps(rec), flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m phalanx.jobs.rl_single",
+        description="Single-process GRPO on one task; prints one JSON line per step. Any "
+        "other --section.key VALUE is a config override (e.g. --grpo.lr 3e-3).",
+    )
+    parser.add_argument("--config", help="TOML file with [model], [task], [grpo] sections")
+    parser.add_argument(
+        "--stop-at-exact-match",
+        type=float,
+        default=None,
+        help="stop once the trailing mean exact match reaches this",
+    )
+    parser.add_argument("--window", type=int, default=10, help="rounds in the trailing means")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_rl_config(args.config, overrides)
+
+    def emit(rec: dict[str, Any]) -> None:
+        print(json.dumps(rec), flush=True)
+
+    train(cfg, stop_at_exact_match=args.stop_at_exact_match, window=args.window, emit=emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

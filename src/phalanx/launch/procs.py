@@ -1,0 +1,53 @@
+"""Child processes of a launcher or an agent: each started in a session (process
+group) of its own, and signalled and stopped by that group, never by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a new session, its stderr (and stdout, unless given) appended
+    to ``log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("ab") as f:
+        return subprocess.Popen(
+            cmd,
+            stdout=stdout if stdout is not None else f,
+            stderr=f,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group; one already gone is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def signal_proc(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
+    """Send ``sig`` to a live child's process group."""
+    if proc is not None and proc.poll() is None:
+        signal_group(proc.pid, sig)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes] | None], grace_s: float = 5.0) -> None:
+    """SIGTERM each process group, then SIGKILL those still alive after ``grace_s``."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        signal_proc(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_proc(p, signal.SIGKILL)
+            p.wait()

@@ -1,0 +1,13 @@
+"""The wire contract between replicas (and tools) and the controller.
+
+Typed, bounded request and reply models that both :mod:`phalanx.client` and
+:mod:`phalanx.controller` import; the controller's OpenAPI spec is generated
+from them. One module per part of the API:
+
+- ``base.py``        the strict base model, bounded field types, the reply envelope, errors
+- ``membership.py``  register, heartbeat, lifeline, quorum, failure reports, deregister
+- ``commands.py``    commands to replicas, operator actions, checkpoint reports
+- ``rl.py``          prompt leases, rollouts and their payloads, batches, weight syncs
+- ``queue.py``       the controller's named rollout queues
+- ``status.py``      the job's status and the dashboard's overview
+"""

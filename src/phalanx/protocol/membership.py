@@ -1,0 +1,145 @@
+"""Membership: register, heartbeat, lifeline, quorum, failure reports, deregister."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from phalanx.protocol.base import (
+    Address,
+    Count,
+    Key,
+    Name,
+    ReplicaId,
+    Reply,
+    RoleName,
+    Scalar,
+    Seconds,
+    Text,
+    WaitS,
+    Wall,
+    Wire,
+)
+
+RequestId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class RegisterReq(Wire):
+    role: RoleName
+    name: Name
+    """Stable name of the replica; each registration is a new incarnation of it."""
+    ranks: int = Field(1, ge=1, le=65536)
+    """Processes (ranks) the replica spans."""
+    address: Address = ""
+    capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)] = {}
+
+
+class RegisterReply(Reply):
+    replica_id: Annotated[str, Field(min_length=1, max_length=160)]
+    heartbeat_interval_s: Seconds
+    heartbeat_timeout_s: Seconds
+    suspect_grace_s: Seconds
+    quorum_timeout_s: Seconds
+
+
+class HealedReport(Wire):
+    """A heal this replica finished (sent once, with its next heartbeat)."""
+
+    source: ReplicaId
+    """The replica it healed from."""
+    step: Count
+    seconds: float = Field(ge=0, le=86400)
+    quorum_id: Count
+
+
+class HeartbeatReq(Wire):
+    replica_id: ReplicaId
+    step: Count | None = None
+    """This replica's committed step."""
+    loss: float | None = None
+    """Training loss at ``step`` (optional; charted by the dashboard)."""
+    inner_step: Count | None = None
+    """DiLoCo: inner steps taken so far, the current round's included (optional;
+    shown by the dashboard while a round runs)."""
+    wait_s: WaitS = 0.0
+    healed: HealedReport | None = None
+    """A heal finished since the last heartbeat (shown on the timeline, with its time)."""
+
+
+class HeartbeatReply(Reply):
+    probe: bool = False
+    """A peer suspects this replica: heartbeat again at once to prove it is alive."""
+
+
+class LifelineReq(Wire):
+    replica_id: ReplicaId
+    wait_s: WaitS = 0.0
+    """How long to hold the request (the client sends ``LIFELINE_HOLD_S``)."""
+
+
+class QuorumReq(Wire):
+    replica_id: ReplicaId
+    step: Count
+    """This replica's committed step."""
+    request_id: RequestId
+    """One per step: a retried request with the same id gets the same quorum."""
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    wait_s: WaitS = 10.0
+
+
+class QuorumMember(Wire):
+    replica_id: ReplicaId
+    name: Name
+    address: Address
+    ranks: int = Field(ge=1, le=65536)
+    step: Count
+    rank: int = Field(ge=0, le=1_000_000)
+    """This replica's rank within the quorum (sorted by replica id)."""
+
+
+class Quorum(Wire):
+    """The replicas of a role that take part in its next step."""
+
+    role: RoleName
+    quorum_id: Count
+    """Epoch of the membership: changes iff membership changes or a commit failed."""
+    round: Count
+    """Formation counter: one more for every quorum formed for this role."""
+    members: Annotated[tuple[QuorumMember, ...], Field(max_length=100_000)]
+    max_step: Count
+    heal: Annotated[dict[ReplicaId, ReplicaId], Field(max_length=100_000)]
+    """Lagging replica id -> the up-to-date replica id that heals it."""
+    formed_at: Wall
+    job_step: Count = 0
+    """Highest step the role ever committed (survives restarts). A quorum whose
+    ``max_step`` is below it means no live replica holds the job's latest state."""
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [m.replica_id for m in self.members]
+
+
+class QuorumReply(Reply):
+    status: Literal["ok", "pending"]
+    quorum: Quorum | None = None
+    """The quorum when ``status`` is ``ok``; ask again with the same request id when
+    ``pending``."""
+
+
+class ReportReq(Wire):
+    reporter: ReplicaId
+    suspects: Annotated[list[ReplicaId], Field(max_length=1000)] = []
+    reason: Text = ""
+    failed_commit: bool = False
+    """The reporter's step did not commit: every participant rebuilds its group."""
+
+
+class ReportReply(Reply):
+    unknown: Annotated[list[ReplicaId], Field(max_length=1000)]
+    """Suspects that are not members (already evicted)."""
+
+
+class DeregisterReq(Wire):
+    replica_id: ReplicaId
+    reason: Text = ""

@@ -1,0 +1,278 @@
+"""The RL ledger's messages: prompt leases, rollouts, training batches, weight syncs.
+
+A rollout travels in two parts (DESIGN.md, "three planes"):
+
+- its **summary** (id, weights version, mean reward, exact match) goes to the
+  controller's ledger, which accounts for every prompt and rollout;
+- its **payload** (:class:`RolloutPayload`: the completions' token ids,
+  log-probs and rewards) goes to the job's rollout store. With the default
+  store, ``controller``, the payload rides in the same submission
+  (:attr:`RolloutIn.completions`) and the controller keeps it in its payload
+  log, not in its journal; with a store outside the controller (Redis,
+  storage) the rollout replica puts the payload there first and submits only
+  the :attr:`RolloutIn.ref` it got back.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from phalanx.protocol.base import (
+    MAX_INT,
+    Address,
+    Count,
+    ReplicaId,
+    Reply,
+    Seq,
+    Text,
+    Version,
+    WaitS,
+    Wall,
+    Wire,
+)
+
+MAX_GROUP = 4096
+"""Most completions in one rollout, and most rollouts or prompts in one message."""
+MAX_TOKENS = 1 << 16
+"""Most tokens in one prompt or completion."""
+
+RolloutId = Annotated[str, Field(min_length=3, max_length=40, pattern=r"^p[0-9]+\.[0-9]+$")]
+"""``p<prompt>.<attempt>``: the attempt grows only when a rollout of the prompt is
+discarded and the prompt dispatched again."""
+LeaseId = Annotated[str, Field(min_length=1, max_length=40)]
+PayloadRef = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+"""Where a rollout store put a payload (unique per put: never reused)."""
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_TOKENS)]
+LogProbs = Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=MAX_TOKENS)]
+SignedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+
+
+def parse_rollout_id(rollout_id: str) -> tuple[int, int]:
+    """``p<prompt>.<attempt>`` -> (prompt, attempt). ValueError if not canonical."""
+    try:
+        p, a = rollout_id.removeprefix("p").split(".")
+        # Canonical only: int() also takes " 1", "01", "1_0" and "+1", and a second
+        # spelling of one prompt attempt would be recorded under a key of its own.
+        if rollout_id != f"p{int(p)}.{int(a)}" or int(p) < 0 or int(a) < 0:
+            raise ValueError
+        return int(p), int(a)
+    except ValueError:
+        raise ValueError(
+            f"rollout_id must look like p<prompt>.<attempt> as the lease gave it: got "
+            f"{rollout_id!r}."
+        ) from None
+
+
+def rollout_id(prompt: int, attempt: int) -> str:
+    return f"p{prompt}.{attempt}"
+
+
+# -- payloads ---------------------------------------------------------------
+
+
+class Completion(Wire):
+    prompt_ids: TokenIds
+    token_ids: TokenIds
+    logprobs: LogProbs
+    """One behaviour log-prob per token of ``token_ids``."""
+    finished: bool
+    """Ended with EOS (False: cut off at ``max_new_tokens``)."""
+    reward: float
+
+
+class RolloutPayload(Wire):
+    """What a rollout store keeps: the group's completions, by rollout id."""
+
+    rollout_id: RolloutId
+    version: Version
+    completions: Annotated[list[Completion], Field(min_length=1, max_length=MAX_GROUP)]
+
+
+class RolloutIn(Wire):
+    """One rollout submitted against a prompt lease: its summary, and its payload
+    (``completions``) or where the payload was put (``ref``), never both."""
+
+    rollout_id: RolloutId
+    version: Count
+    """The weights version that generated it."""
+    reward: float
+    """Mean reward of the group."""
+    exact_match: float = Field(ge=0, le=1)
+    """Fraction of the group that is exactly right."""
+    completions: Annotated[list[Completion], Field(max_length=MAX_GROUP)] = []
+    """The payload, when the controller stores it (``rl.transport.rollouts = "controller"``)."""
+    ref: PayloadRef | None = None
+    """The payload's ref in the job's rollout store, when it is outside the controller."""
+
+    @model_validator(mode="after")
+    def _payload_or_ref(self) -> RolloutIn:
+        if bool(self.completions) == (self.ref is not None):
+            raise ValueError(
+                "a rollout must carry its completions or the ref of its stored payload, not "
+                f"both and not neither: got {len(self.completions)} completions and ref "
+                f"{self.ref!r}"
+            )
+        return self
+
+    def payload(self) -> RolloutPayload:
+        """The payload part (already validated with this model: not again)."""
+        return RolloutPayload.model_construct(
+            rollout_id=self.rollout_id, version=self.version, completions=self.completions
+        )
+
+
+# -- prompt leases (rollout replicas) ----------------------------------------
+
+
+class SyncOrder(Wire):
+    """A weight-sync order from the controller, as one member sees it."""
+
+    seq: Seq
+    mesh_id: Count
+    """Changes whenever the set of members (or the leader) changes: rebuild the group."""
+    members: Annotated[tuple[ReplicaId, ...], Field(min_length=2, max_length=100_000)]
+    """Replica ids: the source first (the policy leader), then the receivers."""
+    rank: int = Field(ge=0, le=100_000)
+    """This member's position in ``members`` (0: the source)."""
+    store: Address
+    """Rendezvous address (``host:port``) of the source's store."""
+
+
+class PromptRef(Wire):
+    index: Count
+    rollout_id: RolloutId
+
+
+class PromptLease(Wire):
+    lease_id: LeaseId
+    deadline_s: float = Field(ge=0, le=86400)
+    """Seconds the prompts are held; unsubmitted ones are dispatched again after."""
+    prompts: Annotated[list[PromptRef], Field(min_length=1, max_length=MAX_GROUP)]
+
+
+class PromptLeaseReq(Wire):
+    replica_id: ReplicaId
+    version: Version
+    """Weights version the replica holds; -1 before it has any."""
+    max_prompts: int = Field(4, ge=1, le=MAX_GROUP)
+    wait_s: WaitS = 0.0
+
+
+class PromptLeaseReply(Reply):
+    lease: PromptLease | None = None
+    sync: SyncOrder | None = None
+    """A weight sync this replica must join before it generates."""
+    init_weights: bool
+    """Nothing was trained yet: a replica without weights builds version 0 itself."""
+    finished: bool
+    policy_step: Count
+    min_version: SignedInt
+    """Oldest weights version whose rollouts may still train."""
+
+
+class SubmitReq(Wire):
+    replica_id: ReplicaId
+    lease_id: LeaseId
+    rollouts: Annotated[list[RolloutIn], Field(min_length=1, max_length=MAX_GROUP)]
+
+
+class SubmitReply(Reply):
+    """Each rollout id is recorded once: copies are dropped (``duplicate``), and
+    rollouts made with too old weights are discarded (``stale``)."""
+
+    accepted: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
+    duplicate: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
+    stale: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
+
+
+# -- training batches (policy replicas) --------------------------------------
+
+
+class BatchRollout(Wire):
+    rollout_id: RolloutId
+    prompt: Count
+    version: Count
+    reward: float
+    exact_match: float = Field(ge=0, le=1)
+    ref: PayloadRef | None = None
+    """Where the payload is, when the rollout store is outside the controller."""
+    completions: Annotated[list[Completion], Field(max_length=MAX_GROUP)] = []
+    """The payload, when the controller stores it."""
+
+    def payload(self) -> RolloutPayload:
+        """The payload that came with the batch (when the controller stores payloads)."""
+        return RolloutPayload.model_construct(
+            rollout_id=self.rollout_id, version=self.version, completions=self.completions
+        )
+
+
+class Batch(Wire):
+    """The rollouts one policy step trains on: frozen at the first ask, the same for
+    every replica of the quorum and for a retried step."""
+
+    index: Count
+    step: Count
+    frozen_at: Wall
+    reward: float
+    exact_match: float = Field(ge=0, le=1)
+    staleness: SignedInt
+    """The batch's step minus the oldest weights version in it."""
+    rollouts: Annotated[list[BatchRollout], Field(min_length=1, max_length=MAX_GROUP)]
+
+
+class BatchLeaseReq(Wire):
+    replica_id: ReplicaId
+    step: Count
+    """The replica's committed step count: the batch asked for is the one it trains next."""
+    wait_s: WaitS = 0.0
+
+
+class BatchLeaseReply(Reply):
+    batch: Batch | None = None
+    sync: SyncOrder | None = None
+    finished: bool
+
+
+class BatchAckReq(Wire):
+    replica_id: ReplicaId
+    step: Seq
+    """Committed step count after the commit."""
+
+
+class BatchAckReply(Reply):
+    sync: SyncOrder | None = None
+    finished: bool
+
+
+class LostRollout(Wire):
+    rollout_id: RolloutId
+    reason: Literal["payload_missing", "payload_corrupt"]
+
+
+class LostReq(Wire):
+    """A policy replica could not read these rollouts' payloads from the store: the
+    ledger discards them (counted under the reason) and dispatches their prompts
+    again; their batch, if not yet trained, is frozen again without them."""
+
+    replica_id: ReplicaId
+    rollouts: Annotated[list[LostRollout], Field(min_length=1, max_length=MAX_GROUP)]
+
+
+class LostReply(Reply):
+    discarded: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
+    reopened: Annotated[list[Count], Field(max_length=MAX_GROUP)]
+    """Batches unfrozen: the next ask for their step freezes a new one."""
+
+
+class SyncDoneReq(Wire):
+    replica_id: ReplicaId
+    seq: Seq
+    version: Version
+    ok: bool
+    error: Text = ""
+
+
+class SyncDoneReply(Reply):
+    synced_version: Count

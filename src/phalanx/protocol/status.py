@@ -1,0 +1,277 @@
+"""The job's status (``GET /v1/status``, the dashboard's stream, ``phalanx status``).
+
+Two views of one state: the records as the controller keeps them (roles,
+members, quorums, the ledger's balance, the queues), and the ``overview``,
+what the dashboard draws (replica states, series, the timeline in words).
+docs/operations.md lists every field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from phalanx.protocol.base import (
+    Address,
+    Count,
+    JobId,
+    Key,
+    Name,
+    ReplicaId,
+    Reply,
+    RoleName,
+    Scalar,
+    Wall,
+    Wire,
+)
+from phalanx.protocol.commands import CheckpointRecord
+from phalanx.protocol.membership import Quorum
+from phalanx.protocol.queue import QueueCounts, QueueName
+from phalanx.protocol.rl import SignedInt
+
+Many = Field(max_length=100_000)
+Ids = Annotated[list[ReplicaId], Many]
+
+
+class Event(BaseModel):
+    """One timeline event: ``seq``, ``kind``, ``at``, and the fields of its kind
+    (docs/operations.md lists them). Built by the controller only."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    seq: Count = 0
+    kind: Annotated[str, Field(max_length=64)]
+    at: Wall
+
+
+class RoleRules(Wire):
+    min_replicas: int = Field(ge=1, le=100_000)
+    n_init_replicas: int = Field(ge=1, le=100_000)
+    join_timeout_s: float = Field(ge=0, le=3600)
+
+
+class MemberStatus(Wire):
+    replica_id: ReplicaId
+    role: RoleName
+    name: Name
+    ranks: int = Field(ge=1, le=65536)
+    address: Address
+    capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)]
+    registered_at: Wall
+    step: Count
+    last_request_id: Annotated[str, Field(max_length=64)] | None
+    last_round: Count | None
+    active_at: Wall | None
+    seconds_since_heartbeat: float
+    suspect: bool
+    commands_pending: Count
+
+
+class RoleStatus(Wire):
+    quorum_id: Count
+    round: Count
+    step: Count
+    force_bump: bool
+    config: RoleRules
+    pending: Ids
+    """Replicas waiting for the next quorum."""
+    quorum: Quorum | None
+    replicas: Annotated[list[MemberStatus], Many]
+    desired: int | None = Field(ge=0, le=100_000)
+
+
+class Checkpoints(Wire):
+    latest: CheckpointRecord | None
+    committed: Annotated[list[CheckpointRecord], Field(max_length=100)]
+
+
+# -- the RL ledger --------------------------------------------------------------
+
+
+class PromptCounts(Wire):
+    issued: Count
+    queued: Count
+    leased: Count
+    done: Count
+    trained: Count
+
+
+class RolloutCounts(Wire):
+    accepted: Count
+    pending: Count
+    batched: Count
+    trained: Count
+    discarded: Annotated[dict[Key, Count], Field(max_length=1000)]
+    duplicates_dropped: Count
+
+
+class LeaseCounts(Wire):
+    open: Count
+    issued: Count
+    expired: Count
+
+
+class BatchRecord(Wire):
+    """One trained batch (the ledger's history)."""
+
+    batch: Count
+    step: Count
+    reward: float
+    exact_match: float
+    reward_avg: float
+    exact_match_avg: float
+    staleness: SignedInt
+    at: Wall
+
+
+class SyncRecord(Wire):
+    seq: Count
+    mesh_id: Count
+    members: Ids
+    store: Address
+    ordered_at: Wall
+    done: Annotated[dict[ReplicaId, SignedInt], Many]
+
+
+class WeightsStatus(Wire):
+    want_version: Count
+    synced_version: Count
+    mesh_id: Count
+    sync_in_flight: SyncRecord | None
+    versions: Annotated[dict[ReplicaId, SignedInt], Many]
+    """Weights version each rollout replica last declared."""
+
+
+class LedgerStatus(Wire):
+    ok: bool
+    """The ledger balances: every prompt and every rollout is accounted for."""
+    prompts: PromptCounts
+    rollouts: RolloutCounts
+    leases: LeaseCounts
+    policy_step: Count
+    next_batch: Count
+    run: Annotated[str, Field(max_length=64)]
+    leased_by: Annotated[dict[ReplicaId, Count], Many]
+    finished: bool
+    last: BatchRecord | None
+    history: Annotated[list[BatchRecord], Field(max_length=10_000)]
+    weights: WeightsStatus
+    payloads: Annotated[dict[Key, Count], Field(max_length=64)] = {}
+    """The rollout store's figures: payloads held and dropped (by reason)."""
+
+
+# -- the overview ---------------------------------------------------------------
+
+
+class JobRL(Wire):
+    batch: Count | None = None
+    reward: float | None = None
+    reward_avg: float | None = None
+    exact_match: float | None = None
+    exact_match_avg: float | None = None
+    staleness: SignedInt | None = None
+
+
+class JobDiLoCo(Wire):
+    outer_step: Count
+    inner_step: Count
+    sync_every: Count
+
+
+class JobOverview(Wire):
+    step: Count
+    quorum_id: Count
+    steps_per_s: float
+    rl: JobRL | None = None
+    diloco: JobDiLoCo | None = None
+
+
+class ReplicaOverview(Wire):
+    replica_id: ReplicaId
+    name: Name
+    incarnation: Annotated[str, Field(max_length=64)]
+    state: Annotated[str, Field(max_length=16)]
+    """``joining``, ``healing``, ``active`` or ``suspected``."""
+    uptime_s: float | None
+    weights_version: SignedInt | None
+    heartbeat_age_s: float
+    address: Address
+    step: Count
+    loss: float | None
+    inner_step: Count | None
+    commands_pending: Count
+
+
+class Evicted(Wire):
+    replica_id: ReplicaId
+    at: Wall
+    detector: Annotated[str, Field(max_length=32)]
+    reason: Annotated[str, Field(max_length=2000)]
+    state: Annotated[str, Field(max_length=16)] = "evicted"
+
+
+class RoleOverview(Wire):
+    forms_quorums: bool
+    """False for RL rollout replicas: their step and quorum id mean nothing."""
+    step: Count
+    quorum_id: Count
+    quorum_size: Count
+    steps_per_s: float
+    desired: int | None = Field(ge=0, le=100_000)
+    replicas: Annotated[list[ReplicaOverview], Many]
+    evicted: Annotated[list[Evicted], Field(max_length=100)]
+
+
+class LedgerOverview(Wire):
+    ok: bool
+    prompts_issued: Count
+    prompts_queued: Count
+    prompts_leased: Count
+    prompts_done: Count
+    prompts_trained: Count
+    rollouts_pending: Count
+    rollouts_batched: Count
+    rollouts_trained: Count
+    rollouts_discarded: Annotated[dict[Key, Count], Field(max_length=1000)]
+    duplicates_dropped: Count
+    weights_version: Count
+
+
+class Actions(Wire):
+    checkpoint: bool
+    scale: bool
+
+
+Point = tuple[float, float]
+
+
+class Overview(Wire):
+    job: JobOverview
+    roles: Annotated[dict[RoleName, RoleOverview], Field(max_length=64)]
+    ledger: LedgerOverview | None
+    series: Annotated[
+        dict[Key, Annotated[list[Point], Field(max_length=10_000)]], Field(max_length=8)
+    ]
+    timeline: Annotated[list[Event], Field(max_length=1000)]
+    checkpoints: Annotated[list[CheckpointRecord], Field(max_length=100)]
+    actions: Actions
+
+
+class Status(Reply):
+    job_id: JobId
+    roles: Annotated[dict[RoleName, RoleStatus], Field(max_length=64)]
+    events: Annotated[list[Event], Field(max_length=1000)]
+    checkpoints: Checkpoints
+    rl: LedgerStatus | None = None
+    queues: Annotated[dict[QueueName, QueueCounts], Field(max_length=64)] | None = None
+    overview: Overview
+
+    def role_step(self, role: str) -> int:
+        r = self.roles.get(role)
+        return r.step if r is not None else 0
+
+
+def as_json(model: BaseModel) -> dict[str, Any]:
+    """A status as plain JSON data (``phalanx status --json`` prints it)."""
+    return model.model_dump(mode="json")

@@ -1,0 +1,60 @@
+"""Generate and score the rollouts of a prompt lease: one group of ``group_size``
+completions per leased prompt, keyed by the prompt (so that a prompt
+dispatched again regenerates the same completions under the same weights),
+each scored by the task."""
+
+from __future__ import annotations
+
+from phalanx.config.rl import RLConfig
+from phalanx.protocol.rl import Completion, PromptRef, RolloutIn
+from phalanx.rl.base import Task, Tokenizer
+from phalanx.rl.engine.base import GenerationEngine, prompt_key
+
+
+def make_rollouts(
+    rl: RLConfig,
+    engine: GenerationEngine,
+    tok: Tokenizer,
+    task: Task,
+    prompts: list[PromptRef],
+) -> list[RolloutIn]:
+    """One rollout per leased prompt, with its completions (the payload), as a
+    submission to the ledger takes it."""
+    g = rl.grpo
+    texts = [task.prompt(p.index) for p in prompts]
+    comps = engine.generate(
+        [tok.encode(t) for t in texts],
+        g.group_size,
+        g.max_new_tokens,
+        g.temperature,
+        keys=[prompt_key(g.seed, p.index) for p in prompts],
+    )
+    out = []
+    for i, p in enumerate(prompts):
+        group = comps[i * g.group_size : (i + 1) * g.group_size]
+        rows, rewards, exact = [], [], []
+        for c in group:
+            text = tok.decode(c.token_ids)
+            r = float(task.reward(texts[i], text, c.finished))
+            rewards.append(r)
+            exact.append(float(task.exact_match(texts[i], text, c.finished)))
+            rows.append(
+                Completion(
+                    prompt_ids=list(c.prompt_ids),
+                    token_ids=list(c.token_ids),
+                    # log_softmax can round a sure token to a hair above 0.
+                    logprobs=[min(lp, 0.0) for lp in c.logprobs],
+                    finished=c.finished,
+                    reward=r,
+                )
+            )
+        out.append(
+            RolloutIn(
+                rollout_id=p.rollout_id,
+                version=engine.version,
+                reward=sum(rewards) / len(rewards),
+                exact_match=sum(exact) / len(exact),
+                completions=rows,
+            )
+        )
+    return out

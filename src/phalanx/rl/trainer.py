@@ -1,0 +1,114 @@
+"""The GRPO step of one policy replica, over the FT manager's quorum.
+
+A replica gets its step's frozen batch from the ledger (every member of the
+quorum gets the same one), with each rollout's payload (the completions) or
+the ref to read it by from the rollout store. :func:`check_payload` refuses a
+payload that does not fit the job or the ledger's summary of it, and
+:class:`PolicyTrainer` computes the loss on this replica's share of the
+batch's trainable rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.config.rl import RLConfig
+from phalanx.rl.engine.base import Completion
+from phalanx.rl.grpo import (
+    collate,
+    group_advantages,
+    grpo_loss,
+    reference_logprobs,
+    rows_to_train,
+)
+from phalanx.train.batch import split
+
+if TYPE_CHECKING:
+    from phalanx.protocol.rl import BatchRollout, RolloutPayload
+    from phalanx.train.manager import Manager
+
+Rows = list[tuple[int, "RolloutPayload"]]
+"""(prompt index, payload) of each rollout of a batch."""
+
+
+def check_payload(
+    payload: RolloutPayload, summary: BatchRollout, group_size: int, max_new_tokens: int
+) -> str | None:
+    """Why ``payload`` cannot be trained as the ledger's ``summary`` describes it, or
+    None. A store that lost or mixed up payloads must not train the wrong ones."""
+    if payload.rollout_id != summary.rollout_id or payload.version != summary.version:
+        return (
+            f"holds {payload.rollout_id} v{payload.version}, the ledger "
+            f"{summary.rollout_id} v{summary.version}"
+        )
+    if len(payload.completions) != group_size:
+        return f"has {len(payload.completions)} completions, group_size is {group_size}"
+    for c in payload.completions:
+        if not c.token_ids or len(c.token_ids) != len(c.logprobs):
+            return "has a completion without one log-prob per token"
+        if len(c.token_ids) > max_new_tokens:
+            return f"has a completion of {len(c.token_ids)} tokens > max_new_tokens"
+    return None
+
+
+def completions_of(rows: Rows) -> tuple[list[Completion], list[float]]:
+    """The batch's completions, prompt-major in prompt order, and their rewards.
+
+    The ledger lists a batch's rollouts in arrival order, which depends on
+    timing; prompt order makes the loss's sums (and so the trained weights) the
+    same whichever replica submitted first or how often a prompt was dispatched."""
+    comps, rewards = [], []
+    for _, p in sorted(rows, key=lambda row: row[0]):
+        for c in p.completions:
+            comps.append(
+                Completion(
+                    0,
+                    list(c.prompt_ids),
+                    list(c.token_ids),
+                    list(c.logprobs),
+                    c.finished,
+                    p.version,
+                )
+            )
+            rewards.append(float(c.reward))
+    return comps, rewards
+
+
+class PolicyTrainer:
+    """The GRPO step of one policy replica over the manager's quorum."""
+
+    def __init__(self, rl: RLConfig, manager: Manager, model: Any, pad_id: int, ref: Any = None):
+        self.rl, self.g = rl, rl.grpo
+        self.manager, self.model, self.pad_id, self.ref = manager, model, pad_id, ref
+        self.device = torch.device(self.g.device)
+
+    def compute(self, rows: Rows) -> float:
+        """Forward and backward on this replica's share of the batch's trainable rows.
+        Returns this share's loss (already normalised by the batch's token count)."""
+        g, m = self.g, self.manager
+        comps, rewards = completions_of(rows)
+        adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
+        keep = rows_to_train(adv, g.kl_coef)
+        off, count = split(len(keep), m.world_size, m.rank)
+        mine = keep[off : off + count]
+        if not mine:
+            return 0.0
+        n_tokens = sum(len(c.token_ids) for c in comps)
+        batch = collate([comps[i] for i in mine], adv[mine], self.pad_id, self.device)
+        ref_lp = (
+            reference_logprobs(self.ref, batch, g.temperature) if self.ref is not None else None
+        )
+        loss, _ = grpo_loss(
+            self.model,
+            batch,
+            clip_eps=g.clip_eps,
+            clip_eps_high=g.clip_eps_high,
+            temperature=g.temperature,
+            num_tokens=n_tokens,
+            kl_coef=g.kl_coef,
+            ref_logprobs=ref_lp,
+        )
+        loss.backward()
+        return float(loss.item())
