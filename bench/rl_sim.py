@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.client import ControllerClient
+from phalanx.protocol.rl import Completion, RolloutIn
 
 GROUP_SIZE = 16
 PROMPTS_PER_LEASE = 4
@@ -206,20 +207,20 @@ class RolloutStats:
     error: Exception | None = None
 
 
-def fake_group(rng: random.Random) -> list[dict[str, Any]]:
+def fake_group(rng: random.Random) -> list[Completion]:
     """``GROUP_SIZE`` completions shaped like the sort4 task's: 5 prompt tokens,
     1-5 completion tokens with log-probs <= 0."""
     out = []
     for _ in range(GROUP_SIZE):
         k = rng.randint(1, 5)
         out.append(
-            {
-                "prompt_ids": [rng.randint(0, 11) for _ in range(5)],
-                "token_ids": [rng.randint(0, 11) for _ in range(k)],
-                "logprobs": [-round(rng.uniform(0.01, 3.0), 4) for _ in range(k)],
-                "finished": True,
-                "reward": round(rng.random(), 4),
-            }
+            Completion(
+                prompt_ids=[rng.randint(0, 11) for _ in range(5)],
+                token_ids=[rng.randint(0, 11) for _ in range(k)],
+                logprobs=[-round(rng.uniform(0.01, 3.0), 4) for _ in range(k)],
+                finished=True,
+                reward=round(rng.random(), 4),
+            )
         )
     return out
 
@@ -233,39 +234,41 @@ def rollout_loop(
         time.sleep(rng.uniform(0, delay_s * PROMPTS_PER_LEASE))
         # No weights yet: ask without waiting, the reply says whether to build version 0.
         r = c.lease_prompts(-1, PROMPTS_PER_LEASE, 0.0)
-        version = 0 if r["init_weights"] else -1
+        version = 0 if r.init_weights else -1
         stats.started = time.monotonic()
-        while not stop.is_set() and not r["finished"]:
+        while not stop.is_set() and not r.finished:
             t0 = time.monotonic()
             r = c.lease_prompts(version, PROMPTS_PER_LEASE, LEASE_WAIT_S)
             t1 = time.monotonic()
-            if r["sync"]:
-                c.sync_done(r["sync"]["seq"], version=r["policy_step"], ok=True)
-                version = r["policy_step"]
+            if r.sync:
+                c.sync_done(r.sync.seq, version=r.policy_step, ok=True)
+                version = r.policy_step
                 stats.syncs += 1
-            elif r["init_weights"] and version < 0:
+            elif r.init_weights and version < 0:
                 version = 0
             t2 = time.monotonic()
-            lease = r["lease"]
+            lease = r.lease
             if lease is None:
                 stats.empty_leases += 1
                 continue
-            asked = delay_s * len(lease["prompts"])
+            asked = delay_s * len(lease.prompts)
             time.sleep(asked)
             t3 = time.monotonic()
+            # The group was checked once when it was built: not again per submission.
             rollouts = [
-                {
-                    "rollout_id": p["rollout_id"],
-                    "version": version,
-                    "reward": 0.5,
-                    "exact_match": 0.0,
-                    "completions": group,
-                }
-                for p in lease["prompts"]
+                RolloutIn.model_construct(
+                    rollout_id=p.rollout_id,
+                    version=version,
+                    reward=0.5,
+                    exact_match=0.0,
+                    completions=group,
+                    ref=None,
+                )
+                for p in lease.prompts
             ]
-            out = c.submit_rollouts(lease["lease_id"], rollouts)
+            out = c.submit_rollouts(lease.lease_id, rollouts)
             t4 = time.monotonic()
-            n_ok = len(out["accepted"])
+            n_ok = len(out.accepted)
             stats.submitted += len(rollouts)
             stats.accepted += n_ok
             stats.cycles.append(
@@ -288,18 +291,18 @@ def policy_loop(c: ControllerClient, stop: threading.Event, stats: PolicyStats) 
         step = 0
         while not stop.is_set():
             r = c.lease_batch(step, LEASE_WAIT_S)
-            if r["sync"]:
-                c.sync_done(r["sync"]["seq"], version=step, ok=True)
+            if r.sync:
+                c.sync_done(r.sync.seq, version=step, ok=True)
                 stats.syncs += 1
-            if r["finished"]:
+            if r.finished:
                 return
-            if r["batch"] is None:
+            if r.batch is None:
                 continue
             a = c.ack_batch(step + 1)
             step += 1
             stats.steps = step
-            if a["sync"]:
-                c.sync_done(a["sync"]["seq"], version=step, ok=True)
+            if a.sync:
+                c.sync_done(a.sync.seq, version=step, ok=True)
                 stats.syncs += 1
     except Exception as e:  # reported to the coordinator, which fails the run
         stats.error = e
@@ -440,7 +443,10 @@ def bench_one(
             errors = [d[2] for d in done if d[2]] + ([repr(pstats.error)] if pstats.error else [])
             if errors:
                 raise RuntimeError(f"a simulated replica failed: {errors[0]}")
-            rl = policy.status()["rl"]
+            st = policy.status()
+            if st.rl is None:
+                raise RuntimeError("the controller ran no RL ledger")
+            rl = st.rl
             for w in workers:
                 w.join(timeout=30)
         finally:
@@ -466,7 +472,7 @@ def bench_one(
         "oversleep": sum(cy.sleep_s - cy.asked_sleep_s for cy in cyc) / per,
     }
     accepted = sum(s.accepted for s in rstats)
-    pr, ro = rl["prompts"], rl["rollouts"]
+    pr, ro = rl.prompts, rl.rollouts
     row.update(
         {
             "rollouts_per_s": round(rate, 2),
@@ -488,14 +494,14 @@ def bench_one(
             "policy_steps": pstats.steps,
             "syncs": pstats.syncs,
             "empty_leases": sum(s.empty_leases for s in rstats),
-            "ledger_ok": rl["ok"],
+            "ledger_ok": rl.ok,
             "accepted_total": accepted,
-            "accepted_matches": ro["accepted"] == accepted == sum(s.submitted for s in rstats)
-            and not ro["discarded"]
-            and ro["duplicates_dropped"] == 0
-            and rl["leases"]["expired"] == 0,
-            "lost": pr["issued"] - ro["accepted"] - pr["queued"],
-            "open_leases": rl["leases"]["open"],
+            "accepted_matches": ro.accepted == accepted == sum(s.submitted for s in rstats)
+            and not ro.discarded
+            and ro.duplicates_dropped == 0
+            and rl.leases.expired == 0,
+            "lost": pr.issued - ro.accepted - pr.queued,
+            "open_leases": rl.leases.open,
         }
     )
     return row

@@ -61,7 +61,7 @@ def main() -> int:
             print(json.dumps(line), flush=True)
             time.sleep(args.step_delay)
             committed = step + 1
-            client.step = committed
+            client.report_progress(step=committed)
     except Leave:
         client.close("sigterm")
         return 0

@@ -25,7 +25,8 @@ from s3 import s3_server  # noqa: F401  (a pytest fixture)
 
 from phalanx.config import load_config
 from phalanx.jobs.diloco_slot import DecoupledReplica
-from phalanx.jobs.diloco_syncer import run_syncer
+from phalanx.jobs import ReplicaArgs
+from phalanx.jobs.diloco_syncer import run as run_syncer
 
 TRAIN = {
     "dtype": "float64",
@@ -71,7 +72,7 @@ def run_in_threads(
 
     jobs: list[Callable[[], Any]] = [s.run for s in slots]
     if cfg.diloco is not None and cfg.diloco.aggregator == "syncer":
-        jobs.append(lambda: run_syncer(cfg))
+        jobs.append(lambda: run_syncer(ReplicaArgs(cfg, "syncer")))
     threads = [threading.Thread(target=run, args=(fn,)) for fn in jobs]
     for t in threads:
         t.start()

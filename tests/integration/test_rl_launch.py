@@ -165,6 +165,7 @@ import argparse, json, sys, time
 from pathlib import Path
 from phalanx.client import ControllerClient
 from phalanx.config import load_config
+from phalanx.protocol.rl import Completion, RolloutIn
 
 def emit(**ev):
     print(json.dumps(ev), flush=True)
@@ -180,7 +181,7 @@ rid = c.register()
 c.start_heartbeat()
 
 def sync(order, version):
-    c.sync_done(order["seq"], version, True)
+    c.sync_done(order.seq, version, True)
     emit(event="sync", role=args.role, replica=rid, version=version, ms=1.5, ok=True)
 
 if args.role == "rollout":
@@ -188,24 +189,24 @@ if args.role == "rollout":
     version = 0
     while True:
         rep = c.lease_prompts(version, loop.prompts_per_lease, wait_s=2.0)
-        if rep["sync"]:  # join the sync first, then generate the lease (if any)
-            version = rep["policy_step"]
-            sync(rep["sync"], version)
-        if rep["finished"]:
+        if rep.sync:  # join the sync first, then generate the lease (if any)
+            version = rep.policy_step
+            sync(rep.sync, version)
+        if rep.finished:
             break
-        lease = rep["lease"]
+        lease = rep.lease
         if lease is None:
             continue
         em = min(1.0, 0.25 * version)
-        comp = {"prompt_ids": [1], "token_ids": [2], "logprobs": [-0.5], "finished": True,
-                "reward": em}
-        rolls = [{"rollout_id": x["rollout_id"], "version": version, "reward": em,
-                  "exact_match": em, "completions": [comp] * g.group_size}
-                 for x in lease["prompts"]]
-        out = c.submit_rollouts(lease["lease_id"], rolls)
+        comp = Completion(prompt_ids=[1], token_ids=[2], logprobs=[-0.5], finished=True,
+                          reward=em)
+        rolls = [RolloutIn(rollout_id=x.rollout_id, version=version, reward=em,
+                           exact_match=em, completions=[comp] * g.group_size)
+                 for x in lease.prompts]
+        out = c.submit_rollouts(lease.lease_id, rolls)
         emit(event="rollout", role="rollout", replica=rid, version=version,
-             prompts=len(rolls), accepted=len(out["accepted"]),
-             duplicate=len(out["duplicate"]), stale=len(out["stale"]), reward=em,
+             prompts=len(rolls), accepted=len(out.accepted),
+             duplicate=len(out.duplicate), stale=len(out.stale), reward=em,
              exact_match=em, gen_s=0.01, t=time.time())
     emit(event="done", role="rollout", replica=rid)
 else:
@@ -215,26 +216,26 @@ else:
     while True:
         q = c.quorum(step)
         rep = c.lease_batch(step, wait_s=2.0)
-        if rep["sync"]:
-            sync(rep["sync"], step)
-        if rep["finished"]:
+        if rep.sync:
+            sync(rep.sync, step)
+        if rep.finished:
             break
-        b = rep["batch"]
+        b = rep.batch
         if b is None:
             continue
         time.sleep(0.1)
         step += 1
         state.write_text(json.dumps({"step": step}))
-        c.step = step
+        c.report_progress(step=step)
         ack = c.ack_batch(step)
-        emit(event="step", role="policy", replica=rid, step=step, batch=b["index"],
-             reward=b["reward"], exact_match=b["exact_match"], reward_avg=b["reward"],
-             exact_match_avg=b["exact_match"], staleness=b["staleness"], loss=0.0,
+        emit(event="step", role="policy", replica=rid, step=step, batch=b.index,
+             reward=b.reward, exact_match=b.exact_match, reward_avg=b.reward,
+             exact_match_avg=b.exact_match, staleness=b.staleness, loss=0.0,
              participants=len(q.members), quorum_id=q.quorum_id, healed=False,
              version=step, t=time.time())
-        if ack["sync"]:
-            sync(ack["sync"], step)
-        if ack["finished"]:
+        if ack.sync:
+            sync(ack.sync, step)
+        if ack.finished:
             break
     emit(event="done", role="policy", replica=rid, step=step, heals=0)
 c.close("done")
@@ -323,7 +324,7 @@ def test_run_follows_scale(tmp_path: Path, capsys, monkeypatch):
 
     def batches() -> int:
         st = job.status()
-        return (st or {}).get("rl", {}).get("next_batch", 0)
+        return st.rl.next_batch if st is not None and st.rl is not None else 0
 
     def operator() -> None:
         try:

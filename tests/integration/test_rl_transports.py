@@ -1,7 +1,8 @@
 """The RL main job (``phalanx run``, real policy and rollout replicas) with its
-rollouts and weights moved by Redis or by storage instead of the controller
-and the collective: only ``[rl.transport]`` changes, and the controller's
-rollout ledger still balances, every prompt trained once."""
+rollout payloads kept in Redis or in storage instead of the controller, and
+its weights moved through them instead of the collective: only
+``[rl.transport]`` changes, and the controller's rollout ledger still
+balances, every prompt trained once, every payload dropped once trained."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from procs import child_env
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from test_rl_launch import PROMPTS, rl_job, summary_of
 
-from phalanx.transport.redis_queue import RedisRolloutQueue, connect
+from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_store import RedisRolloutStore
 from phalanx.transport.redis_weights import RedisWeightStore
-from phalanx.transport.spool import SpoolRolloutQueue
+from phalanx.transport.storage_store import StorageRolloutStore
 from phalanx.transport.storage_weights import StorageWeightStore
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,7 +38,6 @@ def test_rl_job_runs_on_each_transport(kind: str, tmp_path: Path, request: pytes
     args += ["--run-dir", str(tmp_path / "run"), "--rl.grpo.steps", "5"]
     args += ["--rl.loop.target_exact_match", "1.0", "--job.id", job_id]
     args += ["--rl.transport.rollouts", rollouts, "--rl.transport.weights", weights]
-    args += ["--rl.transport.lease_s", "5"]
     p = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -56,19 +57,18 @@ def test_rl_job_runs_on_each_transport(kind: str, tmp_path: Path, request: pytes
     assert s["ok"] and s["batches"] == 5 and s["ledger_ok"], s
     assert s["trained"] == 5 * PROMPTS
     assert s["syncs"] >= 1, "no weight sync went through the store"
-    # What went through the queue: nothing lost (acked or discarded with a reason, or
-    # still queued when the job ended).
+    # What went through the store: nothing lost (dropped as trained or with a reason,
+    # or still held when the job ended) and nothing corrupt.
     if kind == "redis":
         assert RedisWeightStore(weights, job_id).latest() is not None
-        q0 = connect(rollouts)
-        # The queue lives under the job id and the ledger's run (a rerun starts afresh).
-        (key,) = q0.keys(f"phalanx:{job_id}.*:rollouts:stream")
-        q = RedisRolloutQueue(rollouts, key.decode().split(":")[1], "check")
-        c = q.counts()
-        assert c["put"] == c["acked"] + sum(c["discarded"].values()) + q.pending()
+        r = connect(rollouts)
+        # The store lives under the job id and the ledger's run (a rerun starts afresh).
+        (key,) = r.keys(f"phalanx:{job_id}.*:payloads:counts")
+        c = RedisRolloutStore(rollouts, key.decode().split(":")[1]).counts()
     else:
         assert StorageWeightStore(weights).latest() is not None
         (run,) = [p.name for p in (tmp_path / "spool").iterdir()]
         assert run.startswith(f"{job_id}.")
-        c = SpoolRolloutQueue(rollouts, "check", name=run).counts()
-    assert c["acked"] >= 5 * PROMPTS and c["corrupt"] == 0
+        c = StorageRolloutStore(rollouts, run).counts()
+    assert c["put"] == c["trained"] + sum(c["discarded"].values()) + c["held"] + c["corrupt"]
+    assert c["trained"] >= 5 * PROMPTS and c["corrupt"] == 0

@@ -32,7 +32,8 @@ from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from s3 import S3Root, s3_server  # noqa: F401  (a pytest fixture)
 
 from phalanx.console.view import status_text
-from phalanx.transport.base import RolloutQueue, TransportError
+from phalanx.protocol.status import Status
+from phalanx.transport.base import Delivery, RolloutQueue, TransportError
 from phalanx.transport.controller_queue import ControllerRolloutQueue
 from phalanx.transport.redis_queue import RedisRolloutQueue
 from phalanx.transport.spool import MAGIC, SpoolRolloutQueue, encode
@@ -177,24 +178,40 @@ def test_duplicate_puts_are_delivered_once(backend: Backend):
 
 
 def test_redelivery_after_lease_expiry_and_after_nack(backend: Backend):
-    a, b = backend.make("a", lease_s=0.4), backend.make("b", lease_s=0.4)
+    # Held leases are exclusive: with a lease far longer than any wait here (a loaded
+    # machine, a slow S3), a second consumer gets none of them.
+    a, b = backend.make("a", lease_s=60.0), backend.make("b", lease_s=60.0)
     a.put(rollouts([f"p{i}.0" for i in range(6)]))
     held = a.lease(4)
     assert len(held) == 4
-    assert {d.rollout_id for d in b.lease(10)}.isdisjoint({d.rollout_id for d in held})
-    time.sleep(0.5)  # a's lease (and b's) expired: a is "dead"
-    again = wait_for(lambda: b.lease(10), 5, "expired leases to be delivered again")
-    assert {d.rollout_id for d in held} <= {d.rollout_id for d in again}
+    rest = b.lease(10)
+    assert {d.rollout_id for d in rest}.isdisjoint({d.rollout_id for d in held})
+    b.ack(rest)
+    a.ack(held)
+    # A consumer that dies holding short leases: once they expire, its rollouts go
+    # to the next consumer that leases (waited for, however long that takes).
+    dead = backend.make("dead", lease_s=0.4)
+    lost_ids = [f"p{i}.0" for i in range(6, 10)]
+    dead.put(rollouts(lost_ids))
+    lost = dead.lease(4)
+    assert sorted(d.rollout_id for d in lost) == lost_ids
+    again: list[Delivery] = []
+
+    def all_again() -> bool:
+        again.extend(b.lease(10))
+        return {d.rollout_id for d in again} >= set(lost_ids)
+
+    wait_for(all_again, 60, "expired leases to be delivered again")
     assert all(d.attempt >= 2 for d in again)
     b.ack(again)
-    a.ack(held)  # the late ack of a consumer whose lease expired: harmless
+    dead.ack(lost)  # the late ack of a consumer whose lease expired: harmless
     assert a.pending() == 0 and drain(a) == []
     # A nack hands a rollout back without waiting for its deadline.
-    a.put(rollouts(["p9.0"]))
+    a.put(rollouts(["p19.0"]))
     d = a.lease(1)
     a.nack(d)
     back = wait_for(lambda: b.lease(1), 5, "the nacked rollout")
-    assert [x.rollout_id for x in back] == ["p9.0"]
+    assert [x.rollout_id for x in back] == ["p19.0"]
     b.ack(back)
 
 
@@ -360,7 +377,8 @@ def test_controller_queue_survives_a_controller_restart(backend_controller: Back
     assert counts["discarded"] == {"stale": 1} and counts["corrupt"] == 0
     st = b.ctl.status()
     assert st["queues"][b.name]["pending"] == 0 and st["queues"][b.name]["acked"] == 9
-    assert f"queue {b.name}: pending 0 (leased 0), put 10, acked 9" in status_text(st)
+    text = status_text(Status.model_validate(st))
+    assert f"queue {b.name}: pending 0 (leased 0), put 10, acked 9" in text
 
 
 def test_controller_queue_refuses_malformed_requests_naming_the_field(

@@ -121,12 +121,12 @@ def test_store_channel_serves_sync_orders(make_store):
     order = SyncOrder(seq=3, mesh_id=1, members=("p", "r"), rank=0, store="")
     leader.publish(6, weights(6), order, reports.append)
     assert leader.pending is not None and leader.pending.result(10).ok
-    v, w = follower.fetch(SyncOrder(3, 1, ("p", "r"), 1, ""), like)
+    v, w = follower.fetch(SyncOrder(seq=3, mesh_id=1, members=("p", "r"), rank=1, store=""), like)
     assert v == 6 and torch.equal(w["emb"], weights(6)["emb"])
     assert reports[0].ok and reports[0].version == 6 and reports[0].nbytes > 0
     # An order nobody publishes for times out with a CommError (the sync is ordered again).
     with pytest.raises(CommError, match="published no weights"):
-        follower.fetch(SyncOrder(4, 1, ("p", "r"), 1, ""), like)
+        follower.fetch(SyncOrder(seq=4, mesh_id=1, members=("p", "r"), rank=1, store=""), like)
     with pytest.raises(CommError, match="must match this replica's model"):
         follower.fetch(order, {"emb": torch.zeros(3)})
     leader.close()

@@ -228,10 +228,12 @@ class ControllerClient:
             pass
         self.replica_id = None
 
-    def close(self, reason: str = "") -> None:
-        """Leave the job (deregister) and stop the heartbeat thread."""
+    def close(self, reason: str | None = "") -> None:
+        """Leave the job (deregister) and stop the heartbeat thread. ``reason=None``
+        stops without deregistering (the controller then evicts the replica when its
+        heartbeats stop: a tool that simulates a crash)."""
         try:
-            if self.replica_id is not None:
+            if self.replica_id is not None and reason is not None:
                 self.deregister(reason or "closed")
         finally:
             self.liveness.stop()
