@@ -59,11 +59,27 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 import psutil
+from pydantic import BaseModel
+
+from phalanx.protocol.membership import (
+    HeartbeatReply,
+    HeartbeatReq,
+    Quorum,
+    QuorumReply,
+    QuorumReq,
+    RegisterReply,
+    RegisterReq,
+    ReportReply,
+    ReportReq,
+)
+from phalanx.protocol.status import Status
+
+R = TypeVar("R", bound=BaseModel)
 
 ROLE = "policy"
 QUORUM_WAIT_S = 30.0
@@ -108,11 +124,17 @@ class Conn:
         n = int(head[i + 15 : head.index(b"\r\n", i)])
         return status, await self._r.readexactly(n)
 
-    async def post(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
-        status, data = await self.request(b"POST", path.encode(), json.dumps(obj).encode())
+    async def post(self, path: str, req: BaseModel, reply: type[R]) -> R:
+        """POST a request of the protocol, parse the reply as ``reply`` (as the real
+        client does, :mod:`phalanx.client.transport`)."""
+        status, data = await self.request(b"POST", path.encode(), req.model_dump_json().encode())
         if status != 200:
             raise RuntimeError(f"POST {path} answered {status}: {data[:300]!r}")
-        return json.loads(data)
+        return reply.model_validate_json(data)
+
+    async def status(self) -> Status:
+        _, data = await self.request(b"GET", b"/v1/status")
+        return Status.model_validate_json(data)
 
     def close(self) -> None:
         if self._w is not None:
@@ -126,14 +148,14 @@ async def _open_all(url: str, token: str, n: int) -> list[Conn]:
     return conns
 
 
-async def _quorum(conn: Conn, rid: str, step: int) -> dict[str, Any]:
+async def _quorum(conn: Conn, rid: str, step: int) -> Quorum:
     """Ask for the quorum at ``step`` until it is answered (a pending long-poll is
     retried with the same request id, as the real client does)."""
-    req = {"replica_id": rid, "step": step, "request_id": f"s{step}", "wait_s": QUORUM_WAIT_S}
+    req = QuorumReq(replica_id=rid, step=step, request_id=f"s{step}", wait_s=QUORUM_WAIT_S)
     while True:
-        reply = await conn.post("/v1/quorum", req)
-        if reply["status"] == "ok":
-            return reply["quorum"]
+        reply = await conn.post("/v1/quorum", req, QuorumReply)
+        if reply.quorum is not None:
+            return reply.quorum
 
 
 async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float = 0.0) -> None:
@@ -141,7 +163,7 @@ async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float
     # instead of sending all N at once.
     await asyncio.sleep(phase)
     while True:
-        await conn.post("/v1/heartbeat", {"replica_id": rid, "wait_s": 1.0})
+        await conn.post("/v1/heartbeat", HeartbeatReq(replica_id=rid, wait_s=1.0), HeartbeatReply)
         counter[0] += 1
 
 
@@ -189,9 +211,10 @@ async def _phalanx_worker_async(
     async def register(conn: Conn, chunk: list[str]) -> list[str]:
         out = []
         for name in chunk:
-            out.append(
-                (await conn.post("/v1/register", {"role": ROLE, "name": name}))["replica_id"]
+            reply = await conn.post(
+                "/v1/register", RegisterReq(role=ROLE, name=name), RegisterReply
             )
+            out.append(reply.replica_id)
         return out
 
     chunks = await asyncio.gather(*(register(c, names[i :: len(reg)]) for i, c in enumerate(reg)))
@@ -218,10 +241,8 @@ async def _phalanx_worker_async(
             sent = time.monotonic()
             q = await _quorum(conn, rid, r)
             answered = time.monotonic()
-            if len(q["members"]) != plan.n:
-                raise RuntimeError(
-                    f"round {r}: quorum has {len(q['members'])} members, not {plan.n}"
-                )
+            if len(q.members) != plan.n:
+                raise RuntimeError(f"round {r}: quorum has {len(q.members)} members, not {plan.n}")
             samples.append((r, sent, answered))
             if r == plan.warmup - 1:
                 warm_left[0] -= 1
@@ -612,8 +633,7 @@ def _expect_value(pipe: Any, timeout: float) -> Any:
 async def _evicted_at(conn: Conn, victim: str) -> float:
     """Poll the status every 5 ms; the time it first no longer lists ``victim``."""
     while True:
-        _, data = await conn.request(b"GET", b"/v1/status")
-        ids = {r["replica_id"] for r in json.loads(data)["roles"][ROLE]["replicas"]}
+        ids = {r.replica_id for r in (await conn.status()).roles[ROLE].replicas}
         if victim not in ids:
             return time.monotonic()
         await asyncio.sleep(0.005)
@@ -626,7 +646,9 @@ def _fd_replica(pipe: Any, url: str, token: str, name: str) -> None:
 async def _fd_replica_async(pipe: Any, url: str, token: str, name: str) -> None:
     loop = asyncio.get_running_loop()
     conn, hb, status_conn = await _open_all(url, token, 3)
-    rid = (await conn.post("/v1/register", {"role": ROLE, "name": name}))["replica_id"]
+    rid = (
+        await conn.post("/v1/register", RegisterReq(role=ROLE, name=name), RegisterReply)
+    ).replica_id
     beats = [0]
     hb_task = loop.create_task(_heartbeat_loop(hb, rid, beats))
     pipe.send(("ready", rid, os.getpid()))
@@ -634,17 +656,17 @@ async def _fd_replica_async(pipe: Any, url: str, token: str, name: str) -> None:
         msg = await loop.run_in_executor(None, pipe.recv)
         if msg[0] == "quorum":
             q = await _quorum(conn, rid, msg[1])
-            pipe.send(("quorum", [m["replica_id"] for m in q["members"]]))
+            pipe.send(("quorum", q.replica_ids))
         elif msg[0] == "report":
             _, victim, step = msg
             sent = time.monotonic()
-            report = {"reporter": rid, "suspects": [victim], "reason": "bench: collective error"}
-            await conn.post("/v1/report-failure", report)
+            report = ReportReq(reporter=rid, suspects=[victim], reason="bench: collective error")
+            await conn.post("/v1/report-failure", report, ReportReply)
             t_evict, q = await asyncio.gather(
                 _evicted_at(status_conn, victim), _quorum(conn, rid, step)
             )
             t_quorum = time.monotonic()
-            members = [m["replica_id"] for m in q["members"]]
+            members = q.replica_ids
             pipe.send(("reported", t_evict - sent, t_quorum - sent, members))
         else:
             break
@@ -682,9 +704,11 @@ def bench_failure_detection(tmp: Path, trial: int, k: int = 3) -> dict[str, Any]
                 _expect(pipe, "quorum", 60)
             if victim in members or len(members) != k - 1:
                 raise RuntimeError(f"the quorum after the report must drop {victim}: {members}")
-            events = ctl.get("/v1/status").json()["events"]
-            rep = next(e for e in reversed(events) if e["kind"] == "failure_report")
-            ev = next(e for e in events if e["kind"] == "evict" and e["replica_id"] == victim)
+            events = Status.model_validate_json(ctl.get("/v1/status").content).events
+            rep = next(e for e in reversed(events) if e.kind == "failure_report")
+            ev = next(
+                e for e in events if e.kind == "evict" and getattr(e, "replica_id", "") == victim
+            )
             for pipe in pipes[:-1]:
                 pipe.send(("stop",))
         finally:
@@ -695,7 +719,7 @@ def bench_failure_detection(tmp: Path, trial: int, k: int = 3) -> dict[str, Any]
                     p.join(timeout=5)
     return {
         "evict_after_report_ms": round(evict_s * 1e3, 1),
-        "evict_after_report_controller_ms": round((ev["at"] - rep["at"]) * 1e3, 1),
+        "evict_after_report_controller_ms": round((ev.at - rep.at) * 1e3, 1),
         "requorum_after_report_ms": round(requorum_s * 1e3, 1),
     }
 

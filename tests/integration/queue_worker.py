@@ -64,7 +64,8 @@ def main() -> None:
                 break
     elif cmd == "crash":
         ds = q.lease(int(sys.argv[3]), wait_s=5.0)
-        print(json.dumps({"leased": [d.rollout_id for d in ds]}), flush=True)
+        out = {"leased": [d.rollout_id for d in ds], "deadlines": [d.deadline for d in ds]}
+        print(json.dumps(out), flush=True)
         time.sleep(0.05)
         os._exit(9)  # no ack, no cleanup: a consumer killed between its lease and its ack
 

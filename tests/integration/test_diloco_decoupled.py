@@ -24,8 +24,8 @@ from ftjob import SPARE, Replica, load_state
 from s3 import s3_server  # noqa: F401  (a pytest fixture)
 
 from phalanx.config import load_config
-from phalanx.jobs.diloco_slot import DecoupledReplica
 from phalanx.jobs import ReplicaArgs
+from phalanx.jobs.diloco_slot import DecoupledReplica
 from phalanx.jobs.diloco_syncer import run as run_syncer
 
 TRAIN = {

@@ -130,7 +130,10 @@ def check(st: ControllerState) -> dict[str, Any]:
         else:
             assert q.lease_id is None
     for le in led.prompts.leases.values():
-        assert le.lease_id == f"L{int(le.lease_id[1:])}" and int(le.lease_id[1:]) <= led.prompts.lease_seq
+        assert (
+            le.lease_id == f"L{int(le.lease_id[1:])}"
+            and int(le.lease_id[1:]) <= led.prompts.lease_seq
+        )
     # Durability: the changes drained so far rebuild exactly this ledger.
     if isinstance(st, CheckedState):
         assert st.log.changes == []
@@ -1032,7 +1035,10 @@ def test_sync_completes_when_every_member_reports(synced):
     # Reports for a finished sync are ignored.
     events = len(st.events)
     st.sync_done(R2, 1, 2, False, "late", now=2, wall=2)
-    assert st.ledger.weights.sync is None and (st.ledger.weights.synced_version, st.ledger.weights.versions[R2]) == (2, 2)
+    assert st.ledger.weights.sync is None and (
+        st.ledger.weights.synced_version,
+        st.ledger.weights.versions[R2],
+    ) == (2, 2)
     assert len(st.events) == events
 
 
@@ -1121,7 +1127,9 @@ def test_no_sync_without_a_policy_leader():
     declare(st, R2)
     train(st, 0)
     train(st, 1)
-    assert st.ledger.weights.want_version == 2 and st.ledger.weights.sync is None  # no policy quorum
+    assert (
+        st.ledger.weights.want_version == 2 and st.ledger.weights.sync is None
+    )  # no policy quorum
     form(st, [P])
     st.tick(now=0, wall=0)
     assert st.ledger.weights.sync is not None and st.ledger.weights.sync.members == [P, R1, R2]
@@ -1252,7 +1260,9 @@ def test_a_timed_out_sync_keeps_the_members_that_finished(synced):
             st.heartbeat(rid, now=now)
         st.tick(now=now, wall=now)
     assert "sync_failed" in kinds(st) and st.ledger.weights.sync is None
-    assert st.ledger.weights.versions[R1] == 2 and R2 not in st.ledger.weights.versions  # R2 must ask again
+    assert (
+        st.ledger.weights.versions[R1] == 2 and R2 not in st.ledger.weights.versions
+    )  # R2 must ask again
     reply = declare(st, R2, now=now)
     assert reply["sync"]["members"] == [P, R2]  # R1 holds the version already
 
@@ -1358,7 +1368,11 @@ def test_restore_rebuilds_the_ledger(journal):
     submit(st, R2, "L2", ["p4.0"], version=1, now=LEASE_S)  # a duplicate
     st.set_desired("rollout", 3, now=LEASE_S, wall=LEASE_S)
     led = st.ledger
-    assert (led.prompts.cursor, list(led.prompts.requeue), list(led.prompts.leases)) == (6, [3], ["L3"])
+    assert (led.prompts.cursor, list(led.prompts.requeue), list(led.prompts.leases)) == (
+        6,
+        [3],
+        ["L3"],
+    )
     assert list(led.rollouts.batches) == [1] and led.weights.sync is not None
     before = durable(led)
 
@@ -1383,3 +1397,55 @@ def test_restore_without_a_ledger_in_the_journal(journal):
     st = CheckedState.restore(make_cfg(), journal.load(), now=0)
     assert durable(st.ledger) == durable(Ledger(st.cfg.rl, ChangeLog(100), run="fresh"))
     assert check(st)["prompts"]["issued"] == 0
+
+
+# -- payloads -----------------------------------------------------------------------------
+
+
+def test_payloads_go_to_the_payload_log_and_leave_it_when_trained_or_discarded(st):
+    """The ledger journals each rollout's summary and the ref of its payload; the
+    payload (the completions) is written to the payload log, and dropped from it
+    once the rollout is trained or discarded."""
+    ids_ = fill(st, PPS)
+    assert sorted(st.payloads) == sorted(f"rl/{r}" for r in ids_)
+    recs = st.tables["rollouts"]
+    assert all("completions" not in rec for rec in recs.values())
+    assert {rec["ref"] for rec in recs.values()} == set(ids_)
+    batch = st.lease_batch(P, 0, now=0, wall=0)[0]["batch"]
+    assert batch["rollouts"][0]["completions"] == rollout(batch["rollouts"][0]["rollout_id"])[
+        "completions"
+    ]
+    st.ack_batch(P, 1, now=0, wall=0)
+    assert st.payloads == {}  # trained: nothing refers to them any more
+    reply = lease(st, R1, 2)
+    out = submit(st, R1, reply["lease"]["lease_id"], ids(reply), version=-10 + 2)
+    assert out["stale"] == ids(reply) and st.payloads == {}  # stale: never kept
+
+
+def test_a_lost_payload_is_discarded_and_its_batch_frozen_again_without_it(st):
+    fill(st, PPS + 1)
+    first = st.lease_batch(P, 0, now=0, wall=0)[0]["batch"]
+    lost = first["rollouts"][1]["rollout_id"]
+    out, tick = st.lost_payloads(P, [(lost, "payload_corrupt")], now=1, wall=1)
+    assert out == {"discarded": [lost], "reopened": [0]}
+    assert tick.ledger_for >= {R1, R2}  # its prompt is dispatched again
+    assert check(st)["rollouts"]["discarded"] == {"payload_corrupt": 1}
+    assert st.ledger.prompts.by_index[int(lost[1:].split(".")[0])].state == "queued"
+    # Asked again for step 0, the batch is frozen anew (no rewind: nothing trained).
+    again = st.lease_batch(P, 0, now=1, wall=1)[0]["batch"]
+    ids_again = [r["rollout_id"] for r in again["rollouts"]]
+    assert again["index"] == 0 and lost not in ids_again and len(ids_again) == PPS
+    assert "policy_rewind" not in kinds(st)
+    # A second report of it changes nothing.
+    assert st.lost_payloads(P, [(lost, "payload_missing")], now=1, wall=1)[0]["discarded"] == []
+
+
+def test_a_restart_discards_rollouts_whose_payloads_the_log_lost(journal):
+    st = job(journal=journal)
+    ids_ = fill(st, PPS)
+    st.payloads.pop(f"rl/{ids_[0]}")  # a torn write, a lost segment
+    new = restart(st, journal, now=1)
+    new.reconcile(now=1, wall=1)
+    assert check(new)["rollouts"]["discarded"] == {"payload_missing": 1}
+    assert ids_[0] not in new.ledger.rollouts.records
+    assert sorted(new.payload_keys()) == sorted(f"rl/{r}" for r in ids_[1:])

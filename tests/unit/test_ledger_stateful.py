@@ -309,7 +309,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.trained |= gone
         assert led.counts["trained_prompts"] == len(self.trained)
         self.batched = {
-            led.rollouts.records[rid]["prompt"] for b in led.rollouts.batches.values() for rid in b["rollout_ids"]
+            led.rollouts.records[rid]["prompt"]
+            for b in led.rollouts.batches.values()
+            for rid in b["rollout_ids"]
         }
 
 

@@ -31,7 +31,9 @@ def form(st: ControllerState, rids: list[str], step: int, now: float) -> None:
 
 
 def states(st: ControllerState, now: float) -> dict[str, str]:
-    reps = st.status(now, 1000 + now).model_dump(mode="json")["overview"]["roles"]["policy"]["replicas"]
+    reps = st.status(now, 1000 + now).model_dump(mode="json")["overview"]["roles"]["policy"][
+        "replicas"
+    ]
     return {r["name"]: r["state"] for r in reps}
 
 

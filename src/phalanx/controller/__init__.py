@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phalanx.controller.lock import StateDirLocked
+
 if TYPE_CHECKING:
     from phalanx.config import JobConfig
 
-
-class StateDirLocked(RuntimeError):
-    """Another controller holds this state dir."""
+__all__ = ["StateDirLocked", "serve"]
 
 
 def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:

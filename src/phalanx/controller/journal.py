@@ -9,22 +9,15 @@ back with :meth:`Journal.load`.
 ``synchronous=NORMAL`` (the default) survives the controller process
 being killed at any instant: a committed WAL frame is in the OS page cache.
 ``synchronous=FULL`` also survives a power loss, at one fsync per write.
-
-The state dir also holds ``controller.lock``: an exclusive ``flock`` held
-for the controller's lifetime, so that two controllers on one state dir
-are refused instead of corrupting each other's view.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from phalanx.controller import StateDirLocked
 from phalanx.controller.core.base import Change
 from phalanx.controller.core.codec import encode
 
@@ -33,7 +26,7 @@ LENIENT_TABLES = ("rq_items",)
 one aside: a record there that is not even JSON is handed over as ``{"unreadable": text}``
 instead of failing the load."""
 
-__all__ = ["Change", "Journal", "StateDirLock", "StateDirLocked", "encode"]
+__all__ = ["Change", "Journal", "encode"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -43,41 +36,6 @@ CREATE TABLE IF NOT EXISTS records (
     PRIMARY KEY (tbl, key)
 ) WITHOUT ROWID;
 """
-
-
-class StateDirLock:
-    """Exclusive lock on a state dir, released when the process exits (even by SIGKILL)."""
-
-    def __init__(self, state_dir: Path):
-        self.path = state_dir / "controller.lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StateDirLocked(
-                f"state dir {self.path.parent} must be used by one controller at a time: it is "
-                f"held by another controller ({holder}). Stop that controller, or start this "
-                f"one with a different --state-dir."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
-        self._fd = fd
-
-    def note(self, text: str) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, text.encode(), 0)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
 
 
 class Journal:

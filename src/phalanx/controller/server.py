@@ -107,7 +107,8 @@ def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 
     import uvicorn
 
     from phalanx.controller.http import create_app
-    from phalanx.controller.journal import Journal, StateDirLock
+    from phalanx.controller.journal import Journal
+    from phalanx.controller.lock import StateDirLock
     from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
 

@@ -55,7 +55,11 @@ class DecoupledJob:
         overrides: list[str],
         poll_s: float = 0.2,
     ):
-        assert cfg.diloco is not None
+        if cfg.diloco is None or cfg.diloco.mode != "objectstore":
+            raise ValueError(
+                'a decoupled DiLoCo job needs diloco.mode = "objectstore": got '
+                f"{cfg.diloco.mode if cfg.diloco else 'no [diloco] section'}."
+            )
         self.cfg, self.dc = cfg, cfg.diloco
         self.config_path = str(Path(config_path).absolute())
         self.run_dir, self.overrides, self.poll_s = run_dir, overrides, poll_s

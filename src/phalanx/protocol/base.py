@@ -65,7 +65,14 @@ Text = Annotated[str, Field(max_length=1000)]
 Url = Annotated[str, Field(min_length=1, max_length=4096)]
 JobId = Annotated[str, Field(min_length=1, max_length=64)]
 Key = Annotated[str, Field(min_length=1, max_length=64)]
-Scalar = Annotated[str, Field(max_length=1000)] | int | float | bool | None
+Scalar = (
+    Annotated[str, Field(max_length=1000)]
+    | Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+    | float
+    | bool
+    | None
+)
+"""A capability's value: a bounded string or integer, a finite float, a flag."""
 
 
 class Reply(Wire):

@@ -168,7 +168,11 @@ def grpo_loss(
     per_token = -surr
     kl = None
     if kl_coef > 0:
-        assert ref_logprobs is not None
+        if ref_logprobs is None:
+            raise ValueError(
+                f"ref_logprobs must be given when kl_coef > 0: got kl_coef={kl_coef} and no "
+                "reference log-probs. Pass reference_logprobs(ref_model, batch), or kl_coef=0."
+            )
         d = (ref_logprobs - logp) * mask
         kl = torch.exp(d) - d - 1
         per_token = per_token + kl_coef * kl

@@ -178,7 +178,8 @@ class SyncDiLoCo:
 
     def _inner_share(self, h: int) -> list[int]:
         m = self.manager
-        assert m.sampler is not None, "SyncDiLoCo needs the manager's sampler"
+        if m.sampler is None:
+            raise RuntimeError("SyncDiLoCo needs the manager's sampler: build it with one.")
         off, count = split(self.B, m.world_size, m.rank)
         return m.sampler.positions(m.sampler.cursor + h * self.B + off, count)
 

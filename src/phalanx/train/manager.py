@@ -276,13 +276,15 @@ class Manager:
 
     def share(self) -> list[int]:
         """This replica's sample indices of the current (uncommitted) global batch."""
-        assert self.sampler is not None, "share() needs the manager's sampler"
+        if self.sampler is None:
+            raise RuntimeError("share() needs the manager's sampler: build it with one.")
         off, count = split(self.global_batch_size, self.world_size, self.rank)
         return self.sampler.positions(self.sampler.cursor + off, count)
 
     def compute(self, fn: Compute, rank: int, world_size: int) -> float:
         """Run ``fn`` over this replica's share as micro-batches; returns the summed loss."""
-        assert self.sampler is not None, "compute() needs the manager's sampler"
+        if self.sampler is None:
+            raise RuntimeError("compute() needs the manager's sampler: build it with one.")
         off, count = split(self.global_batch_size, world_size, rank)
         idx = self.sampler.positions(self.sampler.cursor + off, count)
         self.last_indices = idx

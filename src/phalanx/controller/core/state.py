@@ -115,8 +115,7 @@ class ControllerState:
         return self.membership.member(replica_id, field)
 
     def envelope(self) -> dict[str, Any]:
-        """The fields every reply carries: the epoch (it changes when the controller
-        restarts) and the job id."""
+        """What every reply carries: the epoch (it changes at a restart), the job id."""
         return {"epoch": self.epoch, "job_id": self.cfg.job.id}
 
     def alive(self, role: str) -> list[Member]:
