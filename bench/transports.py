@@ -15,15 +15,15 @@ in the same run.
   its pid at the end.
 - ``storage``: ``SpoolRolloutQueue`` on a ``file://`` temp dir (``--dir``).
 
-A rollout is what a rollout replica puts (``rl/rollout.py``, ``make_rollouts``,
-plus ``transport/ingest.py``'s ``lease_id``): ``rollout_id``, ``version``,
+A rollout is what a rollout replica makes (``rl/generate.py``, ``make_rollouts``,
+plus a ``lease_id``, as a queued rollout carries it): ``rollout_id``, ``version``,
 ``reward``, ``exact_match``, ``lease_id`` and one completion of ``prompt_ids``
 (128), ``token_ids`` (512), ``logprobs`` (512 floats at full precision),
 ``finished`` and ``reward``, plus ``t_put`` (the producer's ``time.time()`` just
 before its ``put``). Producers are separate processes (this script with
 ``--producer``; arguments and results travel as JSON, never pickle), each
 putting groups of 16 rollouts per ``put``. One consumer (this process) drains
-as the policy's ``Ingest`` thread does: ``lease(64, wait_s=0.5)``, then ``ack``.
+as a consumer of the queue would: ``lease(64, wait_s=0.5)``, then ``ack``.
 Each configuration (1 producer, 8 producers) runs on a fresh queue, twice:
 
 - *saturated*: the producers put ``--rollouts`` rollouts in all as fast as they
@@ -97,7 +97,7 @@ PROMPT_TOKENS, TOKENS = 128, 512
 GROUP = 16
 """Rollouts per put: one prompt lease's worth."""
 LEASE_BATCH, LEASE_WAIT_S = 64, 0.5
-"""As ``transport/ingest.py``'s ``Ingest`` defaults."""
+"""Leases of a consumer draining the queue: 64 at a time, waiting up to 0.5 s."""
 PRODUCERS = (1, 8)
 PACED_FRACTION = 0.5
 PACED_MAX_S = 4.0

@@ -1449,3 +1449,22 @@ def test_a_restart_discards_rollouts_whose_payloads_the_log_lost(journal):
     assert check(new)["rollouts"]["discarded"] == {"payload_missing": 1}
     assert ids_[0] not in new.ledger.rollouts.records
     assert sorted(new.payload_keys()) == sorted(f"rl/{r}" for r in ids_[1:])
+
+
+def test_a_journal_written_before_the_payload_log_moves_its_payloads_out(journal):
+    """Rollout records that still hold their completions (a journal from before the
+    payload log) restore as before: the completions move to the payload log and the
+    record keeps the ref instead."""
+    st = job(journal=journal)
+    ids_ = fill(st, 2)
+    tables = journal.load()
+    for rid in ids_:  # as an older controller journaled them
+        rec = tables["rollouts"][rid]
+        rec.pop("ref")
+        rec["completions"] = rollout(rid)["completions"]
+    new = ControllerState.restore(st.cfg, tables, now=1)
+    assert sorted(k for k, _ in new.moved) == sorted(f"rl/{r}" for r in ids_)
+    assert dict(new.moved)[f"rl/{ids_[0]}"]["completions"] == rollout(ids_[0])["completions"]
+    changed = {k: rec for tbl, k, rec in new.drain() if tbl == "rollouts"}
+    assert set(changed) == set(ids_)
+    assert all(rec["ref"] == k and "completions" not in rec for k, rec in changed.items())

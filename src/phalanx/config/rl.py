@@ -1,6 +1,6 @@
 """Typed config of RL post-training (GRPO), one section per concern.
 
-Standalone TOML files for ``python -m phalanx.rl.single`` hold these sections at
+Standalone TOML files for ``python -m phalanx.jobs.rl_single`` hold these sections at
 the top level (or under an ``[rl]`` table, the shape a job file will use)::
 
     [model]

@@ -55,7 +55,7 @@ class Journal:
             except ValueError:
                 if tbl not in LENIENT_TABLES:
                     raise
-                rec = {"unreadable": value}  # its reader quarantines it (queue_book.py)
+                rec = {"unreadable": value}  # its reader quarantines it (core/queues.py)
             tables.setdefault(tbl, {})[key] = rec
         return tables
 

@@ -2,7 +2,7 @@
 
 Counters and the quorum-wait histogram are updated as requests are served;
 everything else is read at scrape time from the same overview the dashboard
-shows (:func:`phalanx.controller.overview.overview`), so the two never
+shows (:func:`phalanx.controller.core.overview.overview`), so the two never
 disagree. Names carry the ``phalanx_`` prefix and their unit; the scrape
 config and the main queries are in docs/operations.md.
 """

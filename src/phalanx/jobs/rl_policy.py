@@ -58,7 +58,7 @@ from phalanx.train.snapshot import load_state, save_state
 from phalanx.transport.base import RolloutStore, SyncResult, WeightChannel
 from phalanx.transport.factory import rollout_store, weight_channel
 
-log = logging.getLogger("phalanx.rl.policy")
+log = logging.getLogger("phalanx.jobs.rl_policy")
 
 
 def payloads_of(

@@ -59,7 +59,7 @@ from phalanx.train.orders import Orders
 from phalanx.transport.base import RolloutStore
 from phalanx.transport.factory import rollout_store, weight_channel
 
-log = logging.getLogger("phalanx.rl.rollout")
+log = logging.getLogger("phalanx.jobs.rl_rollout")
 
 
 def submit(

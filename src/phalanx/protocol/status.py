@@ -158,7 +158,8 @@ class LedgerStatus(Wire):
     history: Annotated[list[BatchRecord], Field(max_length=10_000)]
     weights: WeightsStatus
     payloads: Annotated[dict[Key, Count], Field(max_length=64)] = {}
-    """The rollout store's figures: payloads held and dropped (by reason)."""
+    """With a rollout store outside the controller: ``unswept``, the payload drops
+    journaled and not yet made by the collector."""
 
 
 # -- the overview ---------------------------------------------------------------

@@ -20,7 +20,7 @@ the local fragment is merged as θ_local ← alpha·θ_local + (1 - alpha)·θ_g
 
 This module is the math only. The exchange is a :class:`Reducer`: over the FT
 manager's process group, or through an object store
-(``phalanx.train.objectstore``). Each call says who must call it.
+(``phalanx.transport.diloco_rounds``). Each call says who must call it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""The transport interfaces: rollout queues, weight channels and stores, replay.
+"""The transport interfaces: rollout stores and queues, weight channels and stores,
+replay.
 
-- :class:`RolloutQueue` carries rollouts from rollout replicas to the policy:
+- :class:`RolloutStore` keeps an RL job's rollout payloads outside the
+  controller, by ref, between the rollout replica that put them and the
+  policy replicas that read them (``redis_store.py``, ``storage_store.py``);
+  the controller's ledger records the refs. The default is the controller's
+  own payload log (no store object: the payloads ride in the submissions).
+- :class:`RolloutQueue` carries rollouts from producers to consumers:
   at-least-once with acknowledgement, deduplicated by rollout id. Backends:
   a queue held by the controller (``controller_queue.py``), Redis Streams
-  (``redis_queue.py``), a storage spool (``spool.py``). An RL job's default,
-  ``controller``, submits straight to the controller's ledger, which is a
-  queue of its own kind (``factory.rollout_queue`` says why); with another
-  backend, ``ingest.py`` drains the queue into the ledger.
+  (``redis_queue.py``), a storage spool (``spool.py``). For tools,
+  benchmarks and off-policy consumers; the RL job does not use it.
 - :class:`WeightChannel` moves versioned policy weights to rollout replicas
   under the controller's sync orders: a collective broadcast
   (``collective.py``), or a :class:`WeightStore` (``published.py``).

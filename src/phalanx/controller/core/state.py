@@ -155,9 +155,8 @@ class ControllerState:
             for k, v in meta.items()
             if k.startswith("desired/") and k.removeprefix("desired/") in st.roles
         }
-        if st.ledger is not None:
-            st.ledger.restore(tables, now)
-        st.moved = st.queues.restore(tables, now)
+        moved = st.ledger.restore(tables, now) if st.ledger is not None else []
+        st.moved = moved + st.queues.restore(tables, now)
         return st
 
     # -- membership --------------------------------------------------------

@@ -28,17 +28,12 @@ from typing import Any
 from phalanx.config.rl import RLConfig
 from phalanx.controller.core.base import ChangeLog, StateError, Tick
 from phalanx.controller.core.ledger.prompts import Lease, PromptBook
-from phalanx.controller.core.ledger.rollouts import RolloutBook
+from phalanx.controller.core.ledger.rollouts import RolloutBook, payload_key
 from phalanx.controller.core.ledger.sync import Sync, WeightSync
 from phalanx.protocol.rl import RolloutIn, RolloutPayload, parse_rollout_id
 from phalanx.protocol.status import LedgerStatus
 
-__all__ = ["Lease", "Ledger", "Sync"]
-
-
-def payload_key(ref: str) -> str:
-    """A ledger rollout's key in the controller's payload log."""
-    return f"rl/{ref}"
+__all__ = ["Lease", "Ledger", "Sync", "payload_key"]
 
 
 def rollout_prompt(rollout_id: str) -> tuple[int, int]:
@@ -109,16 +104,21 @@ class Ledger:
             },
         )
 
-    def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
+    def restore(
+        self, tables: dict[str, dict[str, dict[str, Any]]], now: float
+    ) -> list[tuple[str, Any]]:
+        """Rebuild from the journal; returns payloads moved out of old records (a
+        journal written before the payload log), for the payload log."""
         self.unswept = {k: v["reason"] for k, v in tables.get("payload_drops", {}).items()}
         meta = tables.get("ledger", {}).get("meta")
         if meta is None:
-            return
+            return []
         self.counts.update(meta["counts"])
         self.run = meta.get("run", self.run)
         self.prompts.restore(meta, tables, now)
-        self.rollouts.restore(meta, tables)
+        moved = self.rollouts.restore(meta, tables)
         self.weights.restore(meta)
+        return moved
 
     def _drop(self, ref: str, reason: str) -> None:
         if not self.external_store:

@@ -23,6 +23,11 @@ Drop = Callable[[str, str], None]
 """``drop(ref, reason)``: a rollout's payload is no longer needed."""
 
 
+def payload_key(ref: str) -> str:
+    """A ledger rollout's key in the controller's payload log."""
+    return f"rl/{ref}"
+
+
 class RolloutBook:
     def __init__(
         self,
@@ -61,12 +66,27 @@ class RolloutBook:
             "reopened": sorted(self.reopened),
         }
 
-    def restore(self, meta: dict[str, Any], tables: dict[str, dict[str, dict[str, Any]]]) -> None:
+    def restore(
+        self, meta: dict[str, Any], tables: dict[str, dict[str, dict[str, Any]]]
+    ) -> list[tuple[str, Any]]:
+        """Rebuild from the journal. A record that still holds its completions (a
+        journal written before the payload log) has them moved out: returned for
+        the payload log, and the record rewritten with its ``ref``."""
         self.seq, self.next_batch = meta["seq"], meta["next_batch"]
         self.policy_step, self.finished = meta["policy_step"], meta["finished"]
         self.discarded = dict(meta["discarded"])
         self.reopened = set(meta.get("reopened", []))
         self.records = dict(tables.get("rollouts", {}))
+        moved: list[tuple[str, Any]] = []
+        for rid, rec in list(self.records.items()):
+            if "ref" in rec:
+                continue
+            comps = rec.get("completions", [])
+            rec = {k: v for k, v in rec.items() if k != "completions"} | {"ref": rid}
+            payload = {"rollout_id": rid, "version": rec["version"], "completions": comps}
+            moved.append((payload_key(rid), payload))
+            self.records[rid] = rec
+            self.log.put("rollouts", rid, rec)
         for key in sorted(tables.get("batches", {}), key=int):
             b = tables["batches"][key]
             self.batches[b["index"]] = b
@@ -76,6 +96,7 @@ class RolloutBook:
                 self.pending[rid] = rec
         hist = tables.get("rl_history", {})
         self.history = [hist[k] for k in sorted(hist, key=int)]
+        return moved
 
     def batched(self) -> int:
         return sum(len(b["rollout_ids"]) for b in self.batches.values())
