@@ -153,7 +153,10 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
     # generated when the last rollout replica dies at batch 2 (max_ahead 2).
     ctl, start = rl_job(rollout_init=1, window=8)
     policy = start("policy", "policy-0")
-    fast = start("rollout", "rollout-0")
+    # Paced at 0.25 s per prompt (about 2 s a batch): the job must not reach its
+    # target (8 batches at least) while the slow replica's kill is being detected,
+    # however fast a quiet machine trains, before this one is killed at batch 2.
+    fast = start("rollout", "rollout-0", "--rl.loop.gen_delay_s", "0.25")
     # The slow replica holds each lease for 1.5 s per prompt: long enough to be hit.
     slow = start("rollout", "rollout-slow", "--rl.loop.gen_delay_s", "1.5")
 
