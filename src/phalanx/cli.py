@@ -15,7 +15,7 @@ def _controller(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.controller import serve
 
     cfg = load_config(args.config, overrides)
-    serve(cfg, Path(args.state_dir), host=args.host, port=args.port)
+    serve(cfg, Path(args.state_dir), host=args.host, port=args.port, fresh=args.fresh)
     return 0
 
 
@@ -99,8 +99,9 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
     from phalanx import env
+    from phalanx.checkpoint import NoUsableCheckpoint
     from phalanx.config import load_config
-    from phalanx.jobs import JobError, ReplicaArgs, spec_for
+    from phalanx.jobs import EXIT_UNRECOVERABLE, JobError, ReplicaArgs, spec_for
     from phalanx.log import setup
 
     setup()
@@ -115,8 +116,9 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     try:
         return spec_for(replica).load()(replica)
-    except JobError as e:
-        raise SystemExit(f"phalanx replica: {e}") from None
+    except (JobError, NoUsableCheckpoint) as e:
+        print(f"phalanx replica {replica.name}: {e}", file=sys.stderr, flush=True)
+        return EXIT_UNRECOVERABLE
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -160,7 +162,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _syncer(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.config import load_config
-    from phalanx.jobs import JOBS, JobError, ReplicaArgs
+    from phalanx.jobs import EXIT_UNRECOVERABLE, JOBS, JobError, ReplicaArgs
     from phalanx.log import setup
 
     setup()
@@ -169,7 +171,8 @@ def _syncer(args: argparse.Namespace, overrides: list[str]) -> int:
             ReplicaArgs(load_config(args.config, overrides), "syncer")
         )
     except JobError as e:
-        raise SystemExit(f"phalanx syncer: {e}") from None
+        print(f"phalanx syncer: {e}", file=sys.stderr, flush=True)
+        return EXIT_UNRECOVERABLE
 
 
 def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -201,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     c.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     c.add_argument("--state-dir", required=True, help="where the journal, token and URL live")
+    c.add_argument(
+        "--fresh",
+        action="store_true",
+        help="if the state dir's journal is missing, empty or damaged, move it aside and begin "
+        "the job again at epoch 1 (without it the controller refuses to start)",
+    )
     c.set_defaults(fn=_controller)
 
     r = sub.add_parser(
@@ -296,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ckpt", help="checkpoint URL for the workers ($PHALANX_CKPT, {ckpt})")
     a.add_argument("--run-dir", help="pid file, control files, logs (default runs/agent-NAME)")
     a.add_argument("--node", help="this node's name in reports (default the hostname)")
+    a.add_argument(
+        "--serve-controller",
+        action="store_true",
+        help="also run the job's controller (--config) on the state dir --controller names, "
+        "and start it again on that dir and port when it dies; without a worker command "
+        "or --name, run the controller only",
+    )
     a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
     a.set_defaults(fn=_agent)
     sy = sub.add_parser(
@@ -354,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         from phalanx.client import ControllerError
-        from phalanx.controller import StateDirLocked
+        from phalanx.controller import CannotStart, StateDirLocked
 
-        if isinstance(e, StateDirLocked | ControllerError | OSError):
+        if isinstance(e, StateDirLocked | CannotStart | ControllerError | OSError):
             print(f"phalanx: {e}", file=sys.stderr)
             return 1
         raise

@@ -21,7 +21,8 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 @pytest.fixture
 def start_controller(tmp_path: Path, procs: Procs) -> Callable[..., Controller]:
-    """``start_controller(n_init=.., join_timeout_s=.., max_body_bytes=.., **timeouts)``
+    """``start_controller(n_init=.., join_timeout_s=.., max_body_bytes=.., controller={..},
+    **timeouts)``
     writes a job TOML with fast timeouts (overridable), starts a controller on
     a fresh state dir and waits until it listens."""
     made = 0
@@ -30,6 +31,7 @@ def start_controller(tmp_path: Path, procs: Procs) -> Callable[..., Controller]:
         n_init: int = 1,
         join_timeout_s: float = 0.5,
         max_body_bytes: int = 1 << 20,
+        controller: dict[str, float | int] | None = None,
         **timeouts: float | bool,
     ) -> Controller:
         nonlocal made
@@ -37,7 +39,7 @@ def start_controller(tmp_path: Path, procs: Procs) -> Callable[..., Controller]:
         job = {
             "job": {"id": f"itest-{made}"},
             "timeouts": {**FAST_TIMEOUTS, **timeouts},
-            "controller": {"max_body_bytes": max_body_bytes, "tick_s": 0.02},
+            "controller": {"max_body_bytes": max_body_bytes, "tick_s": 0.02, **(controller or {})},
             "roles.policy": {
                 "min_replicas": 1,
                 "n_init_replicas": n_init,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from ftjob import (
@@ -380,3 +381,45 @@ def test_latest_step_reads_the_checkpoint_stores_pointer(tmp_path: Path):
     finally:
         ck.close()
     assert latest_step(url) == CheckpointStore(url).latest() == 7
+
+
+def test_agent_serves_the_controller_and_starts_it_again_when_it_dies(
+    ft_job: FTJob, tmp_path: Path
+):
+    """``phalanx agent --serve-controller`` runs the job's controller on its state
+    dir: SIGKILLed, the controller is started again on the same dir and port,
+    with its journal (the epoch goes up, the members are still there)."""
+    job = ft_job
+    run_dir = tmp_path / "agent-ctl"
+    args = [sys.executable, "-m", "phalanx.cli", "agent", "--serve-controller"]
+    args += ["--controller", str(job.state_dir), "--config", str(job.config)]
+    args += ["--run-dir", str(run_dir)]
+    agent = Proc(args, "agent-ctl", tmp_path)
+    try:
+        first = agent.wait_event(lambda e: e["event"] == "controller", "the controller")
+        url = first["url"]
+        auth = {"Authorization": f"Bearer {(job.state_dir / 'token').read_text().strip()}"}
+
+        def status() -> dict[str, Any]:
+            return httpx.get(f"{url}/v1/status", headers=auth, timeout=10).json()
+
+        reg = {"role": "policy", "name": "m0"}
+        rid = httpx.post(f"{url}/v1/register", json=reg, headers=auth, timeout=10).json()
+        assert status()["epoch"] == 1
+        os.kill(first["pid"], signal.SIGKILL)
+        again = agent.wait_event(
+            lambda e: e["event"] == "controller_restart" and "back at" in e["note"],
+            "the controller to be back",
+        )
+        assert again["restarts"] == 1 and again["pid"] != first["pid"]
+        assert f"back at {url}" in again["note"]  # the same port
+        st = status()
+        members = [m["replica_id"] for m in st["roles"]["policy"]["replicas"]]
+        assert st["epoch"] == 2 and rid["replica_id"] in members
+        agent.signal(signal.SIGTERM)
+        assert agent.popen.wait(timeout=30) == 128 + signal.SIGTERM
+        agent.wait_event(lambda e: e["event"] == "stopped", "the agent's stop")
+        with pytest.raises(ProcessLookupError):  # the controller went with it
+            wait_for(lambda: os.kill(again["pid"], 0), 10, "the controller to exit", 0.1)
+    finally:
+        stop_agent(agent, run_dir)

@@ -152,11 +152,13 @@ def test_status_and_scale_say_when_the_controller_is_gone(tmp_path: Path, capsys
         assert "Traceback" not in err
 
 
-def test_rollout_replica_needs_an_rl_job():
-    with pytest.raises(SystemExit, match="Rollout replicas need an RL job"):
-        cli.main(["replica", "--role", "rollout", "--controller", "/nonexistent"])
-    with pytest.raises(SystemExit, match="--state is only for policy replicas of an RL job"):
-        cli.main(["replica", "--state", "s.safetensors", "--controller", "/nonexistent"])
+def test_rollout_replica_needs_an_rl_job(capsys):
+    """One line, and the exit code that tells launchers a restart cannot help."""
+    code = cli.main(["replica", "--role", "rollout", "--controller", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert code == 78 and "Rollout replicas need an RL job" in err and len(err.splitlines()) == 1
+    code = cli.main(["replica", "--state", "s.safetensors", "--controller", "/nonexistent"])
+    assert code == 78 and "--state is only for policy replicas" in capsys.readouterr().err
 
 
 # -- the launcher's decisions ---------------------------------------------------

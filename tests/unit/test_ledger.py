@@ -526,12 +526,12 @@ def test_submit_accepts_once_then_drops_duplicates(st):
     reply = lease(st, R1, 2)
     rolls = [rollout(x) for x in ids(reply)]
     out, tick = st.submit_rollouts(R1, "L1", rolls, now=1, wall=1)
-    assert out == {"accepted": ["p0.0", "p1.0"], "duplicate": [], "stale": []}
+    assert out == {"accepted": ["p0.0", "p1.0"], "duplicate": [], "stale": [], "unleased": []}
     assert tick.ledger_for == {P}  # policy replicas waiting for a batch
     assert ("leases", "L1", None) in st.last_changes  # fully submitted: closed
     assert st.ledger.rollouts.records["p0.0"]["replica_id"] == R1
     out, tick = st.submit_rollouts(R1, "L1", rolls, now=2, wall=2)  # a retry
-    assert out == {"accepted": [], "duplicate": ["p0.0", "p1.0"], "stale": []}
+    assert out == {"accepted": [], "duplicate": ["p0.0", "p1.0"], "stale": [], "unleased": []}
     assert tick == Tick()
     b = check(st)
     assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["pending"] == 2
@@ -542,14 +542,37 @@ def test_submit_accepts_once_then_drops_duplicates(st):
 def test_same_rollout_twice_in_one_submission(st):
     lease(st, R1, 1)
     out = submit(st, R1, "L1", ["p0.0", "p0.0"])
-    assert out == {"accepted": ["p0.0"], "duplicate": ["p0.0"], "stale": []}
+    assert out == {"accepted": ["p0.0"], "duplicate": ["p0.0"], "stale": [], "unleased": []}
 
 
-def test_rollouts_of_unknown_prompts_or_old_attempts_are_duplicates(st):
+def test_rollouts_of_prompts_never_issued_are_refused_as_unleased(st):
+    """Issue 20: a prompt never issued (p7) or an attempt never dispatched (p0.1) was
+    accepted and counted as a duplicate. Now it is refused and counted apart."""
     lease(st, R1, 2)
     out = submit(st, R1, "L1", ["p7.0", "p0.1", "p1.0"])
-    assert out == {"accepted": ["p1.0"], "duplicate": ["p7.0", "p0.1"], "stale": []}
+    assert out == {"accepted": ["p1.0"], "duplicate": [], "stale": [], "unleased": ["p7.0", "p0.1"]}
     assert st.ledger.prompts.leases["L1"].prompts == [0, 1]  # p0 still leased: not closed
+    b = check(st)
+    assert b["rollouts"]["unleased_refused"] == 2 and b["rollouts"]["duplicates_dropped"] == 0
+
+
+def test_a_lease_that_never_held_the_prompt_is_refused(st):
+    """Issue 20: R2 submitted a prompt leased to R1 (alive) under a made-up lease id, or
+    under its own lease of other prompts, and it was accepted. Both are refused now;
+    R1's own submission is still accepted after."""
+    lease(st, R1, 1)  # L1: p0 for R1
+    lease(st, R2, 1)  # L2: p1 for R2
+    assert submit(st, R2, "L99", ["p0.0"])["unleased"] == ["p0.0"]  # made up
+    assert submit(st, R2, "L2", ["p0.0"])["unleased"] == ["p0.0"]  # not in R2's lease
+    assert submit(st, R2, "L1", ["p0.0"])["unleased"] == ["p0.0"]  # R1's lease, not R2's
+    assert st.ledger.prompts.by_index[0].state == "leased"  # R1 still holds it
+    assert submit(st, R1, "L1", ["p0.0"])["accepted"] == ["p0.0"]
+    b = check(st)
+    assert b["rollouts"]["unleased_refused"] == 3 and b["rollouts"]["accepted"] == 1
+    # Counted in the overview (the dashboard's and the metrics' source) too.
+    from phalanx.controller.core.overview import overview
+
+    assert overview(st, now=0.0, wall=0.0).ledger.unleased_refused == 3
 
 
 def bad_group(r: dict[str, Any]) -> None:
@@ -692,7 +715,7 @@ def test_late_submission_wins_and_the_new_holders_copy_is_a_duplicate(st):
     assert st.ledger.prompts.leases["L2"].prompts == [1]  # taken off the new holder's lease
     assert ("leases", "L2", st.ledger.prompts.leases["L2"].record()) in st.last_changes
     out = submit(st, R2, "L2", ["p0.0", "p1.0"], now=LEASE_S + 1)
-    assert out == {"accepted": ["p1.0"], "duplicate": ["p0.0"], "stale": []}
+    assert out == {"accepted": ["p1.0"], "duplicate": ["p0.0"], "stale": [], "unleased": []}
     assert st.ledger.prompts.leases == {}
     b = check(st)
     assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["duplicates_dropped"] == 1
@@ -860,7 +883,7 @@ def test_stale_submission_is_discarded_at_once():
     out, tick = st.submit_rollouts(
         R1, "L1", [rollout("p2.0", 0), rollout("p3.0", 1)], now=0, wall=0
     )
-    assert out == {"accepted": ["p3.0"], "duplicate": [], "stale": ["p2.0"]}
+    assert out == {"accepted": ["p3.0"], "duplicate": [], "stale": ["p2.0"], "unleased": []}
     assert tick.ledger_for == {P, R1, R2}
     assert st.ledger.prompts.by_index[2].rollout_id == "p2.1"
     assert check(st)["rollouts"]["discarded"] == {"stale": 1}
@@ -1412,9 +1435,10 @@ def test_payloads_go_to_the_payload_log_and_leave_it_when_trained_or_discarded(s
     assert all("completions" not in rec for rec in recs.values())
     assert {rec["ref"] for rec in recs.values()} == set(ids_)
     batch = st.lease_batch(P, 0, now=0, wall=0)[0]["batch"]
-    assert batch["rollouts"][0]["completions"] == rollout(batch["rollouts"][0]["rollout_id"])[
-        "completions"
-    ]
+    assert (
+        batch["rollouts"][0]["completions"]
+        == rollout(batch["rollouts"][0]["rollout_id"])["completions"]
+    )
     st.ack_batch(P, 1, now=0, wall=0)
     assert st.payloads == {}  # trained: nothing refers to them any more
     reply = lease(st, R1, 2)

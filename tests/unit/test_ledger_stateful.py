@@ -164,7 +164,8 @@ class LedgerMachine(RuleBasedStateMachine):
         """Submit some of a lease's rollouts: the newest lease or an old (maybe expired,
         maybe already submitted) one, made with its version or an older one."""
         holder, lease_id, rids, version = self.leases[-1 - k % len(self.leases)]
-        if holder not in self.state.members:
+        own = holder in self.state.members
+        if not own:  # another replica submits under the lease: refused as unleased
             holder = self.live("rollout")[k % len(self.live("rollout"))]
         chosen = [r for r, b in zip(rids, keep * len(rids), strict=False) if b] or rids[:1]
         if twice:
@@ -173,7 +174,9 @@ class LedgerMachine(RuleBasedStateMachine):
         rolls = [rollout(r, v, exact_match=round(exact, 2)) for r in chosen]
         before = self.led.counts["accepted"]
         out, _ = self.state.submit_rollouts(holder, lease_id, rolls, now=self.now, wall=self.now)
-        assert sorted(out["accepted"] + out["duplicate"] + out["stale"]) == sorted(chosen)
+        verdicts = out["accepted"] + out["duplicate"] + out["stale"] + out["unleased"]
+        assert sorted(verdicts) == sorted(chosen)
+        assert not out["unleased"] if own else not out["accepted"] + out["stale"]
         got = out["accepted"] + out["stale"]
         assert not set(got) & self.accepted, "a rollout id accepted twice"
         assert len(set(got)) == len(got)

@@ -184,3 +184,21 @@ def test_a_reported_heal_is_on_the_timeline_with_its_time():
     assert len(healed) == 1 and healed[0]["at"] == 1001
     assert {k: healed[0][k] for k in heal} == heal and healed[0]["role"] == "policy"
     assert healed[0]["text"] == f"{b} healed from {a} to step 7 in 0.031 s"
+
+
+def test_text_from_the_wire_is_never_read_as_rich_markup():
+    """A replica address with markup (``[/bold]`` made ``phalanx status`` exit 1 with a
+    MarkupError; ``[link=...]`` rendered as a link): shown as it is, on a terminal."""
+    from rich.console import Console
+
+    from phalanx.console.status_view import status_tables
+
+    st = make_state()
+    addr = "[/bold] [link=http://evil]click[/link] [red]x"
+    st.register("policy", "a", "i0", now=0, wall=1000, address=addr)
+    console = Console(width=200, record=True, force_terminal=True)
+    console.print(status_tables(st.status(1, 1001)))
+    out = console.export_text()
+    assert addr in out
+    assert "http://evil" in out  # as text: no hyperlink was made of it
+    assert "\x1b]8;" not in console.export_text(styles=True)

@@ -8,6 +8,7 @@ from phalanx.checkpoint.base import (
     IncompatibleCheckpoint,
     LoadResult,
     Manifest,
+    NoUsableCheckpoint,
 )
 from phalanx.checkpoint.checkpointer import Checkpointer
 from phalanx.checkpoint.store import CheckpointStore
@@ -21,4 +22,5 @@ __all__ = [
     "IncompatibleCheckpoint",
     "LoadResult",
     "Manifest",
+    "NoUsableCheckpoint",
 ]

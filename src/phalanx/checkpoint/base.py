@@ -42,6 +42,11 @@ class CorruptCheckpoint(CheckpointError):
     truncated, wrong checksum) or its manifest is unreadable."""
 
 
+class NoUsableCheckpoint(CheckpointError):
+    """Checkpoints exist under the root but none could be loaded. Starting the
+    replica again cannot help: the launchers stop the job with this one line."""
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """A checkpoint whose tensors do not fit the state being loaded (another
     model, or another optimizer)."""

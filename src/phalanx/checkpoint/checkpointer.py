@@ -45,6 +45,7 @@ from phalanx.checkpoint.base import (
     IncompatibleCheckpoint,
     LoadResult,
     Manifest,
+    NoUsableCheckpoint,
     TensorInfo,
 )
 from phalanx.checkpoint.dcp_io import JsonStorageReader, JsonStorageWriter, dtype_name, dtype_of
@@ -280,9 +281,9 @@ class Checkpointer:
             log.error("checkpoint step %d is unusable (%s); %s", s, reason, then)
             skipped.append((s, reason or "unknown"))
         why = "; ".join(f"step {s}: {r}" for s, r in skipped)
-        raise CheckpointError(
+        raise NoUsableCheckpoint(
             f"no usable checkpoint under {self.store.url}: {why}. Fix or remove the storage "
-            f"root, or start without resuming."
+            f"root, or set checkpoint.resume = false to start without resuming."
         )
 
     def _candidates(self, step: int | None) -> list[int]:
@@ -290,12 +291,20 @@ class Checkpointer:
             if step is not None:
                 found = [step] if step in self.store.steps() else []
             else:
+                # The step ``latest`` names first, then only older ones: a fallback never
+                # goes forward, to a step the pointer never named.
                 steps = self.store.steps()
                 latest = self.store.latest()
-                found = sorted(steps, reverse=True)
-                if latest is not None and latest in found:
-                    found.remove(latest)
-                    found.insert(0, latest)
+                found = sorted((s for s in steps if latest is None or s <= latest), reverse=True)
+                ahead = [s for s in steps if latest is not None and s > latest]
+                if ahead:
+                    log.warning(
+                        "checkpoint steps %s under %s are newer than the latest one committed "
+                        "(step %d): not loaded",
+                        ", ".join(map(str, ahead)),
+                        self.store.url,
+                        latest,
+                    )
         else:
             found = []
         return self._bcast_ints(found)

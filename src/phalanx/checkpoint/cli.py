@@ -222,9 +222,8 @@ def ckpt_export(args: argparse.Namespace) -> int:
             f"none (its keys look like {sample}). Pass --prefix with the subtree that holds "
             f"the model.",
         )
-    from safetensors.torch import save_file
-
     from phalanx.checkpoint.checkpointer import Checkpointer
+    from phalanx.tensorfile import save_file
 
     ck = Checkpointer(store.url, storage_options=_storage_options("export", args.storage_options))
     try:
@@ -240,7 +239,7 @@ def ckpt_export(args: argparse.Namespace) -> int:
     weights = {names[k]: t.contiguous() for k, t in tensors.items() if k in names}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"phalanx_step": str(step), "source": res.url})
+    save_file(weights, out, metadata={"phalanx_step": str(step), "source": res.url})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     print(
         f"exported {len(weights)} tensors ({human_bytes(total)}) of step {step} from {res.url} "

@@ -24,18 +24,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.rl import RLConfig
+from phalanx.config.urls import check_storage_url
 
 ROLE_NAMES = ("policy", "rollout")
 
 
 class _Section(BaseModel):
-    # coerce_numbers_to_str: a CLI override is parsed as JSON, so `--job.id 42`
-    # arrives as an int; a string field must still accept it.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    # Strings are strict (``id = 5`` is refused); a CLI override such as ``--job.id 42``
+    # stays text because apply_overrides reads the field's type.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class JobSection(_Section):
@@ -123,6 +131,13 @@ class RoleSection(_Section):
 class ControllerSection(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     """Requests with a larger body are refused with 413."""
+    body_timeout_s: float = Field(10.0, gt=0, le=600)
+    """A request whose body has not fully arrived this long after its headers is
+    answered 408 and its connection closed (a stalled or trickled body holds no
+    memory or connection for long)."""
+    max_connections: int = Field(8192, ge=16, le=1_000_000)
+    """Concurrent connections (and requests) the controller serves; more get 503. Each
+    replica holds up to four (heartbeat, lifeline, quorum or lease, commands)."""
     journal_sync: Literal["normal", "full"] = "normal"
     """SQLite synchronous mode. `normal` survives a killed controller; `full` also a power loss."""
     tick_s: float = Field(0.02, gt=0, le=1)
@@ -180,6 +195,11 @@ class CheckpointSection(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for the URL (e.g. ``{"anon": true}``, an S3 endpoint)."""
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return v and check_storage_url(v, "checkpoint.url")
+
 
 class DiLoCoSection(_Section):
     """DiLoCo / Streaming DiLoCo (``phalanx.train.diloco``). In a DiLoCo job,
@@ -232,6 +252,11 @@ class DiLoCoSection(_Section):
     max_restarts: int = Field(3, ge=0, le=1000)
     """objectstore: restarts of a failed replica by ``phalanx run``."""
 
+    @property
+    def slot_names(self) -> list[str]:
+        """objectstore: the replicas' names, ``r0`` .. ``r<replicas - 1>``."""
+        return [f"r{i}" for i in range(self.replicas)]
+
     @model_validator(mode="after")
     def _streaming(self) -> DiLoCoSection:
         if self.sync_every % self.fragments:
@@ -245,6 +270,8 @@ class DiLoCoSection(_Section):
                 f"diloco.tau must be < sync_every / fragments = "
                 f"{self.sync_every // self.fragments}: got {self.tau}."
             )
+        if self.url:
+            check_storage_url(self.url, "diloco.url")
         if self.mode == "objectstore" and not self.url:
             raise ValueError(
                 "diloco.url must name the exchange root for mode = objectstore: got none. "
@@ -339,7 +366,7 @@ class JobConfig(_Section):
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Load a job config from TOML (or defaults when ``path`` is None), then apply overrides."""
     data, source = read_toml(path, "job config")
-    data = apply_overrides(data, list(overrides or []))
+    data = apply_overrides(data, list(overrides or []), JobConfig)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as e:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
+from phalanx.config.urls import check_storage_url
 
 
 class _Section(BaseModel):
@@ -183,7 +184,7 @@ def _check_url(value: str, fixed: str, what: str) -> str:
             f"{what} must be {fixed!r}, a redis://host:port/db URL or a storage URL "
             f"(file:///path, s3://bucket/prefix, memory://name): got {value!r}."
         )
-    return value
+    return check_storage_url(value, what)
 
 
 class TransportSection(_Section):
@@ -253,7 +254,7 @@ class RLConfig(_Section):
 def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
     """Load an RL config from TOML (defaults when ``path`` is None), then apply dotted overrides."""
     data, source = read_toml(path, "rl config")
-    data = apply_overrides(data.get("rl", data), list(overrides or []))
+    data = apply_overrides(data.get("rl", data), list(overrides or []), RLConfig)
     try:
         return RLConfig.model_validate(data)
     except ValidationError as e:

@@ -60,6 +60,7 @@ class View:
 
     def _render(self) -> Any:
         from rich.console import Group
+        from rich.text import Text
 
         with self.job.lock:
             table = self._rl_table() if self.job.rl else self._ft_table()
@@ -71,7 +72,8 @@ class View:
                 lines.append(link)
                 notes = [e for e in notes if not e.endswith(link)]
             events = "\n".join(notes[-6:])
-        return Group(table, *lines, events)
+        # Text, not str: a replica's error text in the notes must not be read as markup.
+        return Group(table, *(Text(x) for x in lines), Text(events))
 
     def _ft_table(self) -> Any:
         from rich.table import Table
@@ -157,7 +159,9 @@ class View:
             lines.append(
                 f"rollouts: trained {ro.trained}, pending {ro.pending}, batched "
                 f"{ro.batched}, discarded {_discards(ro.discarded)}, duplicates "
-                f"{ro.duplicates_dropped}; leases open {le.open}, expired {le.expired}"
+                f"{ro.duplicates_dropped}"
+                + (f", refused unleased {ro.unleased_refused}" if ro.unleased_refused else "")
+                + f"; leases open {le.open}, expired {le.expired}"
                 + ("" if rl.ok else "; LEDGER UNBALANCED")
             )
         roles = st.roles if st is not None else {}
@@ -264,6 +268,7 @@ def ft_summary(job: LocalJob) -> dict[str, Any]:
         "loss": lead.loss if lead else None,
         "kills": sum(r.kills for r in reps),
         "heals": sum(r.heals for r in reps),
+        "controller_restarts": job.controller.restarts if job.controller else 0,
         "longest_gap_s": round(max(gaps), 3) if gaps else 0.0,
         "wall_s": round(time.monotonic() - job.started, 2),
         "run_dir": str(job.run_dir),
@@ -274,12 +279,18 @@ def ft_line(job: LocalJob, s: dict[str, Any]) -> str:
     what = f"{s['steps']} steps"
     if job.cfg.diloco is not None:
         what = f"{s['steps']} DiLoCo rounds ({s['steps'] * job.cfg.diloco.sync_every} inner steps)"
+    ctl = _controller_restarts(s)
     return (
         f"job {s['job']}: {what} committed in {s['wall_s']:.1f} s, final loss "
-        f"{_f(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s); longest "
-        f"gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: {s['run_dir']}"
-        + (f". FAILED: {s['error']}" if s["error"] else "")
+        f"{_f(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s){ctl}; "
+        f"longest gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: "
+        f"{s['run_dir']}" + (f". FAILED: {s['error']}" if s["error"] else "")
     )
+
+
+def _controller_restarts(s: dict[str, Any]) -> str:
+    n = s.get("controller_restarts", 0)
+    return f", controller restarted {n} time(s)" if n else ""
 
 
 def rl_summary(job: LocalJob) -> dict[str, Any]:
@@ -314,6 +325,7 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
         "kills": sum(r.kills for r in reps),
         "heals": sum(r.heals for r in reps),
         "restarts": sum(max(0, r.starts - 1) for r in reps),
+        "controller_restarts": job.controller.restarts if job.controller else 0,
         "syncs": syncs,
         "sync_ms_mean": sync_ms,
         "replicas": {role: sum(1 for r in reps if r.role == role) for role in job.cfg.roles},
@@ -349,7 +361,7 @@ def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
     return (
         f"job {s['job']}: {head}; prompts {s['prompts']}, rollouts trained {s['trained']}, "
         f"discarded {discarded} ({_discards(s['discarded'])}); {s['kills']} replica(s) killed, "
-        f"{s['heals']} heal(s), {sync}. Logs: {s['run_dir']}{tail}"
+        f"{s['heals']} heal(s){_controller_restarts(s)}, {sync}. Logs: {s['run_dir']}{tail}"
     )
 
 

@@ -17,15 +17,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from phalanx.controller.lock import StateDirLocked
+from phalanx.controller.statedir import CannotStart
 
 if TYPE_CHECKING:
     from phalanx.config import JobConfig
 
-__all__ = ["StateDirLocked", "serve"]
+__all__ = ["CannotStart", "StateDirLocked", "serve"]
 
 
-def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Run a controller in this process until it is stopped (SIGINT/SIGTERM)."""
+def serve(
+    cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0, fresh: bool = False
+) -> None:
+    """Run a controller in this process until it is stopped (SIGINT/SIGTERM). ``fresh``:
+    a damaged journal is set aside and the job begins again, instead of a refusal."""
     from phalanx.controller.server import serve as run
 
-    run(cfg, state_dir, host, port)
+    run(cfg, state_dir, host, port, fresh)

@@ -20,6 +20,7 @@ from typing import Any
 
 from phalanx.controller.core.base import Change
 from phalanx.controller.core.codec import encode
+from phalanx.controller.statedir import CannotStart
 
 LENIENT_TABLES = ("rq_items",)
 """Tables whose records are checked by their reader (a checksum), which sets a damaged
@@ -52,9 +53,13 @@ class Journal:
         for tbl, key, value in self.db.execute("SELECT tbl, key, value FROM records"):
             try:
                 rec = json.loads(value)
-            except ValueError:
+            except ValueError as e:
                 if tbl not in LENIENT_TABLES:
-                    raise
+                    raise CannotStart(
+                        f"journal {self.path} is damaged: record {tbl}/{key} is not JSON ({e}). "
+                        f"Restore the journal from a backup, or start with --fresh to set it "
+                        f"aside and begin the job again at epoch 1."
+                    ) from None
                 rec = {"unreadable": value}  # its reader quarantines it (core/queues.py)
             tables.setdefault(tbl, {})[key] = rec
         return tables

@@ -129,6 +129,11 @@ class OverviewCollector(Collector):
                 "Duplicate rollouts dropped.",
                 led["duplicates_dropped"],
             )
+            yield _single(
+                "phalanx_ledger_unleased_refused",
+                "Rollouts refused: submitted under a lease that never held their prompt.",
+                led["unleased_refused"],
+            )
             yield _single("phalanx_ledger_balanced", "1 when the ledger balances.", int(led["ok"]))
             yield _single(
                 "phalanx_rl_weights_version",

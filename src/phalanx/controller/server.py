@@ -1,59 +1,35 @@
-"""Start a controller: lock the state dir, load the token and the journal, bind,
-publish the URL, serve.
+"""Start a controller: check and lock the state dir, load the token and the journal,
+bind, publish the URL, serve.
 
-The state dir holds everything the controller needs to come back after a
-SIGKILL: ``journal.sqlite`` (state), ``payloads/`` (the payload log of the
-``controller`` rollout store), ``token`` (mode 0600), ``config.json`` (the
-resolved job config), ``url`` (where it listens) and ``controller.lock``. Restarted with ``--port 0``, a controller first tries
-the port it had before, so replicas that only know the URL re-attach by
+The state dir (:mod:`phalanx.controller.statedir`) holds everything the controller
+needs to come back after a SIGKILL. Restarted with ``--port 0``, a controller first
+tries the port it had before, so replicas that only know the URL re-attach by
 themselves; if that port is taken it picks a new one and rewrites ``url``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import secrets
 import socket
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from phalanx import env
 from phalanx.config import JobConfig
-
-URL_FILE = "url"
-TOKEN_FILE = "token"
-
-
-def load_or_create_token(state_dir: Path) -> str:
-    """The job token: ``$PHALANX_TOKEN`` if set, else the state dir's token file,
-    created (mode 0600) at first start."""
-    given = os.environ.get(env.TOKEN)
-    if given:
-        return given
-    path = state_dir / TOKEN_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        token = path.read_text().strip()
-        if not token:
-            raise RuntimeError(
-                f"token file {path} must hold the job token: it is empty. Delete it to have a "
-                f"new token generated, or set ${env.TOKEN}."
-            ) from None
-        return token
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from phalanx.controller.statedir import (
+    CONFIG,
+    JOURNAL,
+    PAYLOADS,
+    URL_FILE,
+    CannotStart,
+    check_journal,
+    load_or_create_token,
+    prepare,
+    write_private,
+)
 
 
 def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
@@ -65,7 +41,10 @@ def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
             candidates.insert(0, previous)
     err: OSError | None = None
     for p in candidates:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            raise CannotStart(f"--host {host!r} cannot be bound: {e.strerror or e}.") from None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, p))
@@ -76,9 +55,17 @@ def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
         sock.listen(2048)
         sock.set_inheritable(True)
         return sock
-    raise OSError(
-        f"controller could not bind {host}:{port}: {err}. Pick a free --port or use --port 0."
-    )
+    if isinstance(err, socket.gaierror) or (err is not None and err.errno == errno.EADDRNOTAVAIL):
+        raise CannotStart(
+            f"--host {host!r} must be an address of this machine: {err.strerror or err}. Use "
+            f"127.0.0.1, 0.0.0.0 (every interface) or one of this host's addresses."
+        )
+    if err is not None and err.errno == errno.EADDRINUSE:
+        raise CannotStart(
+            f"--port {port} must be free on {host}: it is in use. Pick a free --port or use "
+            f"--port 0 (any free port)."
+        )
+    raise CannotStart(f"controller could not bind {host}:{port}: {err}.")
 
 
 def url_of(sock: socket.socket) -> str:
@@ -102,8 +89,12 @@ def open_collector(cfg: JobConfig) -> Any:
     )
 
 
-def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Run a controller in this process until it is stopped (SIGINT/SIGTERM)."""
+def serve(
+    cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0, fresh: bool = False
+) -> None:
+    """Run a controller in this process until it is stopped (SIGINT/SIGTERM). Files it
+    creates are the owner's alone (the process umask is set to 077). ``fresh``: a damaged
+    journal is moved aside and the job begins again (:func:`statedir.check_journal`)."""
     import uvicorn
 
     from phalanx.controller.http import create_app
@@ -112,25 +103,32 @@ def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 
     from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
 
-    state_dir.mkdir(parents=True, exist_ok=True)
+    if not 0 <= port <= 65535:
+        raise CannotStart(f"--port must be 0..65535 (0: any free port): got {port}.")
+    os.umask(0o077)
+    prepare(state_dir)
     lock = StateDirLock(state_dir)
     lock.acquire()
     try:
         token = load_or_create_token(state_dir)
-        _write_atomic(state_dir / "config.json", json.dumps(cfg.dump(), indent=2) + "\n")
+        moved = check_journal(state_dir, fresh)
+        if moved:
+            print(moved, flush=True)
         sync = cfg.controller.journal_sync
+        sock = _bind(host, port, state_dir)
         service = ControllerService(
             cfg,
-            Journal(state_dir / "journal.sqlite", sync),
-            PayloadLog(state_dir / "payloads", sync),
+            Journal(state_dir / JOURNAL, sync),
+            PayloadLog(state_dir / PAYLOADS, sync),
             time.monotonic,
             time.time,
             collector=open_collector(cfg),
         )
+        # After the journal holds the job: from now on a missing journal is damage.
+        write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
         app = create_app(service, token)
-        sock = _bind(host, port, state_dir)
         url = url_of(sock)
-        _write_atomic(state_dir / URL_FILE, url + "\n")
+        write_private(state_dir / URL_FILE, url + "\n")
         lock.note(f"pid {os.getpid()} url {url}")
         print(
             f"phalanx controller for job {cfg.job.id} (epoch {service.epoch}) at {url}", flush=True
@@ -142,6 +140,7 @@ def serve(cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 
             timeout_keep_alive=75,
             timeout_graceful_shutdown=1,
             backlog=2048,
+            limit_concurrency=cfg.controller.max_connections,
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:

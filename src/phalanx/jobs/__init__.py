@@ -21,12 +21,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from phalanx.jobs.base import JobError, JobSpec, ReplicaArgs
+from phalanx.jobs.base import EXIT_UNRECOVERABLE, JobError, JobSpec, ReplicaArgs
 
 if TYPE_CHECKING:
     from phalanx.config import JobConfig
 
-__all__ = ["JOBS", "JobError", "JobSpec", "ReplicaArgs", "job_kind", "spec_for"]
+__all__ = [
+    "EXIT_UNRECOVERABLE",
+    "JOBS",
+    "JobError",
+    "JobSpec",
+    "ReplicaArgs",
+    "job_kind",
+    "spec_for",
+]
 
 JOBS: dict[str, JobSpec] = {
     s.kind: s

@@ -25,6 +25,13 @@ class JobError(ValueError):
     The CLI prints it in one line."""
 
 
+EXIT_UNRECOVERABLE = 78
+"""A replica's exit code when starting it again cannot help (``EX_CONFIG`` of
+sysexits.h): a :class:`JobError`, or no usable checkpoint to resume from. It has
+said why in one line on stderr; ``phalanx run`` and ``phalanx agent`` stop instead
+of restarting it into a crash loop."""
+
+
 @dataclass(frozen=True)
 class ReplicaArgs:
     cfg: JobConfig

@@ -46,13 +46,11 @@ def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
 
 
 def save_final(path: Path, manager: Manager) -> None:
-    from safetensors.torch import save_file
+    from phalanx.tensorfile import save_file
 
     cursor = manager.sampler.cursor if manager.sampler is not None else 0
     meta = {"step": str(manager.step), "cursor": str(cursor)}
-    tmp = path.with_suffix(".tmp")
-    save_file(flat_state(manager), str(tmp), metadata=meta)
-    tmp.replace(path)
+    save_file(flat_state(manager), path, metadata=meta)
 
 
 def emit(event: dict[str, Any]) -> None:

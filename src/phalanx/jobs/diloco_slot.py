@@ -96,6 +96,7 @@ class DecoupledReplica:
             aggregator=dc.aggregator or None,
             keep_rounds=dc.keep_rounds,
             storage_options=dc.storage_options,
+            slots=dc.slot_names,
         )
         self.diloco = DiLoCo(self.model, dc.outer(), self.exchange)
         self.data_step = 0
@@ -281,14 +282,12 @@ class DecoupledReplica:
 
 def save_params(path: Path, model: torch.nn.Module, diloco: DiLoCo) -> None:
     """The final parameters and θ_global (safetensors), for comparing replicas."""
-    from safetensors.torch import save_file
+    from phalanx.tensorfile import save_file
 
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     for n, g in zip(diloco.names, diloco.global_params, strict=True):
         out[f"global.{n}"] = g.detach().clone()
-    tmp = path.with_suffix(".tmp")
-    save_file(out, str(tmp), metadata={"inner_step": str(diloco.inner_steps)})
-    tmp.replace(path)
+    save_file(out, path, metadata={"inner_step": str(diloco.inner_steps)})
 
 
 def run(args: ReplicaArgs) -> int:

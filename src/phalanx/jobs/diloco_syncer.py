@@ -46,6 +46,7 @@ def run(args: ReplicaArgs) -> int:
         timeout_s=dc.round_timeout_s,
         aggregator=NAME,
         storage_options=dc.storage_options,
+        slots=dc.slot_names,
     )
     diloco = DiLoCo(build_model(cfg.train, cfg.job.seed), dc.outer(), exchange)
     todo = diloco.exchanges(cfg.train.steps)

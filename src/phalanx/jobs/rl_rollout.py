@@ -166,6 +166,7 @@ def run(args: ReplicaArgs) -> int:
                     "accepted": len(res.accepted),
                     "duplicate": len(res.duplicate),
                     "stale": len(res.stale),
+                    "unleased": len(res.unleased),
                     "reward": round(sum(x.reward for x in rollouts) / n, 4),
                     "exact_match": round(sum(x.exact_match for x in rollouts) / n, 4),
                     "gen_s": round(gen_s, 4),

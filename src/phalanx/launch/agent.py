@@ -37,69 +37,29 @@ import json
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from phalanx.jobs.base import EXIT_UNRECOVERABLE
 from phalanx.launch.agent_options import (
     PID_FILE,
-    WORKERS_FILE,
     AgentOptions,
     backoff_delay,
-    expand,
     latest_step,
     options_from_args,
-    placeholders,
     read_pid,
     take_resize,
-    worker_env,
     write_atomic,
 )
-from phalanx.launch.procs import signal_proc, stop_all
+from phalanx.launch.procs import last_line, signal_proc, stop_all
 from phalanx.launch.report import controller_problem, report_exit
+from phalanx.launch.supervise import ControllerDown, ControllerProcess
+from phalanx.launch.workers import AgentError, Worker, start_workers
 
 log = logging.getLogger("phalanx.agent")
-
-
-class AgentError(RuntimeError):
-    """The agent cannot run (bad command, run dir taken)."""
-
-
-@dataclass
-class Worker:
-    rank: int
-    slot: int
-    proc: subprocess.Popen[bytes]
-    out: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def describe(self) -> str:
-        code = self.proc.returncode
-        if code is None:
-            return "is running"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = "?"
-            return f"was killed by signal {-code} ({name})"
-        return f"exited with code {code}"
-
-
-def free_port() -> int:
-    """A port the OS calls free now. Each generation gets a fresh one: gloo's
-    rendezvous must not reuse the store of a broken generation."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Agent:
@@ -123,6 +83,9 @@ class Agent:
         """Slot -> times in a row its worker was the first of the replica to fail."""
         self._stop_signal: int | None = None
         self._resize = threading.Event()
+        self.controller: ControllerProcess | None = None
+        """The job's controller, when this agent serves it (``--serve-controller``)."""
+        self._checked_at = 0.0
 
     # -- outputs ---------------------------------------------------------
 
@@ -164,9 +127,16 @@ class Agent:
         old = self._install_signals()  # before the pid file: SIGHUP would kill us
         write_atomic(rd / PID_FILE, str(os.getpid()))
         try:
+            self._serve_controller()
             return self._supervise()
+        except ControllerDown as e:
+            self.emit("failed", reason=str(e))
+            self.note(str(e), logging.ERROR)
+            return 1
         finally:
             stop_all([w.proc for w in self.workers], self.opts.grace_s)
+            if self.controller is not None:
+                self.controller.stop()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if read_pid(rd) == os.getpid():
@@ -181,7 +151,40 @@ class Agent:
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda s, f: self.request_resize())
         return old
 
+    def _serve_controller(self) -> None:
+        """Start the job's controller, when this agent serves it."""
+        args, state = self.opts.serve_controller, self.opts.controller
+        if args is None or state is None:
+            return
+        self.controller = ControllerProcess(
+            Path(state), list(args), self.opts.run_dir / "controller.log"
+        )
+        url = self.controller.start()
+        self.emit("controller", url=url, pid=self.controller.pid())
+        self.note(f"controller at {url}")
+
+    def _check_controller_process(self) -> None:
+        """Start the served controller again if it died (at most every 0.2 s)."""
+        now = time.monotonic()
+        if self.controller is None or now - self._checked_at < 0.2:
+            return
+        self._checked_at = now
+        news = self.controller.check()
+        if news is not None:
+            self.note(news)
+            self.emit(
+                "controller_restart",
+                restarts=self.controller.restarts,
+                pid=self.controller.pid(),
+                note=news,
+            )
+
     def _supervise(self) -> int:
+        if self.opts.controller_only:
+            while self._stop_signal is None:
+                self._check_controller_process()
+                time.sleep(self.poll_s)
+            return self._stopped()
         self._check_controller()
         self._start("initial")
         while True:
@@ -208,6 +211,7 @@ class Agent:
                 return "stop"
             if self._resize.is_set():
                 return "resize"
+            self._check_controller_process()
             codes = [w.proc.poll() for w in self.workers]
             failed = [w for w, c in zip(self.workers, codes, strict=True) if c not in (None, 0)]
             if failed:
@@ -229,45 +233,11 @@ class Agent:
 
     def _start(self, reason: str) -> None:
         self.generation += 1
-        port = free_port()
-        gdir = self.opts.run_dir / f"gen{self.generation}"
-        gdir.mkdir(parents=True, exist_ok=True)
-        n = len(self.slots)
-        self.workers = []
-        for rank, slot in enumerate(self.slots):
-            ids = {"rank": rank, "world_size": n, "slot": slot, "port": port}
-            cmd = expand(self.opts.cmd, placeholders(self.opts, restart=self.generation, **ids))
-            out = gdir / f"rank{rank}.out"
-            with out.open("wb") as fo, out.with_suffix(".err").open("wb") as fe:
-                try:
-                    proc = subprocess.Popen(
-                        cmd,
-                        stdout=fo,
-                        stderr=fe,
-                        stdin=subprocess.DEVNULL,
-                        env=worker_env(self.opts, restart=self.generation, base=None, **ids),
-                        start_new_session=True,
-                    )
-                except OSError as e:
-                    raise AgentError(
-                        f"the worker command must be runnable: got {cmd[0]!r} ({e.strerror}). "
-                        f"Check the command after `--`."
-                    ) from None
-            self.workers.append(Worker(rank, slot, proc, out))
-        record = {
-            "generation": self.generation,
-            "reason": reason,
-            "restart": self.restarts,
-            "nproc": n,
-            "master_port": port,
-            "workers": [
-                {"rank": w.rank, "slot": w.slot, "pid": w.pid, "out": str(w.out)}
-                for w in self.workers
-            ],
-        }
-        write_atomic(self.opts.run_dir / WORKERS_FILE, json.dumps(record, indent=1))
+        self.workers, record = start_workers(
+            self.opts, self.slots, self.generation, self.restarts, reason
+        )
         self.emit("start", **record)
-        self.note(f"started {n} worker(s) ({reason}); logs in {gdir}")
+        self.note(f"started {record['nproc']} worker(s) ({reason}); logs in {record['dir']}")
 
     def _stop_workers(self, grace_s: float) -> list[dict[str, Any]]:
         """SIGTERM every running worker, SIGKILL those still alive after ``grace_s``.
@@ -303,6 +273,12 @@ class Agent:
         self.emit("stopped", generation=self.generation, workers=stopped)
         count = self.first_failures.get(w.slot, 0) + 1
         self.first_failures = {w.slot: count}
+        if w.proc.returncode == EXIT_UNRECOVERABLE:  # it said why; a restart cannot help
+            said = last_line(w.out.with_suffix(".err"), last_line(w.out, "no message"))
+            msg = f"replica {self.opts.name}: worker rank {w.rank} cannot run: {said}"
+            self.emit("failed", error=msg, restarts=self.restarts)
+            self.note(msg, logging.ERROR)
+            return 1
         if self.restarts >= self.opts.max_restarts:
             msg = (
                 f"replica {self.opts.name}: {what}, and the agent has used all "
@@ -406,7 +382,8 @@ class Agent:
         name = signal.Signals(sig).name
         self.note(f"{name}: stopping the workers")
         stopped = self._stop_workers(self.opts.grace_s)
-        self._report(f"agent {self.opts.node} stopped by {name}")
+        if not self.opts.controller_only:
+            self._report(f"agent {self.opts.node} stopped by {name}")
         self.emit("stopped", generation=self.generation, workers=stopped, signal=name)
         return 128 + sig
 

@@ -95,6 +95,14 @@ class AgentOptions:
     ckpt: str | None = None
     node: str = field(default_factory=lambda: os.uname().nodename)
     """This node's name, in reports to the controller."""
+    serve_controller: tuple[str, ...] | None = None
+    """The job's controller arguments (``--config`` and overrides) when this agent
+    also runs the controller, on the state dir ``controller`` names, and starts it
+    again when it dies. With no worker command the agent runs the controller only."""
+
+    @property
+    def controller_only(self) -> bool:
+        return self.serve_controller is not None and not self.cmd
 
     @property
     def floor(self) -> int:
@@ -102,6 +110,15 @@ class AgentOptions:
 
     def check(self) -> AgentOptions:
         """Raise ValueError, one clear line, on the first bad option; else return self."""
+        if self.serve_controller is not None and (
+            not self.controller or self.controller.startswith(("http://", "https://"))
+        ):
+            raise ValueError(
+                "--serve-controller runs the controller on its state dir: --controller must "
+                f"name that directory, got {self.controller!r}. Pass --controller DIR."
+            )
+        if self.controller_only:
+            return self
         if not self.name or any(c in self.name for c in ":/ \t\n"):
             raise ValueError(
                 f"--name must be a non-empty replica name without ':', '/' or spaces: got "
@@ -348,7 +365,14 @@ def options_from_args(args: Any) -> AgentOptions | None:
         )
     cmd = rest[1:]
     controller = args.controller or os.environ.get(env.CONTROLLER)
-    if not cmd and args.config:
+    serving = bool(getattr(args, "serve_controller", False))
+    serve = ("--config", args.config) if serving and args.config else None
+    if serving and not args.config:
+        raise SystemExit(
+            "phalanx agent: --serve-controller must have the job's --config (the controller "
+            "runs that job): got none."
+        )
+    if not cmd and args.config and (args.name or not serve):
         if args.nproc != 1:
             raise SystemExit(
                 f"phalanx agent: --nproc must be 1 for the default worker (`phalanx replica`, "
@@ -376,7 +400,9 @@ def options_from_args(args: Any) -> AgentOptions | None:
         return AgentOptions(
             name=args.name or "",
             cmd=cmd,
-            run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(args.name or "_"),
+            run_dir=Path(args.run_dir)
+            if args.run_dir
+            else default_run_dir(args.name or ("controller" if serve else "_")),
             controller=controller,
             nproc=args.nproc,
             min_nproc=args.min_nproc,
@@ -385,6 +411,7 @@ def options_from_args(args: Any) -> AgentOptions | None:
             backoff_max_s=args.backoff_max_s,
             grace_s=args.grace_s,
             ckpt=args.ckpt,
+            serve_controller=serve,
             **({"node": args.node} if args.node else {}),
         ).check()
     except ValueError as e:

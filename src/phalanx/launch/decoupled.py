@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.config import DiLoCoSection, JobConfig
+from phalanx.jobs.base import EXIT_UNRECOVERABLE
 from phalanx.launch.base import ReplicaSpec, ReplicaState, ServerlessExecutor
 
 log = logging.getLogger("phalanx.launch")
@@ -63,10 +64,12 @@ class DecoupledJob:
         self.cfg, self.dc = cfg, cfg.diloco
         self.config_path = str(Path(config_path).absolute())
         self.run_dir, self.overrides, self.poll_s = run_dir, overrides, poll_s
-        self.slots = [f"r{i}" for i in range(self.dc.replicas)]
+        self.slots = self.dc.slot_names
         self.names = [*self.slots, *(["syncer"] if self.dc.aggregator == "syncer" else [])]
         self.cursor = dict.fromkeys(self.names, 0)
         self.last: dict[str, dict[str, Any]] = {}
+        self.said: dict[str, str] = {}
+        """Each slot's last line that is not an event (its one-line error, when it fails)."""
         self.restarts = dict.fromkeys(self.names, 0)
         self.printed_round = 0
         self.members: dict[int, list[str]] = {}
@@ -133,6 +136,10 @@ class DecoupledJob:
         for name, st in states.items():
             if st.state != ReplicaState.FAILED:
                 continue
+            if st.exit_code == EXIT_UNRECOVERABLE:  # said why; a restart cannot help
+                self.error = f"{name} cannot run: {self.said.get(name, st.error)}"
+                ex.cancel()
+                return True
             if self.restarts[name] >= self.dc.max_restarts:
                 self.error = f"{name} failed {self.restarts[name] + 1} times; last: {st.error}"
                 ex.cancel()
@@ -150,6 +157,8 @@ class DecoupledJob:
 
     def _take(self, name: str, line: str) -> None:
         if not line.startswith("{"):
+            if line.strip():
+                self.said[name] = line.strip()
             return
         try:
             ev = json.loads(line)

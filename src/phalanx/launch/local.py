@@ -1,9 +1,10 @@
 """``phalanx run``: a whole job on this machine. It starts the controller and the
 replicas (the policy replicas of an FT-DDP job; policy and rollout replicas of an
-RL job) as local processes, restarts replicas that crash, follows the replica
-counts an operator asks for with ``phalanx scale``, and can deliver chaos
-(SIGKILL a random replica on a period, restart it after a delay) so that anyone
-can watch the job survive. What it shows is in :mod:`phalanx.console.view`.
+RL job) as local processes, restarts replicas that crash and a controller that
+dies (on its state dir and port: the job goes on), follows the replica counts an
+operator asks for with ``phalanx scale``, and can deliver chaos (SIGKILL a random
+replica on a period, restart it after a delay) so that anyone can watch the job
+survive. What it shows is in :mod:`phalanx.console.view`.
 
 Every process is started in its own process group and signalled through its
 pid's group; nothing is ever killed by name.
@@ -26,9 +27,11 @@ from phalanx.client import find_token
 from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
 from phalanx.console.view import View
+from phalanx.jobs.base import EXIT_UNRECOVERABLE
 from phalanx.launch.options import Chaos
-from phalanx.launch.procs import signal_proc, spawn, stop_all
+from phalanx.launch.procs import last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
+from phalanx.launch.supervise import ControllerDown, ControllerProcess
 from phalanx.protocol.status import Status
 
 __all__ = ["Chaos", "LocalJob", "Replica"]
@@ -67,7 +70,7 @@ class LocalJob:
             for i in range(n):
                 self.replicas[f"{role}-{i}"] = Replica(f"{role}-{i}", role)
         self.retired: list[Replica] = []
-        self.controller: subprocess.Popen[bytes] | None = None
+        self.controller: ControllerProcess | None = None
         self.poller: StatusPoller | None = None
         self.lock = threading.Lock()
         self.events: list[str] = []
@@ -86,21 +89,10 @@ class LocalJob:
         return (["--config", self.config_path] if self.config_path else []) + self.overrides
 
     def start_controller(self) -> str:
-        state = self.run_dir / "controller"
-        url_file = state / "url"
-        url_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
-        self.controller = spawn([*cmd, *self._cfg_args()], self.run_dir / "controller.log")
-        deadline = time.monotonic() + 30
-        while not url_file.exists():
-            if self.controller.poll() is not None:
-                raise RuntimeError(
-                    f"controller exited with {self.controller.returncode}; see {self.run_dir / 'controller.log'}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError("controller did not publish its URL within 30 s")
-            time.sleep(0.05)
-        return url_file.read_text().strip()
+        self.controller = ControllerProcess(
+            self.run_dir / "controller", self._cfg_args(), self.run_dir / "controller.log"
+        )
+        return self.controller.start()
 
     def replica_cmd(self, r: Replica) -> list[str]:
         cmd = [sys.executable, "-m", "phalanx.cli", "replica", "--role", r.role, "--name", r.name]
@@ -174,7 +166,7 @@ class LocalJob:
                 self._loop(view)
         except KeyboardInterrupt:
             self.error, code = "interrupted", 130
-        except RuntimeError as e:  # the controller did not come up
+        except ControllerDown as e:  # the controller did not come up
             self.error = str(e)
         finally:
             with self.lock:
@@ -182,7 +174,8 @@ class LocalJob:
             stop_all(procs)
             if self.poller is not None:
                 self.poller.stop(final=self.controller is not None)
-            stop_all([self.controller])
+            if self.controller is not None:
+                self.controller.stop()
             signal.signal(signal.SIGTERM, old_term)
         view.summary(as_json)
         return code or (1 if self.error else 0)
@@ -221,10 +214,20 @@ class LocalJob:
     def _tick(self) -> bool:
         """One round of supervision. True when the job is over."""
         now = time.monotonic()
-        if self.controller is not None and self.controller.poll() is not None:
-            self.error = f"controller exited with {self.controller.returncode}"
-            self.note(f"{self.error}; stopping (see controller.log)")
-            return True
+        if self.controller is not None:
+            try:
+                news = self.controller.check()
+            except ControllerDown as e:
+                self.error = str(e)
+                self.note(f"{self.error}; stopping")
+                return True
+            if news is not None:
+                self.note(news)
+                url = self.controller.url
+                if url and self.dashboard and not self.dashboard.startswith(f"{url}/"):
+                    # Its port was taken meanwhile: the dashboard moved with it.
+                    self.dashboard = f"{url}/#{self.dashboard.split('#', 1)[1]}"
+                    self.note(f"dashboard: {self.dashboard}")
         finished = self.finished()
         with self.lock:
             if finished and self.finished_at is None:
@@ -282,6 +285,10 @@ class LocalJob:
             return
         if finished:
             r.proc = None
+            return
+        if code == EXIT_UNRECOVERABLE:  # it said why in one line; a restart cannot help
+            self.error = f"{r.name} cannot run: {last_line(self.run_dir / (r.name + '.log'))}"
+            self.note(self.error)
             return
         r.failed_starts = 0 if r.progress else r.failed_starts + 1
         if r.failed_starts >= MAX_FAILED_STARTS:

@@ -25,6 +25,17 @@ def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Po
         )
 
 
+def last_line(log: Path, default: str = "") -> str:
+    """The last non-empty line of a child's log (its one-line error, when it failed)."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return default
+    return next((x for x in reversed(lines) if x), default)
+
+
 def signal_group(pgid: int, sig: int) -> None:
     """Send ``sig`` to a process group; one already gone is not an error."""
     try:

@@ -179,12 +179,15 @@ class SubmitReq(Wire):
 
 
 class SubmitReply(Reply):
-    """Each rollout id is recorded once: copies are dropped (``duplicate``), and
-    rollouts made with too old weights are discarded (``stale``)."""
+    """Each rollout id is recorded once: copies are dropped (``duplicate``), rollouts
+    made with too old weights are discarded (``stale``), and rollouts of a prompt the
+    submitting lease never held (never issued, a made-up lease id, another replica's
+    lease) are refused (``unleased``)."""
 
     accepted: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     duplicate: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     stale: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
+    unleased: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
 
 
 # -- training batches (policy replicas) --------------------------------------

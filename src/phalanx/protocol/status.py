@@ -104,6 +104,8 @@ class RolloutCounts(Wire):
     trained: Count
     discarded: Annotated[dict[Key, Count], Field(max_length=1000)]
     duplicates_dropped: Count
+    unleased_refused: Count = 0
+    """Rollouts submitted under a lease that never held their prompt (refused)."""
 
 
 class LeaseCounts(Wire):
@@ -236,6 +238,7 @@ class LedgerOverview(Wire):
     rollouts_trained: Count
     rollouts_discarded: Annotated[dict[Key, Count], Field(max_length=1000)]
     duplicates_dropped: Count
+    unleased_refused: Count = 0
     weights_version: Count
 
 

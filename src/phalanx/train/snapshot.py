@@ -17,9 +17,9 @@ from typing import Any
 
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from phalanx.comm.transfer import flatten, unflatten
+from phalanx.tensorfile import save as st_save
 
 FORMAT = "phalanx-state-1"
 

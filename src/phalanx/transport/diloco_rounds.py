@@ -11,7 +11,10 @@ Round r, fragment f lives under ``ROOT/round_<r>/f<f>/``:
    ``_members.json`` (an exclusive create: ``O_EXCL`` on a local disk,
    ``If-None-Match: *`` on S3). With a controller, the proposal is its quorum;
    without one it is the objects present once ``min_replicas`` have arrived
-   and a grace window has passed;
+   and a grace window has passed. Only objects named after the job's slots
+   count, and the proposer reads each one it proposes and checks its checksum
+   first: a stray or corrupt file can neither be listed as a member nor make up
+   the ``min_replicas`` count;
 3. every replica averages the decided set in the same order (sorted by
    replica id), in fp32 (fp64 for fp64 tensors), so all of them compute
    bit-identical outer steps. A corrupt or partial object fails its checksum
@@ -31,18 +34,18 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import fsspec
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from phalanx.checkpoint.dcp_io import tensor_bytes
 from phalanx.checkpoint.store import is_local, put_atomic
 from phalanx.comm.compress import Compression, decode, encode, wire_bytes
+from phalanx.tensorfile import save as st_save
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -76,6 +79,7 @@ class ObjectStoreAllReduce:
         keep_rounds: int = 2,
         storage_options: dict[str, Any] | None = None,
         poll_s: float = 0.02,
+        slots: Collection[str] | None = None,
     ):
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1: got {min_replicas}.")
@@ -96,6 +100,10 @@ class ObjectStoreAllReduce:
         self.corrupt = 0
         self.left_out = 0
         self.last_members: list[str] = []
+        self.slots = frozenset(slots) if slots is not None else None
+        """The names that may be members (the job's slots); None: any name."""
+        self._checked: dict[str, bool] = {}
+        """Objects read and checked by :meth:`_valid` (write-once, so checked once)."""
 
     # -- paths and objects -------------------------------------------------
 
@@ -219,8 +227,20 @@ class ObjectStoreAllReduce:
         for n in names:
             base = n.rstrip("/").rsplit("/", 1)[-1]
             if base.endswith(".st") and not base.startswith("_") and ".tmp-" not in base:
-                out.append(base[: -len(".st")])
+                name = base[: -len(".st")]
+                if self.slots is None or name in self.slots:
+                    out.append(name)
         return sorted(out)
+
+    def _valid(self, key: str, rid: str) -> bool:
+        """Whether ``rid``'s object under ``key`` passes its checksum (read once)."""
+        path = f"{key}/{rid}.st"
+        if path not in self._checked:
+            if len(self._checked) > 4096:
+                self._checked.clear()
+            raw = self._cat(path)
+            self._checked[path] = raw is not None and self.unpack(raw, path) is not None
+        return self._checked[path]
 
     def _decide(self, key: str, round: int) -> list[str]:
         """The round's member list: read it if decided, else propose it."""
@@ -246,7 +266,12 @@ class ObjectStoreAllReduce:
                     enough_at = time.monotonic()
                 ready = enough_at is not None and time.monotonic() - enough_at >= self.grace_s
                 proposal = present
-            if ready or (time.monotonic() >= deadline and proposal):
+            late = time.monotonic() >= deadline
+            if ready or (late and proposal):
+                proposal = [r for r in proposal if self._valid(key, r)]
+                if quorum is None and len(proposal) < self.min_replicas and not late:
+                    ready = False  # a corrupt object made up the count: wait for more
+            if (ready or late) and proposal:
                 try:
                     with self.fs.open(path, "xb") as f:
                         f.write(json.dumps({"members": proposal, "by": self.replica_id}).encode())

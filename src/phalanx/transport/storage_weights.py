@@ -29,9 +29,10 @@ from typing import Any
 
 import fsspec
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from phalanx.comm.base import CommError
+from phalanx.tensorfile import save
 from phalanx.transport.base import WeightStore
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from phalanx.controller.core.codec import drop_out_of_bounds
+
 if TYPE_CHECKING:
     from phalanx.protocol.membership import Quorum
 
@@ -47,6 +49,7 @@ class ChangeLog:
         self.changes: list[Change] = []
         self.events: list[dict[str, Any]] = []
         self.event_seq = 0
+        self.dropped: list[tuple[str, str, str]] = []
 
     def put(self, table: str, key: str, record: dict[str, Any] | None) -> None:
         self.changes.append((table, key, record))
@@ -66,6 +69,11 @@ class ChangeLog:
         self.put("meta", "event_seq", {"value": self.event_seq})
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
+        """Read the event log back, after dropping (from ``tables`` and the journal) any
+        record with an out-of-bound integer: :attr:`dropped` lists them for the event log."""
+        self.dropped = drop_out_of_bounds(tables)
+        for tbl, key, _ in self.dropped:
+            self.put(tbl, key, None)
         meta = tables.get("meta", {})
         self.event_seq = meta.get("event_seq", {}).get("value", 0)
         self.events = [tables["events"][k] for k in sorted(tables.get("events", {}))]

@@ -21,6 +21,7 @@ EVENT_TEXT = {
     "scale": "scale {role} to {replicas}",
     "drain": "drain {who}",
     "rl_finished": "RL job finished",
+    "journal_record_dropped": "journal record {table}/{key} dropped at restart: {reason}",
 }
 """Timeline events said in one line from their fields."""
 

@@ -197,6 +197,7 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
             "rollouts_trained": r["trained"],
             "rollouts_discarded": dict(sorted(r["discarded"].items())),
             "duplicates_dropped": r["duplicates_dropped"],
+            "unleased_refused": r["unleased_refused"],
             "weights_version": st.ledger.weights.synced_version,
         }
     if st.cfg.diloco is not None:

@@ -149,6 +149,7 @@ class RLRequests:
             accepted=out["accepted"],
             duplicate=out["duplicate"],
             stale=out["stale"],
+            unleased=out["unleased"],
         )
         return reply, self._tick(led, tick)
 

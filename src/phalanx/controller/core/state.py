@@ -10,10 +10,9 @@ Durability works by *changes*: every mutation of durable state appends a
 ``(table, key, record | None)`` to the shared :class:`ChangeLog`. The service
 drains them into the journal (one SQLite transaction) before it answers the
 request that caused them, and :meth:`ControllerState.restore` rebuilds the
-state from the journal's tables. Liveness (last heartbeat, suspicion, pending
-quorum requests) is deliberately not durable: after a restart every member
-gets a fresh heartbeat grace and re-asks for its quorum, which the client
-does by itself.
+state from the journal's tables. Liveness (heartbeats, suspicion, pending quorum
+requests) is not durable: after a restart every member gets a fresh heartbeat
+grace and re-asks for its quorum, which the client does by itself.
 
 The parts, each a class of its own:
 
@@ -128,6 +127,8 @@ class ControllerState:
         self.epoch += 1
         self.log.put("meta", "epoch", {"value": self.epoch})
         self.log.event("controller_start", wall, epoch=self.epoch)
+        for tbl, key, why in self.log.dropped:
+            self.log.event("journal_record_dropped", wall, table=tbl, key=key, reason=why)
 
     @classmethod
     def restore(

@@ -102,8 +102,10 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     on_drop = dropped if service.cfg.timeouts.suspect_on_disconnect else None
     fast = [r for r in ROUTES if r.path in membership.FAST]
-    # Added last = outermost: BodyLimit -> AuthAndEpoch -> FastPath -> FastAPI.
+    # Added last = outermost: AuthAndEpoch -> BodyLimit -> FastPath -> FastAPI.
+    ctl = service.cfg.controller
     app.add_middleware(FastPath, api=api, routes=fast, on_disconnect=on_drop)
+    app.add_middleware(BodyLimit, limit=ctl.max_body_bytes, timeout_s=ctl.body_timeout_s)
     app.add_middleware(
         AuthAndEpoch,
         token=expected,
@@ -111,7 +113,6 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         unauthorized=errors.unauthorized,
         is_public=is_public,
     )
-    app.add_middleware(BodyLimit, limit=service.cfg.controller.max_body_bytes)
     return app
 
 

@@ -16,9 +16,12 @@ from phalanx.protocol.base import ErrorBody
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
+        400: "the body is not JSON this API can read: not UTF-8, nested too deep, an "
+        "integer with too many digits",
         401: "missing or wrong job token",
         409: "conflict with the job's state",
         410: "the replica is not a member (never registered, or evicted): register again",
+        408: "the request body did not arrive in time (controller.body_timeout_s)",
         413: "request body too large",
         422: "invalid request: the fields named are wrong",
     }.items()
@@ -63,10 +66,33 @@ async def invalid(request: Request, exc: Exception) -> JSONResponse:
     return error(422, f"invalid request: check {names}", fields)
 
 
+def unreadable(cause: BaseException | None) -> str:
+    """What made a body unreadable, in the words of the fix (FastAPI only says
+    "There was an error parsing the body"; the cause is chained)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"request body must be UTF-8 JSON: got a byte that is not UTF-8 at position "
+            f"{cause.start}. Encode the body as UTF-8."
+        )
+    if isinstance(cause, RecursionError):
+        return "request body must nest at most a few hundred levels deep: got deeper JSON."
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return (
+            "request body must not hold integers of more than 4300 digits: got one "
+            "(every integer field of this API is far smaller)."
+        )
+    return "request body must be JSON: it could not be read" + (
+        f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
+    )
+
+
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)  # registered for this type only
-    fields = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
-    r = error(exc.status_code, str(exc.detail), fields)
+    detail = str(exc.detail)
+    if exc.status_code == 400:
+        detail = unreadable(exc.__cause__)
+    fields = [{"field": "body", "message": detail}] if exc.status_code == 400 else []
+    r = error(exc.status_code, detail, fields)
     r.headers.update(exc.headers or {})
     return r
 

@@ -1,5 +1,5 @@
-"""The controller's ASGI middleware, outermost first: :class:`BodyLimit` ->
-:class:`AuthAndEpoch` -> :class:`FastPath` -> FastAPI.
+"""The controller's ASGI middleware, outermost first: :class:`AuthAndEpoch` ->
+:class:`BodyLimit` -> :class:`FastPath` -> FastAPI.
 
 Plain ASGI classes on purpose: each ``@app.middleware("http")`` costs a task
 group and memory streams per request, which was most of the controller's
@@ -25,10 +25,12 @@ from phalanx.controller.http.errors import error
 
 class BodyLimit:
     """Refuse bodies over ``limit`` bytes with 413, whether the client declared a
-    Content-Length or streamed the body."""
+    Content-Length or streamed the body, and bodies that do not arrive within
+    ``timeout_s`` with 408. Sits inside :class:`AuthAndEpoch`: only a request with
+    the job token gets its body read at all."""
 
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, timeout_s: float = 10.0):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -44,8 +46,19 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             return await too_big()(scope, receive, send)
         body, more = b"", True
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while more:
-            msg = await receive()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                msg = await asyncio.wait_for(receive(), max(left, 0.0))
+            except TimeoutError:
+                slow = error(
+                    408,
+                    f"request body must arrive within {self.timeout_s:g} s "
+                    f"(controller.body_timeout_s): got {len(body)} bytes by then.",
+                )
+                slow.headers["Connection"] = "close"
+                return await slow(scope, receive, send)
             if msg["type"] == "http.disconnect":
                 return None
             body += msg.get("body", b"")
@@ -65,9 +78,10 @@ class BodyLimit:
 
 
 class AuthAndEpoch:
-    """Refuse a request without the job token (401) before FastAPI parses its body,
-    so that an anonymous request with a malformed body gets 401, not 422; and
-    stamp every reply with ``X-Phalanx-Epoch``."""
+    """Refuse a request without the job token (401) before its body is even read:
+    an anonymous client can hold no memory with a large or stalled body, and one
+    with a malformed body gets 401, not 422. Stamp every reply with
+    ``X-Phalanx-Epoch``."""
 
     def __init__(
         self,
@@ -95,6 +109,9 @@ class AuthAndEpoch:
             scheme, given = get_authorization_scheme_param(header.decode("latin-1"))
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
                 response = await self.unauthorized(Request(scope))
+                # The body is never read: the connection cannot be reused for another
+                # request, so it is closed with this reply.
+                response.headers["Connection"] = "close"
                 return await response(scope, receive, send_with_epoch)
         return await self.app(scope, receive, send_with_epoch)
 

@@ -71,6 +71,7 @@ class Ledger:
             "trained_completions": 0,
             "accepted": 0,
             "duplicates": 0,
+            "unleased": 0,
             "leases_issued": 0,
             "leases_expired": 0,
         }
@@ -170,6 +171,7 @@ class Ledger:
                 "trained": c["trained_rollouts"],
                 "discarded": dict(ro.discarded),
                 "duplicates_dropped": c["duplicates"],
+                "unleased_refused": c.get("unleased", 0),
             },
             "leases": {
                 "open": len(self.prompts.leases),
@@ -270,21 +272,23 @@ class Ledger:
     ) -> dict[str, list[str]]:
         """Record a lease's rollouts. Each is accepted once by id; a later copy (late
         submission of an expired lease, a retry) is dropped as a duplicate, and one
-        made with too old weights is discarded as stale. Validates everything
-        before recording anything. Returns the ids by verdict: ``accepted``,
-        ``duplicate``, ``stale``."""
+        made with too old weights is discarded as stale. A rollout of a prompt attempt
+        that ``lease_id`` never held for ``replica_id`` (a prompt never issued, a made-up
+        lease, another replica's lease) is refused as ``unleased`` and counted apart.
+        Validates everything before recording anything. Returns the ids by verdict:
+        ``accepted``, ``duplicate``, ``stale``, ``unleased``."""
         self._check(rollouts)
-        out: dict[str, list[str]] = {"accepted": [], "duplicate": [], "stale": []}
+        out: dict[str, list[str]] = {"accepted": [], "duplicate": [], "stale": [], "unleased": []}
         floor = self.rollouts.floor()
         for r in rollouts:
             rid = r.rollout_id
             idx, attempt = rollout_prompt(rid)
-            p = self.prompts.by_index.get(idx)
-            if p is None or p.attempt != attempt or p.state == "done":
-                self.counts["duplicates"] += 1
-                out["duplicate"].append(rid)
+            verdict = self.prompts.verdict(idx, attempt, lease_id, replica_id)
+            if verdict != "accept":
+                self.counts["duplicates" if verdict == "duplicate" else "unleased"] += 1
+                out[verdict].append(rid)
                 if r.ref is not None:
-                    self._drop(r.ref, "duplicate")
+                    self._drop(r.ref, verdict)
                 continue
             self.prompts.done(idx, lease_id)
             ref = r.ref if r.ref is not None else rid

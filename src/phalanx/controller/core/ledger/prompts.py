@@ -41,10 +41,19 @@ class Prompt:
     state: str = "queued"
     """queued | leased | done (a rollout is pending or batched)."""
     lease_id: str | None = None
+    held_by: list[str] | None = None
+    """The leases that held this attempt, as ``"<lease id> <replica id>"`` (the last
+    :data:`HELD_BY`): a late submission under one of them is the holder's own. None in a
+    record journaled before leases were checked (its submissions are taken on trust)."""
 
     @property
     def rollout_id(self) -> str:
         return rollout_id(self.index, self.attempt)
+
+
+HELD_BY = 16
+"""Leases remembered per prompt attempt (a prompt leased again and again, its holders
+dying each time, keeps the last ones)."""
 
 
 class PromptBook:
@@ -111,7 +120,7 @@ class PromptBook:
                 idx.append(i)
         for _ in range(min(max_prompts - len(idx), room)):
             idx.append(self.cursor)
-            self.by_index[self.cursor] = Prompt(self.cursor)
+            self.by_index[self.cursor] = Prompt(self.cursor, held_by=[])
             self.cursor += 1
         if not idx:
             if popped:  # dropped entries of prompts no longer queued: journal that
@@ -123,6 +132,7 @@ class PromptBook:
         for i in idx:
             p = self.by_index[i]
             p.state, p.lease_id = "leased", lease.lease_id
+            p.held_by = [*(p.held_by or [])[-(HELD_BY - 1) :], f"{lease.lease_id} {replica_id}"]
             self._save_prompt(p)
         self.counts["leases_issued"] += 1
         self.log.put("leases", lease.lease_id, lease.record())
@@ -171,6 +181,22 @@ class PromptBook:
 
     # -- what submissions and training do to prompts ---------------------
 
+    def verdict(self, index: int, attempt: int, lease_id: str, replica_id: str) -> str:
+        """What a submitted rollout of prompt ``index`` (its ``attempt``) under
+        ``lease_id`` by ``replica_id`` is: ``accept``, ``duplicate`` (a copy of one
+        accepted, trained or discarded already) or ``unleased`` (that lease never held
+        that attempt for that replica: never issued, made up, or another's)."""
+        if index >= self.cursor:
+            return "unleased"  # never issued
+        p = self.by_index.get(index)
+        if p is None or attempt < p.attempt:
+            return "duplicate"  # trained, or an attempt discarded since
+        if attempt > p.attempt:
+            return "unleased"  # an attempt not dispatched yet
+        if p.held_by is not None and f"{lease_id} {replica_id}" not in p.held_by:
+            return "unleased"
+        return "duplicate" if p.state == "done" else "accept"
+
     def done(self, index: int, lease_id: str) -> None:
         """A rollout of prompt ``index`` was accepted (under lease ``lease_id``, or a
         late copy under another): no lease holds the prompt any more."""
@@ -200,7 +226,7 @@ class PromptBook:
         """A rollout of the prompt was discarded: dispatch it again (next attempt)."""
         p = self.by_index[index]
         p.attempt += 1
-        p.state, p.lease_id = "queued", None
+        p.state, p.lease_id, p.held_by = "queued", None, []
         self.requeue.append(p.index)
         self._save_prompt(p)
 
