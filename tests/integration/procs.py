@@ -102,7 +102,9 @@ class Procs:
         self.started: list[subprocess.Popen[bytes]] = []
         self._n = 0
 
-    def spawn(self, args: list[str], label: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    def spawn(
+        self, args: list[str], label: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
         self._n += 1
         out = self.workdir / f"{label}.{self._n}.out"
         err = self.workdir / f"{label}.{self._n}.err"
@@ -112,7 +114,7 @@ class Procs:
                 stdout=fo,
                 stderr=fe,
                 stdin=subprocess.DEVNULL,
-                env=child_env(),
+                env=env or child_env(),
                 start_new_session=True,
             )
         self.started.append(p)
@@ -140,10 +142,20 @@ def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 class Controller:
     """A ``phalanx controller`` subprocess on a state dir, and an HTTP view of it."""
 
-    def __init__(self, procs: Procs, state_dir: Path, config: Path):
+    def __init__(
+        self,
+        procs: Procs,
+        state_dir: Path,
+        config: Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.procs = procs
         self.state_dir = state_dir
         self.config = config
+        self.args = list(args or [])
+        """More ``phalanx controller`` arguments (``--fresh``)."""
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.err: Path | None = None
         self.url = ""
@@ -157,8 +169,8 @@ class Controller:
     def launch(self) -> tuple[subprocess.Popen[bytes], Path, Path]:
         """Start a controller process on this state dir without waiting for it."""
         args = [sys.executable, "-m", "phalanx.cli", "controller", "--config", str(self.config)]
-        args += ["--state-dir", str(self.state_dir), "--port", "0"]
-        return self.procs.spawn(args, "controller")
+        args += ["--state-dir", str(self.state_dir), "--port", "0", *self.args]
+        return self.procs.spawn(args, "controller", self.env)
 
     def start(self, timeout: float = 20.0) -> Controller:
         """Start the controller and wait until it listens. Works for a restart too:

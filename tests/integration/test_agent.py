@@ -322,6 +322,19 @@ def test_restarts_are_bounded(tmp_path: Path):
     assert "giving up" in agent.stderr_tail()
 
 
+def test_a_worker_that_cannot_run_is_not_restarted(tmp_path: Path):
+    """Exit 78 (a replica with no usable checkpoint, or a config it cannot run): the
+    agent says the worker's one line once and stops, instead of a crash loop that
+    ended in "exited 3 times in a row without progress" (issue 20)."""
+    line = "phalanx replica x: no usable checkpoint under file:///ck: step 3: bad"
+    code = f"import sys; print({line!r}, file=sys.stderr); sys.exit(78)"
+    agent, run_dir = run_agent(tmp_path, "nockpt", "--max-restarts", "5", code=code)
+    assert finished(agent, run_dir) == 1
+    assert not events(agent, "restart")
+    (failed,) = events(agent, "failed")
+    assert failed["error"] == f"replica nockpt: worker rank 0 cannot run: {line}"
+
+
 def test_sigterm_stops_the_workers(tmp_path: Path):
     agent, run_dir = run_agent(
         tmp_path, "stop", "--nproc", "2", code="import time; time.sleep(120)"

@@ -13,11 +13,15 @@ committed checkpoint C, then the new job's steps C+1..N. Along it:
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from ftjob import (
     TRAIN,
     FTJob,
@@ -29,8 +33,10 @@ from ftjob import (
     step_lines,
     write_job,
 )
+from procs import child_env
 
-from phalanx.checkpoint import CheckpointStore
+from phalanx.checkpoint import Checkpointer, CheckpointStore
+from phalanx.checkpoint.base import step_dir
 
 STEPS = 30
 BATCH = TRAIN["global_batch_size"]
@@ -115,3 +121,27 @@ def test_resume_with_another_replica_count_after_everything_was_killed(
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def test_no_usable_checkpoint_stops_the_job_in_one_line(tmp_path: Path):
+    """Every replica raised an uncaught CheckpointError (a traceback each) and the
+    launcher restarted them into "exited 3 times in a row without progress" (issue
+    20). Now the first replica to find no usable checkpoint says so in one line, with
+    the URL, and the job stops at once."""
+    root = tmp_path / "ckpt"
+    Checkpointer(f"file://{root}").save(3, {"model": {"w": torch.ones(2)}})
+    (root / step_dir(3) / "phalanx.json").write_text("not a manifest")
+    example = Path(__file__).parents[2] / "examples" / "ft_mlp.toml"
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(example), "--plain", "--json"]
+    args += ["--run-dir", str(tmp_path / "run"), "--checkpoint.url", f"file://{root}"]
+    args += ["--train.steps", "20", "--roles.policy.n_init_replicas", "2"]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=240)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["error"].startswith("policy-"), s
+    assert "cannot run: phalanx replica policy-" in s["error"]
+    assert f"no usable checkpoint under file://{root}: step 3: " in s["error"]
+    assert "restarting" not in p.stdout and "without progress" not in p.stdout
+    # Said once as it happened (then in the summary): not once per replica or restart.
+    notes = [x for x in p.stdout.splitlines() if "s  policy-" in x and "cannot run:" in x]
+    assert len(notes) == 1, p.stdout

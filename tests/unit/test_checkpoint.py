@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import sys
 import threading
 import time
@@ -370,6 +371,27 @@ def test_corruption_is_detected_and_falls_back(
     assert len(lines) == 1, lines
     assert "checkpoint step 2 is unusable" in lines[0] and REASONS[kind] in lines[0]
     assert "falling back to step 1" in lines[0]
+
+
+def test_fallback_goes_only_to_an_older_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 20: a corrupt step 30 fell back to a garbage step-999 directory ("falling
+    back to step 999"). A step the latest pointer never named is not a fallback: only
+    older ones are, and the newer one is reported."""
+    ck = Checkpointer(str(tmp_path))
+    ck.save(10, make_state(seed=0))
+    ck.save(30, make_state(seed=1))
+    shutil.copytree(tmp_path / step_dir(30), tmp_path / step_dir(999))  # whole, but unnamed
+    _flip(tmp_path / step_dir(30) / "data-r0.bin", 100)
+    template = zeros_like_tree({"model": make_state()["model"]})
+    with caplog.at_level(logging.INFO, logger=LOG):
+        res = Checkpointer(str(tmp_path)).load(template)
+    assert res is not None and res.step == 10 and [s for s, _ in res.skipped] == [30]
+    assert_same(make_state(seed=0)["model"], template["model"])
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "falling back to step 10" in text and "falling back to step 999" not in text
+    assert "steps 999 under" in text and "newer than the latest one committed (step 30)" in text
 
 
 def test_deleted_latest_pointer_uses_the_newest_commit(

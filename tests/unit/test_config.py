@@ -123,8 +123,69 @@ def test_override_creates_section():
 
 
 def test_override_numeric_string_field():
-    # A job id that looks like a number is still a job id.
+    # A job id that looks like a number is still a job id: the override reads the
+    # field's type (text), it does not make every string field accept numbers.
     assert load_config(overrides=["--job.id", "42"]).job.id == "42"
+    from phalanx.config.rl import load_rl_config
+
+    assert load_rl_config(overrides=["--transport.replay", "null"]).transport.replay is None
+    assert load_rl_config(overrides=["--transport.replay", "memory"]).transport.replay == "memory"
+
+
+def test_a_number_for_a_text_field_in_toml_is_refused(write_toml):
+    """Issue 20: ``job.id = 5`` became "5"."""
+    with pytest.raises(ConfigError, match=r"job\.id: Input should be a valid string"):
+        load_config(write_toml("[job]\nid = 5\n"))
+
+
+@pytest.mark.parametrize(
+    ("key", "url", "says"),
+    [
+        ("checkpoint.url", "ftp://", "must name the ftp host or bucket"),
+        ("checkpoint.url", "nosuch://x/y", "scheme 'nosuch' is not a storage"),
+        ("checkpoint.url", "gopher://x", "scheme 'gopher' is not a storage"),
+        ("checkpoint.url", "http://host/x", "scheme 'http' is not a storage"),
+        ("checkpoint.url", "s3:///prefix", "must name the s3 host or bucket"),
+        ("rl.transport.rollouts", "gopher://x", "scheme 'gopher' is not a storage"),
+        ("rl.transport.weights", "zip://x", "scheme 'zip' is not a storage"),
+        ("diloco.url", "nosuch://x", "scheme 'nosuch' is not a storage"),
+    ],
+)
+def test_a_storage_url_whose_scheme_cannot_store_is_refused(key, url, says):
+    """Issue 20: only the presence of ``://`` was checked."""
+    extra = ["diloco.mode=objectstore"] if key.startswith("diloco") else []
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[f"{key}={url}", *extra])
+    assert says in str(e.value) and key in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["/abs/path", "rel/path", "file:///x", "memory://name", "s3://bucket/prefix"]
+)
+def test_storage_urls_that_can_store_are_accepted(url):
+    assert load_config(overrides=[f"checkpoint.url={url}"]).checkpoint.url == url
+
+
+def test_a_storage_url_whose_package_is_missing_says_which(monkeypatch):
+    import fsspec
+
+    def missing(scheme):
+        raise ImportError("Please install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    with pytest.raises(ConfigError, match="needs a package that is not installed: Please install"):
+        load_config(overrides=["checkpoint.url=gs://b/x"])
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "job.toml"
+    bad.write_bytes(b'[job]\nid = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert (
+        str(e.value)
+        == f"job config {bad} is not UTF-8 text: byte 15 is b'\\xe9'. Save the file as UTF-8."
+    )
 
 
 def test_override_later_wins():

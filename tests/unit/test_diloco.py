@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,6 +305,48 @@ def test_a_corrupt_object_is_left_out_by_everyone_and_counted(tmp_path):
     # else had to read it, and no reader averaged it.
     assert all(r.last_members == ["r0", "r1"] for r in reds)
     assert sum(r.corrupt for r in reds) >= 1
+
+
+def test_stray_and_corrupt_files_never_count_as_members(tmp_path):
+    """Issue 20: any ``*.st`` in a round's directory counted as a member (round 6 listed
+    ``zz-garbage-r3``), and a stray file could make up ``min_replicas``. Only the job's
+    slot names count, and only objects that pass their checksum."""
+    import time
+
+    from phalanx.transport.diloco_rounds import ObjectStoreAllReduce
+
+    def red(name: str, **kw):
+        return ObjectStoreAllReduce(
+            f"file://{tmp_path}", name, slots=["r0", "r1", "r2"], grace_s=0.05, **kw
+        )
+
+    key = red("r0").key(0, 0)
+    Path(key).mkdir(parents=True)
+    (Path(key) / "zz-garbage-r3.st").write_bytes(b"stray")  # no slot of this job
+    good = red("r2").pack({"0.v": torch.ones(5)}, {"replica": "r2"})
+    (Path(key) / "r2.st").write_bytes(good[:-4] + b"\xff\xff\xff\xff")  # a slot's, corrupt
+    # r0 alone, min_replicas 2: the two files must not make up the count. The round
+    # is decided only at its deadline, with r0 alone.
+    r0 = red("r0", min_replicas=2, timeout_s=1.0)
+    t0 = time.monotonic()
+    avg, n = r0.average([torch.full((5,), 4.0)], round=0, fragment=0)
+    assert time.monotonic() - t0 >= 1.0  # waited for a second valid object, in vain
+    assert r0.last_members == ["r0"] and n == 1 and torch.equal(avg[0], torch.full((5,), 4.0))
+    # With r1 too (round 1), the round is decided by the two slots, the files left out.
+    reds = [red(f"r{i}", min_replicas=2) for i in range(2)]
+    for r in reds:
+        Path(r.key(1, 0)).mkdir(parents=True, exist_ok=True)
+    (Path(reds[0].key(1, 0)) / "zz-garbage-r3.st").write_bytes(b"stray")
+    (Path(reds[0].key(1, 0)) / "r2.st").write_bytes(b"corrupt")
+    out = {}
+    for_rank = lambda rank, rnd: [torch.full((5,), float(rank + 1))]  # noqa: E731
+
+    def work(rank: int) -> None:
+        out[rank] = reds[rank].average(for_rank(rank, 1), round=1, fragment=0)
+
+    run_threads(2, work)
+    assert all(r.last_members == ["r0", "r1"] for r in reds)
+    assert all(n == 2 and torch.equal(avg[0], torch.full((5,), 1.5)) for avg, n in out.values())
 
 
 def test_a_replica_that_misses_the_deadline_is_left_out_and_catches_up(tmp_path):

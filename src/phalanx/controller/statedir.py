@@ -100,6 +100,7 @@ def check_journal(state_dir: Path, fresh: bool) -> str | None:
     problem = journal_problem(state_dir)
     if problem is None:
         return None
+    problem = " ".join(problem.split())  # SQLite's reports span lines
     if not fresh:
         raise CannotStart(
             f"journal {journal} {problem}, but {state_dir / CONFIG} says a job ran in this state "

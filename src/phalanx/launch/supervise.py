@@ -148,5 +148,10 @@ class ControllerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def poll(self) -> int | None:
+        """The exit code of the controller process started last (None: running, or
+        never started)."""
+        return self.proc.poll() if self.proc is not None else None
+
     def stop(self) -> None:
         stop_all([self.proc])

@@ -46,6 +46,7 @@ TIMELINE_KINDS = (
     "scale",
     "drain",
     "rl_finished",
+    "journal_record_dropped",
 )
 DETECTORS = ("failure_report", "heartbeat", "disconnect", "agent", "replaced", "operator", "left")
 
