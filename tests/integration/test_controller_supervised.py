@@ -10,14 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from procs import child_env, wait_for
 from test_rl_launch import PROMPTS, rl_job, summary_of
 
 from phalanx.client import ControllerError
 from phalanx.console.poll import fetch_status
-
-pytestmark = pytest.mark.timeout(300)
 
 BATCHES = 30
 

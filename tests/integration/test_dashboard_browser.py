@@ -56,7 +56,6 @@ pytestmark = [
         reason="no chromium: `make install` installs Debian's chromium as root with apt-get",
     ),
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (dev extra)"),
-    pytest.mark.timeout(240),
 ]
 
 

@@ -22,10 +22,6 @@ from typing import Any
 import pytest
 from procs import FAST_TIMEOUTS, Controller, Procs, signal_group, wait_for, write_job_toml
 
-# Whole RL jobs (tens of batches, kills, restarts): on a loaded 2-core CI machine
-# running other process-heavy test files alongside, one can take over 2 minutes.
-pytestmark = pytest.mark.timeout(300)
-
 
 def job_sections(
     policy_init: int = 1,

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from procs import Controller, Procs, wait_for, write_job_toml
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
 from phalanx.controller.core.ledger import rollout_prompt
-
-pytestmark = pytest.mark.timeout(240)
 
 BATCHES = 40
 """Rollout batches the job trains (the reward target is out of reach): enough that the

@@ -21,8 +21,6 @@ from phalanx.transport.redis_weights import RedisWeightStore
 from phalanx.transport.storage_store import StorageRolloutStore
 from phalanx.transport.storage_weights import StorageWeightStore
 
-pytestmark = pytest.mark.timeout(240)
-
 
 @pytest.mark.parametrize("kind", ["redis", "file"])
 def test_rl_job_runs_on_each_transport(kind: str, tmp_path: Path, request: pytest.FixtureRequest):

@@ -189,7 +189,8 @@ def test_redelivery_after_lease_expiry_and_after_nack(backend: Backend):
     b.ack(rest)
     a.ack(held)
     # A consumer that dies holding short leases: once they expire, its rollouts go
-    # to the next consumer that leases (waited for, however long that takes).
+    # to the next consumer that leases (waited for, however long that takes). The
+    # expiry is the holder's: b's own 60 s lease does not delay the takeover.
     dead = backend.make("dead", lease_s=0.4)
     lost_ids = [f"p{i}.0" for i in range(6, 10)]
     dead.put(rollouts(lost_ids))
@@ -213,6 +214,28 @@ def test_redelivery_after_lease_expiry_and_after_nack(backend: Backend):
     back = wait_for(lambda: b.lease(1), 5, "the nacked rollout")
     assert [x.rollout_id for x in back] == ["p19.0"]
     b.ack(back)
+
+
+def test_a_redis_entry_read_but_given_no_deadline_is_taken_over_once_idle(
+    redis_url: str,  # noqa: F811  (the fixture)
+):
+    # A consumer killed between its XREADGROUP and the write of its deadline leaves
+    # an entry pending with no deadline. The next consumer takes it over once it has
+    # been idle past that consumer's own lease; before that, it stays with its holder.
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    dead = RedisRolloutQueue(redis_url, name, "dead", lease_s=60.0)
+    dead.put(rollouts(["p1.0", "p2.0"]))
+    held = dead.lease(2)
+    dead.r.zrem(dead.leases, *(d.receipt for d in held))  # as if killed before the write
+    patient = RedisRolloutQueue(redis_url, name, "patient", lease_s=600.0)
+    assert patient.lease(10) == []
+    quick = RedisRolloutQueue(redis_url, name, "quick", lease_s=0.2)
+    got = wait_for(lambda: quick.lease(10), 60, "the entries with no deadline")
+    assert sorted(d.rollout_id for d in got) == ["p1.0", "p2.0"]
+    assert all(d.attempt == 2 for d in got)
+    assert dead.r.zcard(dead.leases) == 2  # taken over with a deadline of their own
+    quick.ack(got)
+    assert dead.r.zcard(dead.leases) == 0 and drain(dead) == []
 
 
 def test_discard_is_counted_with_its_reason(backend: Backend):

@@ -8,11 +8,17 @@ one consumer per replica. Keys, under ``phalanx:<name>:rollouts``:
   the deduplication index. A put of a known id is dropped; an entry whose id
   is already acked is skipped on delivery;
 - ``:counts``: hash of counters (put, duplicates, acked, corrupt, discarded:*);
-- ``:quarantine``: a stream of the raw fields of corrupt entries.
+- ``:quarantine``: a stream of the raw fields of corrupt entries;
+- ``:leases``: sorted set entry id -> the deadline of its lease (ms, Redis's
+  clock), set by the consumer that leased it with that consumer's ``lease_s``.
 
 Delivery is at-least-once: ``XREADGROUP`` hands out new entries, and an entry
-left pending longer than ``lease_s`` (its consumer died or stalled) is taken
-over by the next consumer to lease, with ``XAUTOCLAIM``. The group reads the
+whose lease passed its deadline (its consumer died or stalled) is taken over
+by the next consumer to lease, with ``XCLAIM`` in one script. Expiry follows
+the holder's lease, not the claimer's: a consumer with a 60 s lease takes over
+a dead consumer's 1 s leases after 1 s. An entry pending with no deadline (its
+consumer died between the read and the deadline's write) is taken over once
+idle past the claimer's own lease. The group reads the
 stream from its start, so a consumer that starts late misses nothing (unlike
 pub/sub). An entry leaves the stream only once acked (``XACK`` then ``XDEL``,
 in one script): trimming never drops an unacknowledged rollout. The id index
@@ -45,6 +51,42 @@ redis.call('HINCRBY', KEYS[3], 'put', #added)
 return added
 """
 
+# KEYS: stream, ids, counters, quarantine, leases. ARGV: group, consumer, n, lease ms.
+# Takes over up to n entries whose lease is past its deadline (or, with no
+# deadline, idle past this consumer's lease); returns {id, times delivered, fields}.
+CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+local pick = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, n)
+if #pick < n then
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', lease, '-', '+', 128)) do
+    if #pick >= n then break end
+    if not redis.call('ZSCORE', KEYS[5], p[1]) then table.insert(pick, p[1]) end
+  end
+end
+local out = {}
+for _, eid in ipairs(pick) do
+  local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, eid)
+  if #c > 0 and c[1][2] then
+    redis.call('ZADD', KEYS[5], now + lease, eid)
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], eid, eid, 1)
+    table.insert(out, {eid, p[1][4], c[1][2]})
+  else
+    redis.call('ZREM', KEYS[5], eid)
+  end
+end
+return out
+"""
+
+# KEYS: leases. ARGV: lease ms, then entry ids: their deadline, on Redis's clock.
+DEADLINE = """
+local t = redis.call('TIME')
+local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], due, ARGV[i]) end
+return #ARGV - 1
+"""
+
 # ARGV: group, state ('a' or 'd:<reason>'), then (entry id, rollout id) pairs.
 # Counts only the first ack/discard of an id; always removes the entry.
 SETTLE = """
@@ -52,6 +94,7 @@ local n = 0
 for i = 3, #ARGV, 2 do
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[5], ARGV[i])
   local cur = redis.call('HGET', KEYS[2], ARGV[i + 1])
   if cur == 'q' or cur == false then
     redis.call('HSET', KEYS[2], ARGV[i + 1], string.sub(ARGV[2], 1, 1))
@@ -72,6 +115,7 @@ NACK = """
 local n = 0
 for i = 2, #ARGV do
   local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  redis.call('ZREM', KEYS[5], ARGV[i])
   if #e > 0 and redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
     redis.call('XDEL', KEYS[1], ARGV[i])
     redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
@@ -85,6 +129,7 @@ return n
 QUARANTINE = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
 redis.call('XADD', KEYS[4], '*', 'entry', ARGV[2], unpack(ARGV, 3))
 redis.call('HINCRBY', KEYS[3], 'corrupt', 1)
 return 1
@@ -129,11 +174,14 @@ class RedisRolloutQueue(RolloutQueue):
         base = f"phalanx:{name}:rollouts"
         self.stream, self.ids = f"{base}:stream", f"{base}:ids"
         self.counters, self.quarantine = f"{base}:counts", f"{base}:quarantine"
-        self._keys = [self.stream, self.ids, self.counters, self.quarantine]
+        self.leases = f"{base}:leases"
+        self._keys = [self.stream, self.ids, self.counters, self.quarantine, self.leases]
         self._put = self.r.register_script(PUT)
         self._settle = self.r.register_script(SETTLE)
         self._nack = self.r.register_script(NACK)
         self._quarantine = self.r.register_script(QUARANTINE)
+        self._claim = self.r.register_script(CLAIM)
+        self._deadline = self.r.register_script(DEADLINE)
         self._error = redis.RedisError
         try:
             # From id 0: a group created after the first puts still gets them.
@@ -178,32 +226,11 @@ class RedisRolloutQueue(RolloutQueue):
 
     def lease(self, n: int, wait_s: float = 0.0) -> list[Delivery]:
         got: list[tuple[bytes, dict[bytes, bytes], int]] = []
-        cursor: Any = "0-0"
-        while len(got) < n:
-            # Pending entries idle past the lease: their consumer is dead or stalled.
-            reply = self._call(
-                self.r.xautoclaim,
-                self.stream,
-                self.group,
-                self.consumer,
-                int(self.lease_s * 1000),
-                cursor,
-                count=n - len(got),
-            )
-            cursor, claimed = reply[0], reply[1]
-            for eid, fields in claimed:
-                if fields:  # None: deleted while pending (acked elsewhere)
-                    got.append((eid, fields, 2))
-            if cursor in (b"0-0", "0-0"):
-                break
-        if got:
-            # Exact delivery counts of the claimed entries (XAUTOCLAIM bumped them).
-            pipe = self.r.pipeline(transaction=False)
-            for eid, _, _ in got:
-                pipe.xpending_range(self.stream, self.group, eid, eid, 1)
-            for i, rows in enumerate(self._call(pipe.execute)):
-                if rows:
-                    got[i] = (got[i][0], got[i][1], int(rows[0]["times_delivered"]))
+        # Entries whose holder's lease is past its deadline: it died or stalled.
+        args = [self.group, self.consumer, n, int(self.lease_s * 1000)]
+        for eid, times, flat in self._call(self._claim, keys=self._keys, args=args):
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            got.append((eid, fields, int(times)))
         if len(got) < n:
             block = None if got or wait_s <= 0 else max(1, int(wait_s * 1000))
             reply = self._call(
@@ -214,8 +241,13 @@ class RedisRolloutQueue(RolloutQueue):
                 count=n - len(got),
                 block=block,
             )
-            for _, entries in reply or []:
-                got += [(eid, fields, 1) for eid, fields in entries]
+            fresh = [(eid, fields, 1) for _, entries in reply or [] for eid, fields in entries]
+            if fresh:
+                ids = [eid for eid, _, _ in fresh]
+                self._call(
+                    self._deadline, keys=[self.leases], args=[int(self.lease_s * 1000), *ids]
+                )
+            got += fresh
         if not got:
             return []
         out: list[Delivery] = []
