@@ -12,6 +12,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	@# vLLM for [rl.engine] kind = "vllm": without torch and its media packages (see the script).
+	$(BIN)/python scripts/install_vllm.py --constraints constraints.txt
 	@# The Redis transport tests start their own redis-server; they skip without one.
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& (apt-get install -y -q redis-server >/dev/null 2>&1 \

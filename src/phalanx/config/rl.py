@@ -221,7 +221,47 @@ class TransportSection(_Section):
         return self
 
 
+class EngineSection(_Section):
+    """The rollout replicas' generation engine. ``hf`` is our KV-cached loop over the
+    transformers model (any device); ``vllm`` is vLLM, run in the replica's own process
+    (``pip install 'phalanx[vllm]'``, or ``make install``). The other fields are vLLM's
+    and are passed to ``vllm.LLM``; ``hf`` ignores them."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+
+    kind: Literal["hf", "vllm"] = "hf"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations in vLLM. float32 matches the trainer, so the importance
+    ratio right after a sync is 1 up to kernel noise; bfloat16 halves memory and time at
+    the cost of that match (and ``auto`` is vLLM's choice: bfloat16 on CPU)."""
+    max_model_len: int | None = Field(None, ge=8, le=1 << 20)
+    """Longest prompt + completion vLLM plans for; None: ``model.max_positions``, or a
+    saved model's own limit."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (weights + KV cache). On GPU only."""
+    cpu_kv_cache_gib: float = Field(0.5, gt=0, le=4096)
+    """KV cache on CPU, in GiB (vLLM's ``kv_cache_memory_bytes``). On CPU, vLLM reads
+    ``gpu_memory_utilization`` as a share of the host's memory, which replicas sharing
+    a host cannot each take."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Ranks one engine spans. 1 only, for now: the engine runs in the replica's process,
+    which is what lets a weight update reach it without a copy through another process."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: quicker start, a little slower decode."""
+
+    @model_validator(mode="after")
+    def _one_rank(self) -> EngineSection:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rl.engine.tensor_parallel_size must be 1: got {self.tensor_parallel_size}. "
+                f"A vLLM engine spanning several ranks is not supported yet; run more rollout "
+                f"replicas instead."
+            )
+        return self
+
+
 class RLConfig(_Section):
+    engine: EngineSection = Field(default_factory=EngineSection)
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)

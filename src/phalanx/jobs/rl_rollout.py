@@ -50,7 +50,8 @@ from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import RolloutIn, SubmitReply
-from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.engine.base import EngineError
+from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
@@ -95,16 +96,27 @@ def run(args: ReplicaArgs) -> int:
     device = torch.device(g.device)
     tok = load_tokenizer(rl.task.tokenizer_path)
     task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
-    model = build_model(rl.model, tok, device)
     # Completions are keyed by prompt (make_rollouts), so which replica draws a
     # prompt, and how often it was dispatched, changes nothing.
-    engine = HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
+    try:
+        engine = rollout_engine(rl, tok, build_model(rl.model, tok, device), device, args.name)
+    except EngineError as e:
+        client.close("failed")
+        raise JobError(str(e)) from e
     weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
     store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
     orders = Orders(client, kinds=("drain",))
     synced = released = 0
     drained = False
-    emit({"event": "start", "role": "rollout", "replica": client.replica_id, "pid": os.getpid()})
+    emit(
+        {
+            "event": "start",
+            "role": "rollout",
+            "replica": client.replica_id,
+            "pid": os.getpid(),
+            "engine": rl.engine.kind,
+        }
+    )
     try:
         while True:
             r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
@@ -113,10 +125,12 @@ def run(args: ReplicaArgs) -> int:
                 synced = order.seq
                 t0 = time.perf_counter()
                 try:
-                    version, w = weights.fetch(order, model.state_dict())
+                    version, w = weights.fetch(order, engine.layout())
                     engine.load_weights(w, version)
                     ok, err = True, ""
-                except CommError as e:
+                except (CommError, EngineError, ValueError) as e:
+                    # The engine holds its old version, or none (-1) after a reload
+                    # that failed part-way: either way it is ordered to sync again.
                     ok, err = False, str(e)
                     rlog.warning("weight sync %d failed: %s", order.seq, err[:200])
                 ms = 1e3 * (time.perf_counter() - t0)
@@ -134,8 +148,10 @@ def run(args: ReplicaArgs) -> int:
                 )
             if r.finished:
                 break  # after any sync in flight: the leader is waiting on this replica
-            if engine.version < 0 and r.init_weights:
-                engine.version = 0  # the model was built from config: the policy's step 0
+            if engine.version < 0 and r.init_weights and synced == 0:
+                # The model was built from config: the policy's step 0. (Not after a
+                # sync that failed part-way: that engine waits for a good one.)
+                engine.version = 0
             lease = r.lease
             orders.poll(0)
             if orders.drain:
@@ -178,6 +194,7 @@ def run(args: ReplicaArgs) -> int:
             done.update(drained=True, released=released)
         emit(done)
     finally:
+        engine.close()
         weights.close()
         if store is not None:
             store.close()

@@ -42,7 +42,8 @@ def check_like(
             f"weights from {where} must match this replica's model: they differ in {diff}. "
             f"Start every replica with the same [rl.model] config."
         )
-    return {k: got[k].to(like[k].device) for k in like}
+    # A meta ``like`` (an engine that keeps its weights elsewhere) only gives the layout.
+    return {k: got[k] if like[k].is_meta else got[k].to(like[k].device) for k in like}
 
 
 class StoreWeightChannel(WeightChannel):

@@ -35,15 +35,11 @@ Engines
 -------
 - ``hf.py``: :class:`~phalanx.rl.engine.hf.HFEngine`, a KV-cached sampling loop
   over any ``transformers`` causal LM. CPU and GPU.
-- vLLM: not implemented. A ``vllm.py`` engine belongs next to ``hf.py`` and must
-  implement this same interface: ``generate`` maps to ``LLM.generate`` with
-  ``SamplingParams(n=n, temperature=T, max_tokens=max_new_tokens, logprobs=0)``.
-  vLLM's default ``logprobs_mode="raw_logprobs"`` reports log-probs *before*
-  temperature, which is not the behaviour policy when T != 1: the engine must
-  be built with ``logprobs_mode="processed_logprobs"`` (check the option in the
-  vLLM version in use). ``load_weights`` maps to
-  ``model.load_weights(iterable of (name, tensor))`` on the worker, which is why
-  this interface accepts named tensors as well as a state dict.
+- ``vllm.py``: :class:`~phalanx.rl.engine.vllm.VLLMEngine`, vLLM run in the
+  replica's own process, one request per sample seeded with
+  :func:`sample_seed`, ``logprobs_mode="processed_logprobs"`` (vLLM's default
+  reports log-probs before temperature, which is not the behaviour policy when
+  T != 1), weights reloaded in place.
 """
 
 from __future__ import annotations
@@ -51,6 +47,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +55,16 @@ import torch
 def prompt_key(seed: int, index: int) -> int:
     """The sampling key of prompt ``index`` in a job seeded with ``seed`` (63 bits)."""
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & (2**63 - 1)
+
+
+class EngineError(RuntimeError):
+    """An engine cannot serve this model or these options, or failed (a one-line reason)."""
+
+
+def sample_seed(key: int, sample: int) -> int:
+    """The seed of sample ``sample`` of the prompt keyed ``key`` (63 bits): engines that
+    seed each sample on its own (vLLM) draw it from this."""
+    return (key * 0xD6E8FEB86659FD93 + (sample + 1) * 0x9E3779B97F4A7C15) & (2**63 - 1)
 
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -119,6 +126,15 @@ class GenerationEngine(ABC):
         """
 
     @abstractmethod
+    def layout(self) -> Mapping[str, torch.Tensor]:
+        """A tensor shaped like each weight this engine takes, by HF name (the names of
+        the policy's ``state_dict``): what a weight channel checks a sync against and
+        receives into. May be meta tensors (layout only)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Free what the engine holds (a vLLM engine's worker and KV cache)."""
+
+    @abstractmethod
     def load_weights(self, weights: Weights, version: int) -> None:
         """Copy ``weights`` into the engine's model and set ``self.version = version``.
 
@@ -128,3 +144,47 @@ class GenerationEngine(ABC):
         copied from a Mapping; for a stream, the version is only advanced once
         the whole stream was applied.
         """
+
+
+def check_names(own: Mapping[str, torch.Tensor], pairs: Any) -> None:
+    """ValueError unless every (name, tensor) of ``pairs`` has a name and shape of ``own``."""
+    for name, tensor in pairs:
+        if name not in own:
+            raise ValueError(
+                f"weight name must be one of the engine model's: got {name!r}, which it does "
+                f"not have. The sender's model must have the engine's architecture."
+            )
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"weight {name} must have the engine's shape: got {tuple(tensor.shape)}, "
+                f"expected {tuple(own[name].shape)}. The sender's model config differs."
+            )
+
+
+def check_args(
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    keys: Sequence[int] | None = None,
+) -> None:
+    """ValueError naming what is wrong with ``generate``'s arguments."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(
+            f"prompts must be a non-empty list of non-empty token lists: got "
+            f"{len(prompts)} prompts, lengths {[len(p) for p in prompts][:8]}. Encode each "
+            f"prompt with the tokenizer (which adds BOS) before generating."
+        )
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"n and max_new_tokens must be >= 1: got n={n}, max_new_tokens={max_new_tokens}."
+        )
+    if not 0 <= temperature <= 100:
+        raise ValueError(
+            f"temperature must be in [0, 100]: got {temperature}. Use 0 for greedy decoding."
+        )
+    if keys is not None and len(keys) != len(prompts):
+        raise ValueError(
+            f"keys must hold one sampling key per prompt: got {len(keys)} keys for "
+            f"{len(prompts)} prompts. Use prompt_key(seed, index) for each prompt."
+        )

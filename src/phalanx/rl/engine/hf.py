@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from phalanx.rl.engine.base import Completion, GenerationEngine, Weights
+from phalanx.rl.engine.base import Completion, GenerationEngine, Weights, check_args, check_names
 
 
 def left_pad(
@@ -65,12 +65,7 @@ class HFEngine(GenerationEngine):
         temperature: float = 1.0,
         keys: Sequence[int] | None = None,
     ) -> list[Completion]:
-        _check_args(prompts, n, max_new_tokens, temperature)
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(
-                f"keys must hold one sampling key per prompt: got {len(keys)} keys for "
-                f"{len(prompts)} prompts. Use prompt_key(seed, index) for each prompt."
-            )
+        check_args(prompts, n, max_new_tokens, temperature, keys)
         rows = [list(p) for p in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id, self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -142,11 +137,14 @@ class HFEngine(GenerationEngine):
             )
         return result
 
+    def layout(self) -> Mapping[str, torch.Tensor]:
+        return self.model.state_dict()
+
     @torch.no_grad()
     def load_weights(self, weights: Weights, version: int) -> None:
         own = self.model.state_dict()
         if isinstance(weights, Mapping):
-            _check_names(own, weights.items())
+            check_names(own, weights.items())
             missing = sorted(set(own) - set(weights))
             if missing:
                 raise ValueError(
@@ -158,7 +156,7 @@ class HFEngine(GenerationEngine):
         else:
             pairs = weights
         for name, tensor in pairs:
-            _check_names(own, [(name, tensor)])
+            check_names(own, [(name, tensor)])
             own[name].copy_(tensor)
         self.version = int(version)
 
@@ -174,36 +172,3 @@ def _uniforms(keys: Sequence[int], n: int, steps: int) -> torch.Tensor:
         g.manual_seed(int(key) & (2**63 - 1))
         out[i].uniform_(generator=g)
     return out.view(-1, steps)
-
-
-def _check_names(own: Mapping[str, torch.Tensor], pairs: Any) -> None:
-    for name, tensor in pairs:
-        if name not in own:
-            raise ValueError(
-                f"weight name must be one of the engine model's: got {name!r}, which it does "
-                f"not have. The sender's model must have the engine's architecture."
-            )
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"weight {name} must have the engine's shape: got {tuple(tensor.shape)}, "
-                f"expected {tuple(own[name].shape)}. The sender's model config differs."
-            )
-
-
-def _check_args(
-    prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float
-) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError(
-            f"prompts must be a non-empty list of non-empty token lists: got "
-            f"{len(prompts)} prompts, lengths {[len(p) for p in prompts][:8]}. Encode each "
-            f"prompt with the tokenizer (which adds BOS) before generating."
-        )
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(
-            f"n and max_new_tokens must be >= 1: got n={n}, max_new_tokens={max_new_tokens}."
-        )
-    if not 0 <= temperature <= 100:
-        raise ValueError(
-            f"temperature must be in [0, 100]: got {temperature}. Use 0 for greedy decoding."
-        )

@@ -1,0 +1,274 @@
+"""A generation engine over vLLM, with the contract of :class:`~phalanx.rl.engine.hf.HFEngine`.
+
+How it runs
+-----------
+vLLM runs inside the rollout replica's own process: one worker
+(``distributed_executor_backend="uni"``) and no engine-core subprocess
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). A weight update then goes from the
+buffers the weight channel received into (a gloo broadcast, or a snapshot
+read from storage) straight into vLLM's parameters, through
+``collective_rpc`` into :class:`~phalanx.rl.engine.vllm_worker.WorkerExtension`:
+no second process, no serialization, no file. If vLLM dies, the replica dies
+with it and is restarted like any other; its leased prompts go out again.
+
+Sampling
+--------
+Every sample is its own request with ``n = 1`` and a per-request seed,
+:func:`~phalanx.rl.engine.base.sample_seed` of the prompt's key and the
+sample's index. A prompt dispatched again therefore draws the same random
+numbers. The tokens also depend on the logits, which vLLM computes in a
+batch whose composition varies: docs/architecture.md ("vLLM rollout
+replicas") gives how often that changes a token, as measured. Log-probs are
+vLLM's ``processed_logprobs`` (after temperature): the behaviour policy, as
+``engine/base.py`` requires. Generation stops at EOS (a stop token,
+included in the completion) or after ``max_new_tokens``.
+
+Weights
+-------
+:meth:`VLLMEngine.load_weights` checks every name and shape against the
+model's before anything is copied, then reloads in place and drops the
+prefix cache (its keys and values were computed with the old weights). A
+reload that fails part-way leaves the engine at version -1, which gets no
+prompts until a sync succeeds: it never generates with mixed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.config.rl import EngineSection
+from phalanx.rl.engine.base import (
+    Completion,
+    EngineError,
+    GenerationEngine,
+    Weights,
+    check_args,
+    check_names,
+    sample_seed,
+)
+
+log = logging.getLogger("phalanx.rl.engine.vllm")
+
+EXTENSION = "phalanx.rl.engine.vllm_worker.WorkerExtension"
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
+    """The HF config of the causal LM saved in ``path``, or EngineError saying why vLLM
+    cannot serve it (not a model directory, not a causal LM, an architecture vLLM lacks,
+    a head size vLLM's CPU attention lacks)."""
+    p = Path(path)
+    cfg_file = p / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise EngineError(
+            f"the vLLM engine needs a model directory with a config.json: {cfg_file} "
+            f"could not be read ({_one_line(e)}). Point model.path at a save_pretrained "
+            f"directory."
+        ) from e
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not any(
+        isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs
+    ):
+        raise EngineError(
+            f"the model in {p} must be a causal LM: its architectures are {archs!r}. Save a "
+            f"*ForCausalLM model (AutoModelForCausalLM) there."
+        )
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise EngineError(
+            f"vLLM does not support the architecture of the model in {p}: {archs!r}. Use "
+            f'rl.engine.kind = "hf", or a model vLLM lists (Llama, Qwen2, GPT2, ...).'
+        )
+    if device == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 0)
+        hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+        head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise EngineError(
+                f"vLLM's CPU attention does not support the head size of the model in {p}: "
+                f"{head_dim} (hidden {hidden} / {heads} heads). Supported: {sizes}; change "
+                f'model.num_heads or model.hidden_size, or use rl.engine.kind = "hf".'
+            )
+    return cfg
+
+
+class VLLMEngine(GenerationEngine):
+    """Samples with vLLM from the causal LM saved in ``model_dir``.
+
+    ``like`` maps every HF parameter name of the model to a tensor of its shape:
+    weight updates are checked against it (the sender's names are HF names, as in
+    the policy's ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        eos_id: int,
+        like: Mapping[str, torch.Tensor],
+        options: EngineSection,
+        *,
+        seed: int = 0,
+        version: int = -1,
+        device: str = "cpu",
+        max_model_len: int | None = None,
+    ):
+        check_model_dir(model_dir, device)
+        # One process: the engine core and its worker run here (see the module docstring).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Several replicas may share a host's cores: no pinning unless the operator asks.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "skip_tokenizer_init": True,
+            "dtype": options.dtype,
+            "max_model_len": options.max_model_len or max_model_len,
+            "tensor_parallel_size": options.tensor_parallel_size,
+            "enforce_eager": options.enforce_eager,
+            "seed": seed,
+            "logprobs_mode": "processed_logprobs",
+            "distributed_executor_backend": "uni",
+            "worker_extension_cls": EXTENSION,
+            "disable_log_stats": True,
+        }
+        if device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(options.cpu_kv_cache_gib * (1 << 30))
+        else:
+            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineError(
+                f"vLLM failed to start on {model_dir}: {_one_line(e)}. vLLM's own log is in "
+                f"this replica's log, above this line."
+            ) from e
+        self.eos_id = int(eos_id)
+        self.like = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
+        self.seed = int(seed)
+        self.version = version
+        self._calls = 0
+        self._closers: list[Callable[[], object]] = []
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        keys: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_args(prompts, n, max_new_tokens, temperature, keys)
+        if keys is None:  # the engine's own stream: a key per call and prompt
+            self._calls += 1
+            keys = [
+                sample_seed(self.seed, self._calls * 1_000_003 + i) for i in range(len(prompts))
+            ]
+        rows = [list(map(int, p)) for p in prompts for _ in range(n)]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                seed=sample_seed(int(keys[i]), j),
+                stop_token_ids=[self.eos_id],
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+            for j in range(n)
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
+        )
+        result = []
+        for k, (row, out) in enumerate(zip(rows, outs, strict=True)):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = []
+            for t, step in zip(toks, c.logprobs or [], strict=True):
+                if step is None or t not in step:
+                    raise EngineError("vLLM returned no log-prob for a sampled token")
+                lps.append(float(step[t].logprob))
+            finished = bool(toks) and toks[-1] == self.eos_id
+            result.append(
+                Completion(
+                    prompt_index=k // n,
+                    prompt_ids=row,
+                    token_ids=toks,
+                    logprobs=lps,
+                    finished=finished,
+                    version=self.version,
+                )
+            )
+        return result
+
+    def layout(self) -> Mapping[str, torch.Tensor]:
+        return {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.like.items()}
+
+    def load_weights(self, weights: Weights, version: int) -> None:
+        like = self.layout()
+        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        check_names(like, pairs)  # every name and shape, before anything is copied
+        if isinstance(weights, Mapping):
+            missing = sorted(set(like) - set(weights))
+            if missing:
+                raise ValueError(
+                    f"weights must be a full state dict when given as a mapping: got "
+                    f"{len(weights)} tensors, missing {missing[:5]}. Send every tensor, or "
+                    f"stream a partial update as (name, tensor) pairs."
+                )
+        held = self.version
+        self.version = -1  # until the reload is whole: a failure leaves no usable version
+        try:
+            self.llm.collective_rpc("phalanx_reload", args=(pairs,))
+            self.llm.reset_prefix_cache()
+        except Exception as e:
+            log.error(
+                "reloading weights %d into vLLM failed (%s): the engine held %d and now holds "
+                "no usable version until a sync succeeds",
+                version,
+                _one_line(e),
+                held,
+            )
+            raise EngineError(
+                f"reloading weights {version} into vLLM failed: {_one_line(e)}"
+            ) from e
+        self.version = int(version)
+
+    def digest(self) -> float:
+        """A digest of vLLM's parameters (equal weights, equal digests)."""
+        return float(self.llm.collective_rpc("phalanx_digest")[0])
+
+    def on_close(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` when the engine closes (the factory removes the model it wrote)."""
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        """Free the engine (its worker and KV cache), then run the ``on_close`` calls."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            del llm
+        while self._closers:
+            self._closers.pop()()
