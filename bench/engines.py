@@ -1,0 +1,236 @@
+"""Generation engines: vLLM against our HFEngine, and a weight update into vLLM
+against the gloo broadcast that brings it, each against its baseline in the same run.
+
+    python bench/engines.py [--json] [--sizes small,large] [--prompts 8] [--n 16]
+                            [--prompt-len 16] [--new-tokens 32] [--threads 2] [--repeats 3]
+
+**Tokens per second.** For each model size, a Qwen2 causal LM built from config
+(random init, float32, seed 0) and written with ``save_pretrained``:
+
+- ``small``: hidden 128, 4 layers, 4 heads (head size 32), vocabulary 8192: ~2M parameters;
+- ``large``: hidden 768, 12 layers, 12 heads (64), MLP 2048, vocabulary 16384: ~100M.
+
+Both engines get the same ``--prompts`` prompts of ``--prompt-len`` random token
+ids, ``n = --n`` samples each, ``--new-tokens`` new tokens, temperature 1, keyed
+sampling, on ``--threads`` torch threads. One untimed call first (warm-up), then
+``--repeats`` timed calls; ``*_tokens_per_s`` = tokens generated / median seconds.
+``vllm_over_hf`` = the ratio (goal at ``large``: >= 2).
+
+**Weight update.** At the largest size: a sender process (this script with
+``--sender``, rank 0) and this process (rank 1) form a gloo group over a
+``TCPStore``, as a weight sync does (``transport/collective.py``'s header and
+flat buffer). ``broadcast_s``: the median time of a broadcast of all the model's
+bytes. ``weight_update_s``: from those bytes received to the engine generating
+with them: split the buffer into tensors, ``VLLMEngine.load_weights`` (checks,
+in-place reload, prefix cache dropped), and one 1-token generation.
+``weight_update_ratio`` = ``weight_update_s / broadcast_s`` (goal <= 1.5).
+
+**Joiner from a rollout peer or the policy leader** (``joiner_from_rollout_s``,
+``joiner_from_policy_s``): not measured yet. The controller does not build
+rollout-to-rollout meshes yet (issue 15, part 3); the keys are printed as null.
+
+``--json`` prints one JSON object per line: per size ``params``,
+``hf_tokens_per_s``, ``vllm_tokens_per_s``, ``vllm_over_hf``; once
+``weight_update_s``, ``broadcast_s``, ``weight_update_ratio``,
+``joiner_from_rollout_s``, ``joiner_from_policy_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SIZES: dict[str, dict[str, int]] = {
+    "small": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=8192,
+    ),
+    "large": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=16384,
+    ),
+}
+EOS, PAD = 2, 0
+
+
+def build(size: str, max_len: int, out: Path) -> Any:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        **SIZES[size],
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=PAD,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def timed(fn: Any, repeats: int) -> tuple[float, Any]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def sender(store: str, nbytes: int, repeats: int) -> int:
+    """Rank 0 of the broadcast baseline: send ``nbytes`` ``repeats + 1`` times."""
+    from phalanx.comm.torch_pg import TorchCommunicator
+
+    comm = TorchCommunicator(120.0)
+    comm.configure(store, "bench/engines", 0, 2)
+    flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        comm.broadcast(flat, 0)
+    comm.abort()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sender", nargs=3, metavar=("STORE", "NBYTES", "REPEATS"))
+    a = ap.parse_args()
+    if a.sender:
+        return sender(a.sender[0], int(a.sender[1]), int(a.sender[2]))
+    sizes = [s for s in a.sizes.split(",") if s]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad or not sizes:
+        print(f"--sizes must name some of {sorted(SIZES)}: got {a.sizes!r}.")
+        return 2
+    torch.set_num_threads(a.threads)
+
+    from phalanx.config.rl import EngineSection
+    from phalanx.rl.engine.base import prompt_key
+    from phalanx.rl.engine.hf import HFEngine
+    from phalanx.rl.engine.vllm import VLLMEngine
+
+    def say(rec: dict[str, Any]) -> None:
+        if a.json:
+            print(json.dumps(rec), flush=True)
+        else:
+            print("  ".join(f"{k}={v}" for k, v in rec.items()), flush=True)
+
+    max_len = a.prompt_len + a.new_tokens + 16
+    g = torch.Generator().manual_seed(1)
+    work = Path(tempfile.mkdtemp(prefix="phalanx-bench-engines-"))
+    engine = model = None
+    try:
+        for size in sizes:
+            d = work / size
+            model = build(size, max_len, d)
+            vocab = SIZES[size]["vocab_size"]
+            prompts = torch.randint(3, vocab, (a.prompts, a.prompt_len), generator=g).tolist()
+            keys = [prompt_key(0, i) for i in range(a.prompts)]
+
+            def run(eng: Any, prompts: list[list[int]] = prompts, keys: list[int] = keys) -> int:
+                comps = eng.generate(prompts, a.n, a.new_tokens, 1.0, keys)
+                return sum(len(c.token_ids) for c in comps)
+
+            hf = HFEngine(model, EOS, PAD)
+            hf_s, hf_tokens = timed(lambda hf=hf: run(hf), a.repeats)
+            options = EngineSection(kind="vllm", dtype="float32", cpu_kv_cache_gib=2.0)
+            if engine is not None:
+                engine.close()
+            engine = VLLMEngine(d, EOS, model.state_dict(), options, max_model_len=max_len)
+            engine.version = 0
+            v_s, v_tokens = timed(lambda: run(engine), a.repeats)
+            params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+            say(
+                {
+                    "size": size,
+                    "params": params,
+                    "hf_tokens_per_s": round(hf_tokens / hf_s, 1),
+                    "vllm_tokens_per_s": round(v_tokens / v_s, 1),
+                    "vllm_over_hf": round((v_tokens / v_s) / (hf_tokens / hf_s), 2),
+                    "tokens": [hf_tokens, v_tokens],
+                }
+            )
+        assert engine is not None and model is not None
+        say(weight_update(engine, model, prompts[0], a.repeats))
+    finally:
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def weight_update(engine: Any, model: Any, prompt: list[int], repeats: int) -> dict[str, Any]:
+    from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+    from phalanx.transport.collective import pack, unpack
+
+    state = model.state_dict()
+    nbytes = pack(state).numel()
+    store, addr = serve_store()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--sender", addr, str(nbytes), str(repeats)],
+        start_new_session=True,
+    )
+    comm = TorchCommunicator(120.0)
+    try:
+        comm.configure(addr, "bench/engines", 1, 2)
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        comm.broadcast(flat, 0)  # warm-up
+        bcast, update = [], []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            comm.broadcast(flat, 0)
+            bcast.append(time.perf_counter() - t0)
+            # The bytes received are random: load the model's own (same layout and size).
+            got = pack(state)
+            t0 = time.perf_counter()
+            engine.load_weights(unpack(got, engine.layout()), i + 1)
+            engine.generate([prompt], 1, 1, 1.0)
+            update.append(time.perf_counter() - t0)
+        proc.wait(timeout=120)
+    finally:
+        comm.abort()
+        if proc.poll() is None:
+            proc.kill()
+        del store
+    b, u = statistics.median(bcast), statistics.median(update)
+    return {
+        "bytes": nbytes,
+        "broadcast_s": round(b, 4),
+        "weight_update_s": round(u, 4),
+        "weight_update_ratio": round(u / b, 2),
+        "joiner_from_rollout_s": None,
+        "joiner_from_policy_s": None,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
