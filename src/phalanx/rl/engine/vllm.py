@@ -64,6 +64,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
+def _prepare_env() -> None:
+    """vLLM's settings that must be in the environment before it is imported."""
+    # One process: the engine core and its worker run here (see the module docstring).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Several replicas may share a host's cores: no pinning unless the operator asks.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # stdout carries the replica's JSON events; vLLM's log goes with the rest, to stderr.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
 def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
     """The HF config of the causal LM saved in ``path``, or EngineError saying why vLLM
     cannot serve it (not a model directory, not a causal LM, an architecture vLLM lacks,
@@ -86,6 +96,7 @@ def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
             f"the model in {p} must be a causal LM: its architectures are {archs!r}. Save a "
             f"*ForCausalLM model (AutoModelForCausalLM) there."
         )
+    _prepare_env()
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
@@ -131,10 +142,6 @@ class VLLMEngine(GenerationEngine):
         max_model_len: int | None = None,
     ):
         check_model_dir(model_dir, device)
-        # One process: the engine core and its worker run here (see the module docstring).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # Several replicas may share a host's cores: no pinning unless the operator asks.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
