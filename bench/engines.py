@@ -167,7 +167,7 @@ def main() -> int:
                 engine.close()
             engine = VLLMEngine(d, EOS, model.state_dict(), options, max_model_len=max_len)
             engine.version = 0
-            v_s, v_tokens = timed(lambda: run(engine), a.repeats)
+            v_s, v_tokens = timed(lambda engine=engine: run(engine), a.repeats)
             params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             say(
                 {
