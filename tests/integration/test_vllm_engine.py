@@ -243,3 +243,36 @@ def test_a_vllm_that_fails_to_start_says_why_in_one_line(setup: Setup):
         rollout_engine(rl, setup.tok, setup.model, torch.device("cpu"), "t-vllm-small")
     assert "\n" not in str(e.value) and "this replica's log" in str(e.value)
     assert not (Path(__import__("tempfile").gettempdir()) / "phalanx-vllm-t-vllm-small").exists()
+
+
+def test_a_storage_snapshot_reaches_vllm_through_the_weight_channel(setup: Setup, tmp_path: Path):
+    # The other sync channel: the policy leader publishes safetensors and a manifest,
+    # the rollout replica reads them against the engine's (meta) layout and reloads.
+    from phalanx.protocol.rl import SyncOrder
+    from phalanx.transport.base import SyncResult
+    from phalanx.transport.published import StoreWeightChannel
+    from phalanx.transport.storage_weights import StorageWeightStore
+
+    url = f"file://{tmp_path}/weights"
+    g = torch.Generator().manual_seed(5)
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in setup.model.state_dict().items()
+    }
+    order = SyncOrder(seq=21, mesh_id=1, members=("p", "r"), rank=0, store="127.0.0.1:1")
+    leader = StoreWeightChannel(StorageWeightStore(url), timeout_s=30.0)
+    reports: list[SyncResult] = []
+    leader.publish(21, new, order, reports.append)
+    assert leader.pending is not None and leader.pending.result(60).ok
+    rollout = StoreWeightChannel(StorageWeightStore(url), timeout_s=30.0)
+    try:
+        version, got = rollout.fetch(order.model_copy(update={"rank": 1}), setup.engine.layout())
+        setup.engine.load_weights(got, version)
+    finally:
+        leader.close()
+        rollout.close()
+    assert setup.engine.version == 21 and reports[0].version == 21
+    setup.hf.load_weights(new, 21)
+    prompts = setup.prompts(60, 6)
+    assert [c.token_ids for c in setup.engine.generate(prompts, 1, 8, 0.0)] == [
+        c.token_ids for c in setup.hf.generate(prompts, 1, 8, 0.0)
+    ]
