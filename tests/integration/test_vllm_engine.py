@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,10 @@ def setup() -> Iterator[Setup]:
 
 def keys(first: int, count: int) -> list[int]:
     return [prompt_key(7, i) for i in range(first, first + count)]
+
+
+def test_the_model_written_for_vllm_is_removed_once_it_is_loaded(setup: Setup):
+    assert not list(Path(tempfile.gettempdir()).glob("phalanx-vllm-t-vllm-*"))
 
 
 def test_completions_keep_the_engine_contract(setup: Setup):
@@ -242,7 +247,7 @@ def test_a_vllm_that_fails_to_start_says_why_in_one_line(setup: Setup):
     with pytest.raises(EngineError, match="vLLM failed to start on") as e:
         rollout_engine(rl, setup.tok, setup.model, torch.device("cpu"), "t-vllm-small")
     assert "\n" not in str(e.value) and "this replica's log" in str(e.value)
-    assert not (Path(__import__("tempfile").gettempdir()) / "phalanx-vllm-t-vllm-small").exists()
+    assert not list(Path(tempfile.gettempdir()).glob("phalanx-vllm-t-vllm-small-*"))
 
 
 def test_a_storage_snapshot_reaches_vllm_through_the_weight_channel(setup: Setup, tmp_path: Path):

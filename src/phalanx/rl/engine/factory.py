@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,45 +23,43 @@ def rollout_engine(
     (version -1: the caller sets the version it holds).
 
     ``hf`` samples from ``model`` itself. ``vllm`` serves ``model.path``, or, for a
-    model built from config, ``model`` written once to a directory of this replica's
-    (replaced when the replica restarts, removed when the engine closes); ``model``
-    can then be dropped. A model or option vLLM cannot serve, or a vLLM that fails to
+    model built from config, ``model`` written to a fresh temporary directory that is
+    removed once vLLM has loaded it; ``model`` can then be dropped. A model or option vLLM cannot serve, or a vLLM that fails to
     start, is an EngineError saying why in one line.
     """
     g = rl.grpo
     if rl.engine.kind == "hf":
         return HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
+    if importlib.util.find_spec("vllm") is None:  # not imported here: see vllm._prepare_env
         raise EngineError(
-            f'rl.engine.kind = "vllm" needs vLLM: it cannot be imported ({e}). Install it '
-            f'with make install (or python scripts/install_vllm.py), or use kind = "hf".'
-        ) from e
+            'rl.engine.kind = "vllm" needs vLLM, which is not installed. Install it with '
+            'make install (or python scripts/install_vllm.py), or use kind = "hf".'
+        )
     from phalanx.rl.engine.vllm import VLLMEngine
 
-    made: Path | None = None
     if rl.model.path is not None:
-        model_dir = Path(rl.model.path)
-    else:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-        made = model_dir = Path(tempfile.gettempdir()) / f"phalanx-vllm-{safe}"
-        shutil.rmtree(made, ignore_errors=True)
-        model.save_pretrained(made)
-    try:
-        engine = VLLMEngine(
-            model_dir,
+        return VLLMEngine(
+            rl.model.path,
             tok.eos_id,
             model.state_dict(),
             rl.engine,
             seed=g.seed,
             device=device.type,
-            max_model_len=rl.model.max_positions if rl.model.path is None else None,
         )
-    except EngineError:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
-        raise
-    if made is not None:
-        engine.on_close(lambda: shutil.rmtree(made, ignore_errors=True))
-    return engine
+    # A model built from config: written to a directory of its own for vLLM to load,
+    # which is removed once the engine holds the weights (or failed to start).
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    made = Path(tempfile.mkdtemp(prefix=f"phalanx-vllm-{safe}-"))
+    try:
+        model.save_pretrained(made)
+        return VLLMEngine(
+            made,
+            tok.eos_id,
+            model.state_dict(),
+            rl.engine,
+            seed=g.seed,
+            device=device.type,
+            max_model_len=rl.model.max_positions,
+        )
+    finally:
+        shutil.rmtree(made, ignore_errors=True)

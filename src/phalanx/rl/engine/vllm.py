@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,6 @@ class VLLMEngine(GenerationEngine):
         self.seed = int(seed)
         self.version = version
         self._calls = 0
-        self._closers: list[Callable[[], object]] = []
 
     def generate(
         self,
@@ -268,14 +267,8 @@ class VLLMEngine(GenerationEngine):
         """A digest of vLLM's parameters (equal weights, equal digests)."""
         return float(self.llm.collective_rpc("phalanx_digest")[0])
 
-    def on_close(self, fn: Callable[[], object]) -> None:
-        """Call ``fn`` when the engine closes (the factory removes the model it wrote)."""
-        self._closers.append(fn)
-
     def close(self) -> None:
-        """Free the engine (its worker and KV cache), then run the ``on_close`` calls."""
+        """Free the engine (its worker and KV cache)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             del llm
-        while self._closers:
-            self._closers.pop()()
