@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,9 @@ from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
 
+# This session's engines (another test run on the machine may start its own at once).
+NAME = f"t-vllm-{os.getpid()}"
+
 # head size 32: vLLM's CPU attention has no kernel for the default model's 16.
 MODEL = ["--engine.kind", "vllm", "--model.num_heads", "2"]
 
@@ -40,7 +44,7 @@ class Setup:
         self.tok = load_tokenizer(self.rl.task.tokenizer_path)
         self.task = build_task("sort4", 0, None, "partial")
         self.model = build_model(self.rl.model, self.tok)
-        self.engine = rollout_engine(self.rl, self.tok, self.model, torch.device("cpu"), "t-vllm")
+        self.engine = rollout_engine(self.rl, self.tok, self.model, torch.device("cpu"), NAME)
         assert isinstance(self.engine, VLLMEngine)
         self.engine.version = 0
         self.hf = HFEngine(copy.deepcopy(self.model), self.tok.eos_id, self.tok.pad_id)
@@ -64,7 +68,7 @@ def keys(first: int, count: int) -> list[int]:
 
 
 def test_the_model_written_for_vllm_is_removed_once_it_is_loaded(setup: Setup):
-    assert not list(Path(tempfile.gettempdir()).glob("phalanx-vllm-t-vllm-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"phalanx-vllm-{NAME}-*"))
 
 
 def test_completions_keep_the_engine_contract(setup: Setup):
@@ -245,9 +249,9 @@ def test_a_vllm_that_fails_to_start_says_why_in_one_line(setup: Setup):
     # A KV cache too small for one sequence of max_model_len: vLLM refuses to start.
     rl = load_rl_config(None, [*MODEL, "--engine.cpu_kv_cache_gib", "0.000001"])
     with pytest.raises(EngineError, match="vLLM failed to start on") as e:
-        rollout_engine(rl, setup.tok, setup.model, torch.device("cpu"), "t-vllm-small")
+        rollout_engine(rl, setup.tok, setup.model, torch.device("cpu"), f"{NAME}-small")
     assert "\n" not in str(e.value) and "this replica's log" in str(e.value)
-    assert not list(Path(tempfile.gettempdir()).glob("phalanx-vllm-t-vllm-small-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"phalanx-vllm-{NAME}-small-*"))
 
 
 def test_a_storage_snapshot_reaches_vllm_through_the_weight_channel(setup: Setup, tmp_path: Path):
