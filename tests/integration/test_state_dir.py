@@ -22,7 +22,11 @@ from phalanx.console.poll import fetch_status
 
 
 def job(tmp_path: Path) -> Path:
-    return write_job_toml(tmp_path / "job.toml", {"job": {"id": "sd"}, "timeouts": FAST_TIMEOUTS})
+    # The member these tests register never heartbeats, and must still be there after
+    # a restart: a heartbeat timeout longer than any test (a loaded machine once took
+    # over 2 s from the register to the status, and it was evicted).
+    timeouts = {**FAST_TIMEOUTS, "heartbeat_s": 3600.0, "quorum_s": 7200.0}
+    return write_job_toml(tmp_path / "job.toml", {"job": {"id": "sd"}, "timeouts": timeouts})
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
