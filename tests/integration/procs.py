@@ -87,7 +87,7 @@ def cli_status(controller: Path) -> dict[str, Any]:
         capture_output=True,
         text=True,
         env=child_env(),
-        timeout=30,
+        timeout=120,  # a bound on a loaded machine, not a margin: it answers in moments
     )
     assert p.returncode == 0, p.stderr
     data: dict[str, Any] = json.loads(p.stdout)
@@ -103,7 +103,11 @@ class Procs:
         self._n = 0
 
     def spawn(
-        self, args: list[str], label: str, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        label: str,
+        env: dict[str, str] | None = None,
+        stdin: int = subprocess.DEVNULL,
     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
         self._n += 1
         out = self.workdir / f"{label}.{self._n}.out"
@@ -113,7 +117,7 @@ class Procs:
                 args,
                 stdout=fo,
                 stderr=fe,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 env=env or child_env(),
                 start_new_session=True,
             )

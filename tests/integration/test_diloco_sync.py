@@ -28,7 +28,14 @@ SEED = 7
 DILOCO = {"mode": "sync", "sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
-def _job(root: Path, name: str, jobs: list[FTJob], n: int, **train: Any) -> FTJob:
+def _job(
+    root: Path,
+    name: str,
+    jobs: list[FTJob],
+    n: int,
+    timeouts: dict[str, float] | None = None,
+    **train: Any,
+) -> FTJob:
     """A sync DiLoCo job of ``n`` replicas (its controller started)."""
     d = root / name
     d.mkdir()
@@ -37,6 +44,7 @@ def _job(root: Path, name: str, jobs: list[FTJob], n: int, **train: Any) -> FTJo
         job_id=name,
         train={"steps": H * ROUNDS, **train},
         policy={"n_init_replicas": n},
+        timeouts=timeouts,
     )
     with cfg.open("a") as f:
         f.write("\n[diloco]\n")
@@ -77,7 +85,11 @@ def test_sync_diloco_survives_a_kill_and_the_replica_rejoins(tmp_path: Path):
     try:
         # step_delay_s paces the rounds (about 0.4 s each) so that the restart
         # (a warm spare) joins well before the job ends.
-        job = _job(tmp_path, "kill", jobs, 3, step_delay_s=0.05)
+        # A SIGKILLed peer is found by the survivors' failed all-reduce and cannot
+        # answer the probe: these timeouts do not slow its eviction, and keep a live
+        # replica on a loaded machine from being taken for dead.
+        timeouts = {"heartbeat_s": 10.0, "suspect_grace_s": 1.0}
+        job = _job(tmp_path, "kill", jobs, 3, timeouts, step_delay_s=0.05)
         a, b, c = (job.start_replica(n) for n in "abc")
         restart = job.start_replica("c", spare=True)
         c.wait_step(3)

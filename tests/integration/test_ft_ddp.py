@@ -151,13 +151,19 @@ class KillRestart:
     restarted_at: int = 0
 
 
-KILL_AT, RESTART_AT = 20, 30
+KILL_AT, RESTART_AT = 20, 22
+
+KILL_TIMEOUTS = {"heartbeat_s": 10.0, "suspect_grace_s": 1.0}
+"""For the kill tests: a SIGKILLed peer is found by the survivors' failed collective
+and cannot answer the probe, so these do not slow its eviction; they keep a live
+replica on a loaded machine from being taken for dead (a missed heartbeat or probe)."""
 
 
 @pytest.fixture(scope="module")
 def kill_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillRestart]:
     """3 replicas; SIGKILL one when it reports step 20; restart it (same name) when
-    the survivors report step 30."""
+    the survivors report step 22, once they train without it. Paced so that the 18
+    steps left take seconds however fast the machine is."""
     jobs: list[FTJob] = []
     try:
         job = _job(
@@ -165,7 +171,8 @@ def kill_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillResta
             "kill",
             jobs,
             policy={"n_init_replicas": 3},
-            train={"step_delay_s": 0.05},
+            train={"step_delay_s": 0.1},
+            timeouts=KILL_TIMEOUTS,
         )
         job.start_controller()
         a, b, c = (job.start_replica(n) for n in "abc")

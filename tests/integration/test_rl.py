@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,18 +62,43 @@ def job_sections(
     }
 
 
+SPARE = (
+    "import runpy, sys, torch, torch._dynamo, phalanx.jobs.rl_policy, phalanx.jobs.rl_rollout; "
+    "sys.stdin.readline(); "
+    "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)"
+)
+"""A warm spare: pays the imports up front, then waits for a line on stdin and runs
+``phalanx.cli`` as ``python -m phalanx.cli ARGS`` would. It touches neither the
+network nor the controller before it is released."""
+
+
 class RLReplica:
     """A ``phalanx replica`` subprocess of the RL job; its stdout is JSON lines."""
 
     def __init__(
-        self, procs: Procs, ctl: Controller, config: Path, role: str, name: str, *extra: str
+        self,
+        procs: Procs,
+        ctl: Controller,
+        config: Path,
+        role: str,
+        name: str,
+        *extra: str,
+        spare: bool = False,
     ):
         self.name, self.role = name, role
-        args = [sys.executable, "-m", "phalanx.cli", "replica", "--role", role, "--name", name]
+        head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
+        args = [sys.executable, *head, "replica", "--role", role, "--name", name]
         args += ["--controller", str(ctl.state_dir), "--config", str(config)]
         if role == "policy":
             args += ["--state", str(procs.workdir / f"{name}.state")]
-        self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}")
+        stdin = subprocess.PIPE if spare else subprocess.DEVNULL
+        self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}", stdin=stdin)
+
+    def release(self) -> None:
+        """Start a warm spare's replica (see :data:`SPARE`)."""
+        assert self.proc.stdin is not None, f"{self.role} {self.name} is not a spare"
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.close()
 
     def lines(self) -> list[dict[str, Any]]:
         complete = self.out.read_text().split("\n")[:-1]
@@ -103,8 +129,8 @@ def rl_job(tmp_path: Path, procs: Procs) -> Iterator[Callable[..., tuple[Control
         config = write_job_toml(tmp_path / "rl.toml", job_sections(**sections))
         ctl = Controller(procs, tmp_path / "state", config).start()
 
-        def start(role: str, name: str, *extra: str) -> RLReplica:
-            return RLReplica(procs, ctl, config, role, name, *extra)
+        def start(role: str, name: str, *extra: str, spare: bool = False) -> RLReplica:
+            return RLReplica(procs, ctl, config, role, name, *extra, spare=spare)
 
         return ctl, start
 
@@ -224,6 +250,9 @@ def test_rl_policy_killed_with_two_policy_replicas_heals_on_restart(rl_job):
     p0 = start("policy", "policy-0")
     p1 = start("policy", "policy-1")
     roll = start("rollout", "rollout-0")
+    # Its restart is a warm spare: a cold start (the imports) can take longer on a
+    # loaded machine than policy-0 needs to finish the job alone.
+    p1b = start("policy", "policy-1", spare=True)
     wait_for(lambda: rl_status(ctl)["policy_step"] >= 4 and p1.alive(), 60, "policy step 4")
     p1.kill()
     at_kill = rl_status(ctl)["policy_step"]
@@ -232,10 +261,10 @@ def test_rl_policy_killed_with_two_policy_replicas_heals_on_restart(rl_job):
         30,
         "policy-0 to train alone",
     )
-    p1b = start("policy", "policy-1")
+    p1b.release()
     wait_for(
         lambda: any(e["healed"] for e in p1b.events("step")) or not p1b.alive(),
-        60,
+        300,
         "the restarted policy-1 to heal from policy-0",
     )
     st = wait_finished(ctl, [p0, p1b, roll])
