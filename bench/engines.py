@@ -26,13 +26,15 @@ in-place reload, prefix cache dropped), and one 1-token generation.
 ``weight_update_ratio`` = ``weight_update_s / broadcast_s`` (goal <= 1.5).
 
 **Joiner from a rollout peer or the policy leader** (``joiner_from_rollout_s``,
-``joiner_from_policy_s``): not measured yet. The controller does not build
-rollout-to-rollout meshes yet (issue 15, part 3); the keys are printed as null.
+``joiner_from_policy_s``, ``joiner_policy_over_rollout``): at the largest size, the
+time a late rollout replica waits for its weights when a rollout peer relays
+them against when the training policy leader sends them at its next step
+boundary (``bench/weight_joiners.py`` says how).
 
 ``--json`` prints one JSON object per line: per size ``params``,
 ``hf_tokens_per_s``, ``vllm_tokens_per_s``, ``vllm_over_hf``; once
 ``weight_update_s``, ``broadcast_s``, ``weight_update_ratio``,
-``joiner_from_rollout_s``, ``joiner_from_policy_s``.
+``joiner_from_rollout_s``, ``joiner_from_policy_s``, ``joiner_policy_over_rollout``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from weight_joiners import joiner_times
 
 SIZES: dict[str, dict[str, int]] = {
     "small": dict(
@@ -180,7 +184,11 @@ def main() -> int:
                 }
             )
         assert engine is not None and model is not None
-        say(weight_update(engine, model, prompts[0], a.repeats))
+        rec = weight_update(engine, model, prompts[0], a.repeats)
+        engine.close()
+        engine = None  # its memory and threads: the joiner sources train and send next
+        rec |= joiner_times(work / sizes[-1], model.state_dict(), a.repeats)
+        say(rec)
     finally:
         if engine is not None:
             engine.close()
@@ -227,8 +235,6 @@ def weight_update(engine: Any, model: Any, prompt: list[int], repeats: int) -> d
         "broadcast_s": round(b, 4),
         "weight_update_s": round(u, 4),
         "weight_update_ratio": round(u / b, 2),
-        "joiner_from_rollout_s": None,
-        "joiner_from_policy_s": None,
     }
 
 

@@ -243,6 +243,38 @@ def test_rl_stale_rollouts_are_discarded_and_counted(rl_job):
     )
 
 
+def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
+    """The only policy replica dies after a weight sync: a rollout replica that joins
+    then gets the last synced version from its rollout peer (no leader to send it),
+    generates with it, and the restarted policy finishes the job."""
+    ctl, start = rl_job(rollout_init=1, steps=40, target_reward=0.99)
+    policy = start("policy", "policy-0")
+    r0 = start("rollout", "rollout-0")
+    wait_for(
+        lambda: [e for e in r0.events("sync") if e["ok"] and e["version"] >= 2],
+        120,
+        "a weight sync of version 2 at least",
+    )
+    policy.kill()
+    late = start("rollout", "rollout-late")
+    syncs = wait_for(
+        lambda: [e for e in late.events("sync") if e["ok"]] if late.alive() else None,
+        300,
+        "the late rollout replica to get weights",
+    )
+    r0_id = r0.events("start")[0]["replica"]
+    assert syncs[0]["source"] == r0_id and syncs[0]["version"] >= 2, syncs[0]
+    relayed = [e for e in r0.events("sync") if e["source"] == r0_id]
+    assert relayed and relayed[0]["ok"] and relayed[0]["seq"] == syncs[0]["seq"], relayed
+    timeline = [t["text"] for t in ctl.status()["overview"]["timeline"]]
+    assert any(f"relayed by rollout {r0_id} to 1" in t for t in timeline), timeline
+    policy_b = start("policy", "policy-0")
+    st = wait_finished(ctl, [policy_b, r0, late], timeout=300)
+    check_ledger(st, trained_prompts([policy, policy_b]))
+    rolls = late.events("rollout")
+    assert rolls and all(e["version"] >= syncs[0]["version"] for e in rolls)
+
+
 def test_rl_policy_killed_with_two_policy_replicas_heals_on_restart(rl_job):
     # A fixed 40 batches (the reward target is out of reach), so that the job is still
     # running when the restarted replica has imported its model and joins.

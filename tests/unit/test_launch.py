@@ -12,7 +12,7 @@ import pytest
 from phalanx import cli
 from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
-from phalanx.console.view import rl_line, status_text
+from phalanx.console.view import rl_line, status_text, sync_stats
 from phalanx.controller.core.state import ControllerState
 from phalanx.launch.local import LocalJob, Replica
 from phalanx.launch.options import Chaos, launch_counts, parse_scale
@@ -320,6 +320,22 @@ def test_rl_summary_line():
         "rollouts trained 672, discarded 5 (stale: 5); 2 replica(s) killed, 1 heal(s), syncs 42 "
         "(mean 12.5 ms). Logs: runs/x"
     )
+
+
+def test_sync_count_takes_the_leaders_syncs_and_the_rollout_relays():
+    leader, r0, late = (
+        Replica("policy-0"),
+        Replica("rollout-0", "rollout"),
+        Replica("rollout-1", "rollout"),
+    )
+    for seq in (1, 2):
+        leader.apply({"event": "sync", "replica": "p:1", "seq": seq, "ok": True, "ms": 10.0})
+        r0.apply({"event": "sync", "replica": "r0:1", "seq": seq, "ok": True, "source": "p:1"})
+    # Sync 3: rollout-0 relays its version to the late one; the leader is not in it.
+    r0.apply({"event": "sync", "replica": "r0:1", "seq": 3, "ok": True, "source": "r0:1"})
+    late.apply({"event": "sync", "replica": "r1:1", "seq": 3, "ok": True, "source": "r0:1"})
+    assert (r0.syncs, r0.relayed, late.relayed) == (3, 1, 0)
+    assert sync_stats([leader, r0, late]) == (3, 10.0)
 
 
 def test_live_view_renders_an_rl_job(tmp_path: Path):

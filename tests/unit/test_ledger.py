@@ -279,8 +279,15 @@ def job(
     return st
 
 
-def join(st: ControllerState, role: str, name: str, *, now: float = 0.0) -> str:
-    m, _ = st.register(role, name, "i0", now=now, wall=now, address=f"{name}-host:29500")
+def join(
+    st: ControllerState, role: str, name: str, *, now: float = 0.0, relays: bool = False
+) -> str:
+    """Register a replica. ``relays``: a rollout replica whose weight channel can relay
+    what it fetched (it advertises ``relays_weights``)."""
+    caps = {"relays_weights": True} if relays else {}
+    m, _ = st.register(
+        role, name, "i0", now=now, wall=now, address=f"{name}-host:29500", capabilities=caps
+    )
     return m.replica_id
 
 
@@ -1316,6 +1323,152 @@ def test_a_new_leader_gets_the_next_order_at_once(synced):
     order = st.ledger.weights.sync
     assert order is not None and (order.seq, order.members) == (2, [P2, R1, R2])
     assert order.store == "p2-host:29500" and st.ledger.weights.source_busy == (P2, 2)
+
+
+# -- the sync's source: a rollout peer for joiners; the first mesh waits for n_init --------
+
+
+def relaying(*overrides: str) -> CheckedState:
+    """Leader P, rollouts R1 and R2 that relay, both synced to version 2 by the leader."""
+    st = job(*overrides, rollouts=())
+    for n in ("r1", "r2"):
+        join(st, "rollout", n, relays=True)
+    declare(st, R1)
+    declare(st, R2)
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)
+    order = st.ledger.weights.sync
+    # Nobody holds version 2 yet: the policy leader is the source.
+    assert order is not None and order.members == [P, R1, R2] and order.source_role == "policy"
+    for rid in (P, R1, R2):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    assert st.ledger.weights.sync is None
+    return st
+
+
+def test_a_joiner_gets_its_weights_from_an_idle_rollout_peer():
+    st = relaying()
+    r3 = join(st, "rollout", "r3", now=2, relays=True)
+    reply = lease(st, r3, version=-1, now=2)
+    assert reply["lease"] is None
+    assert reply["sync"] == {
+        "seq": 2,
+        "mesh_id": 2,
+        "members": [R1, r3],  # R1 holds version 2: it relays it; the leader trains on
+        "rank": 1,
+        "store": "r1-host:29500",
+    }
+    assert sync_for(st, R1) == {**reply["sync"], "rank": 0} and sync_for(st, P) is None
+    ordered = [e for e in st.events if e["kind"] == "sync_ordered"][-1]
+    assert (ordered["source"], ordered["source_role"]) == (R1, "rollout")
+    st.sync_done(R1, 2, 2, True, now=3, wall=3)
+    st.sync_done(r3, 2, 2, True, now=3, wall=3)
+    assert st.ledger.weights.sync is None and st.ledger.weights.versions[r3] == 2
+    done = st.events[-1]
+    assert (done["kind"], done["source"], done["source_role"]) == ("sync_done", R1, "rollout")
+    timeline = st.status(3).model_dump(mode="json")["overview"]["timeline"]
+    assert timeline[-1]["text"] == f"weight sync 2 done (v2 relayed by rollout {R1} to 1)"
+    assert "weight sync 1 done (v2)" in [t["text"] for t in timeline]  # the leader's
+    assert lease(st, r3, version=2, now=3)["lease"] is not None
+
+
+def test_a_joiner_gets_the_leader_when_every_peer_is_busy_or_cannot_relay():
+    st = relaying()
+    lease(st, R1, 2, version=2, now=2)  # both peers generate
+    lease(st, R2, 2, version=2, now=2)
+    r3 = join(st, "rollout", "r3", now=2)
+    order = lease(st, r3, version=-1, now=2)["sync"]
+    assert (order["members"], order["store"]) == ([P, r3], "p1-host:29500")
+    assert st.ledger.weights.sync.source_role == "policy"
+    # Peers that do not relay (another weight channel) are never a source.
+    st = job()
+    declare(st, R1)
+    declare(st, R2)
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)
+    for rid in (P, R1, R2):
+        st.sync_done(rid, 1, 2, True, now=1, wall=1)
+    r3 = join(st, "rollout", "r3", now=2)
+    assert lease(st, r3, version=-1, now=2)["sync"]["members"] == [P, r3]
+
+
+def test_a_joiner_gets_the_last_synced_version_from_a_peer_while_the_policy_is_down():
+    st = relaying()
+    train(st, 2, version=2, now=2)
+    train(st, 3, version=2, now=2)  # version 4 wanted; its sync is ordered
+    assert st.ledger.weights.want_version == 4 and st.ledger.weights.sync is not None
+    st.deregister(P, "crashed", now=3, wall=3)  # the only policy replica: no leader
+    assert st.ledger.weights.sync is None
+    declare(st, R1, 2, now=3)  # the failed sync's members ask again, still at version 2
+    declare(st, R2, 2, now=3)
+    r3 = join(st, "rollout", "r3", now=3)
+    order = lease(st, r3, version=-1, now=3)["sync"]
+    assert (order["members"], order["store"]) == ([R1, r3], "r1-host:29500")
+    st.sync_done(R1, order["seq"], 2, True, now=4, wall=4)
+    st.sync_done(r3, order["seq"], 2, True, now=4, wall=4)
+    assert st.ledger.weights.versions[r3] == 2 and st.ledger.weights.synced_version == 2
+    assert st.tick(now=4, wall=4) == Tick() and st.ledger.weights.sync is None  # nothing newer
+
+
+def test_no_peer_relays_the_init_weights():
+    """Version 0 was built from config by each replica: no channel keeps a copy."""
+    st = job("roles.rollout.n_init_replicas=1", rollouts=())
+    r1 = join(st, "rollout", "r1", relays=True)
+    declare(st, r1)
+    form(st, [P])
+    train(st, 0, rid=r1)
+    train(st, 1, rid=r1)  # version 2 wanted: r1 is in its sync (with the leader)
+    st.deregister(P, "crashed", now=1, wall=1)
+    r2 = join(st, "rollout", "r2", now=1, relays=True)
+    assert lease(st, r2, version=-1, now=1)["sync"] is None
+    assert st.ledger.weights.sync is None
+
+
+def test_a_peer_that_cannot_relay_fails_the_sync_and_the_next_goes_elsewhere():
+    st = relaying()
+    r3 = join(st, "rollout", "r3", now=2)
+    assert lease(st, r3, version=-1, now=2)["sync"]["members"] == [R1, r3]
+    # R1's channel kept no buffer of that version: it says so, and the sync fails.
+    st.sync_done(R1, 2, 2, False, "cannot relay version 2", now=3, wall=3)
+    assert st.ledger.weights.sync is None and "sync_failed" in kinds(st)
+    declare(st, r3, -1, now=3)  # it asks again
+    # R1 is free again (it reported): the next order may name R1 or R2, both at v2.
+    order = st.ledger.weights.sync
+    assert order is not None and order.members[1:] == [r3] and order.source_role == "rollout"
+
+
+def test_the_first_mesh_waits_for_the_rollout_roles_n_init_replicas():
+    st = job("roles.rollout.n_init_replicas=3", rollouts=("r1", "r2", "r3"))
+    declare(st, R1)  # r1 generates at version 0 meanwhile; r2 and r3 still load
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)
+    assert st.ledger.weights.want_version == 2 and st.ledger.weights.sync is None
+    assert lease(st, R1, 2, version=0, now=1)["lease"] is not None  # it goes on generating
+    declare(st, R2, now=2)
+    assert st.ledger.weights.sync is None  # 2 of 3
+    reply = declare(st, "r3:i0", now=3)
+    assert reply["sync"]["members"] == [P, R2, "r3:i0"]  # R1 holds a lease: next sync
+    assert "sync_short" not in kinds(st)
+
+
+def test_the_first_mesh_goes_ahead_short_after_quorum_s():
+    st = job("roles.rollout.n_init_replicas=3")
+    declare(st, R1)
+    form(st, [P])
+    train(st, 0)
+    train(st, 1)
+    declare(st, R1, version=0, now=QUORUM_S - 1)
+    assert st.ledger.weights.sync is None
+    declare(st, R1, version=0, now=QUORUM_S)  # held since the commit at 0
+    order = st.ledger.weights.sync
+    assert order is not None and order.members == [P, R1]
+    short = [e for e in st.events if e["kind"] == "sync_short"]
+    assert [(e["up"], e["n_init"]) for e in short] == [(1, 3)]
+    text = st.status(70).model_dump(mode="json")["overview"]["timeline"]
+    assert any(t["text"].startswith("first weight sync went ahead with 1 of 3") for t in text)
 
 
 # -- scale, status, restore ---------------------------------------------------------------

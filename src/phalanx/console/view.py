@@ -246,13 +246,15 @@ class View:
         return s
 
 
-def _sync_stats(reps: list[Replica]) -> tuple[int, float | None]:
-    # One sync is led by the policy leader, which reports it once; rollout replicas
-    # report their side of the same sync, so count the leader's lines.
+def sync_stats(reps: list[Replica]) -> tuple[int, float | None]:
+    # One sync is led by its source, which reports it once (the policy leader, or a
+    # rollout replica that relayed); rollout replicas report their side of the same
+    # sync, so count the leader's lines and the relays.
     policy = [r for r in reps if r.role == "policy"]
     src = policy if any(r.syncs for r in policy) else reps
     ms = [m for r in src for m in r.sync_ms]
-    return sum(r.syncs for r in src), (round(sum(ms) / len(ms), 2) if ms else None)
+    relayed = sum(r.relayed for r in reps) if src is policy else 0
+    return sum(r.syncs for r in src) + relayed, (round(sum(ms) / len(ms), 2) if ms else None)
 
 
 def ft_summary(job: LocalJob) -> dict[str, Any]:
@@ -301,7 +303,7 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
     hit = poller.target_hit if poller else None
     best = poller.best if poller else None
     last = rl.last if rl is not None else None
-    syncs, sync_ms = _sync_stats(reps)
+    syncs, sync_ms = sync_stats(reps)
     return {
         "event": "summary",
         "job": job.cfg.job.id,

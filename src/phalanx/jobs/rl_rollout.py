@@ -6,7 +6,9 @@ The loop, between two generation batches:
    (long-poll; the reply may carry a weight-sync order instead of, or with,
    a lease);
 2. if a sync order names this replica, join it first and swap the weights
-   (:class:`WeightChannel`), then report the version now held;
+   (:class:`WeightChannel`), then report the version now held; or, named the
+   order's source (rank 0: a later replica needs the version this one holds),
+   relay the weights it fetched last to the order's other members;
 3. generate ``group_size`` completions per leased prompt with the engine
    (keyed by the job seed and the prompt's index, so that a prompt dispatched
    again regenerates the same completions under the same weights), score
@@ -46,18 +48,20 @@ import torch
 
 from phalanx.client import ControllerClient
 from phalanx.comm.base import CommError
+from phalanx.comm.torch_pg import serve_store
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
 from phalanx.log import ReplicaLogger
-from phalanx.protocol.rl import RolloutIn, SubmitReply
-from phalanx.rl.engine.base import EngineError
+from phalanx.protocol.base import Scalar
+from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
+from phalanx.rl.engine.base import EngineError, GenerationEngine
 from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
 from phalanx.train.orders import Orders
-from phalanx.transport.base import RolloutStore
+from phalanx.transport.base import RolloutStore, WeightChannel
 from phalanx.transport.factory import rollout_store, weight_channel
 
 log = logging.getLogger("phalanx.jobs.rl_rollout")
@@ -79,6 +83,48 @@ def submit(
     return client.submit_rollouts(lease_id, by_ref)
 
 
+def take_sync(
+    client: ControllerClient,
+    weights: WeightChannel,
+    engine: GenerationEngine,
+    order: SyncOrder,
+    rlog: ReplicaLogger,
+) -> None:
+    """Take part in a sync order: fetch the weights and load them into the engine, or,
+    as the order's source (rank 0), relay the version the engine holds. Reported to
+    the controller either way."""
+    t0 = time.perf_counter()
+    source = order.rank == 0
+    if source:
+        res = weights.relay(order, engine.version)
+        ok, err = res.ok, res.error
+    else:
+        try:
+            version, w = weights.fetch(order, engine.layout())
+            engine.load_weights(w, version)
+            ok, err = True, ""
+        except (CommError, EngineError, ValueError) as e:
+            # The engine holds its old version, or none (-1) after a reload that
+            # failed part-way: either way it is ordered to sync again.
+            ok, err = False, str(e)
+    if not ok:
+        rlog.warning("weight sync %d failed%s: %s", order.seq, " as source" * source, err[:200])
+    ms = 1e3 * (time.perf_counter() - t0)
+    client.sync_done(order.seq, engine.version, ok, err)
+    emit(
+        {
+            "event": "sync",
+            "role": "rollout",
+            "replica": client.replica_id,
+            "seq": order.seq,
+            "version": engine.version,
+            "ms": round(ms, 3),
+            "ok": ok,
+            "source": order.members[0],
+        }
+    )
+
+
 def run(args: ReplicaArgs) -> int:
     """Generate rollouts for the job's RL ledger until the job finishes or the
     replica is drained."""
@@ -89,11 +135,21 @@ def run(args: ReplicaArgs) -> int:
     keep_freed_memory()
     if g.threads:
         torch.set_num_threads(g.threads)
-    client = ControllerClient(str(args.controller), "rollout", args.name)
+    device = torch.device(g.device)
+    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
+    # A channel that relays serves the rendezvous of the syncs this replica is the
+    # source of; the controller names only replicas that say so as a source.
+    address, _rendezvous = "", None  # the store lives as long as this frame
+    caps: dict[str, Scalar] = {}
+    if weights.relays:
+        _rendezvous, address = serve_store()
+        caps = {"relays_weights": True}
+    client = ControllerClient(
+        str(args.controller), "rollout", args.name, address=address, capabilities=caps
+    )
     client.register()
     client.start_heartbeat()
     rlog = ReplicaLogger(log, client.who)
-    device = torch.device(g.device)
     tok = load_tokenizer(rl.task.tokenizer_path)
     task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
     # Completions are keyed by prompt (make_rollouts), so which replica draws a
@@ -103,7 +159,6 @@ def run(args: ReplicaArgs) -> int:
     except EngineError as e:
         client.close("failed")
         raise JobError(str(e)) from e
-    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
     store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
     orders = Orders(client, kinds=("drain",))
     synced = released = 0
@@ -123,29 +178,7 @@ def run(args: ReplicaArgs) -> int:
             order = r.sync
             if order is not None and order.seq > synced:
                 synced = order.seq
-                t0 = time.perf_counter()
-                try:
-                    version, w = weights.fetch(order, engine.layout())
-                    engine.load_weights(w, version)
-                    ok, err = True, ""
-                except (CommError, EngineError, ValueError) as e:
-                    # The engine holds its old version, or none (-1) after a reload
-                    # that failed part-way: either way it is ordered to sync again.
-                    ok, err = False, str(e)
-                    rlog.warning("weight sync %d failed: %s", order.seq, err[:200])
-                ms = 1e3 * (time.perf_counter() - t0)
-                client.sync_done(order.seq, engine.version, ok, err)
-                emit(
-                    {
-                        "event": "sync",
-                        "role": "rollout",
-                        "replica": client.replica_id,
-                        "seq": order.seq,
-                        "version": engine.version,
-                        "ms": round(ms, 3),
-                        "ok": ok,
-                    }
-                )
+                take_sync(client, weights, engine, order, rlog)
             if r.finished:
                 break  # after any sync in flight: the leader is waiting on this replica
             if engine.version < 0 and r.init_weights and synced == 0:

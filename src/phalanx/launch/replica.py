@@ -44,6 +44,8 @@ class Replica:
     stale: int = 0
     duplicates: int = 0
     syncs: int = 0
+    relayed: int = 0
+    """Syncs this rollout replica was the source of (it relayed its weights)."""
     sync_ms: list[float] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
 
@@ -95,6 +97,7 @@ class Replica:
         elif kind == "sync":
             if ev.get("ok"):
                 self.syncs += 1
+                self.relayed += self.role == "rollout" and ev.get("source") == ev.get("replica")
                 self.version = ev.get("version", self.version)
                 if isinstance(ev.get("ms"), int | float):
                     self.sync_ms.append(float(ev["ms"]))

@@ -8,7 +8,7 @@ docs/operations.md lists every field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,8 +132,11 @@ class SyncRecord(Wire):
     mesh_id: Count
     members: Ids
     store: Address
+    """The source's rendezvous address (the source is ``members[0]``)."""
     ordered_at: Wall
     done: Annotated[dict[ReplicaId, SignedInt], Many]
+    source_role: Literal["policy", "rollout"] = "policy"
+    """Who sends: the policy leader, or a rollout peer relaying the version it holds."""
 
 
 class WeightsStatus(Wire):

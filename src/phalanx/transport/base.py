@@ -90,6 +90,16 @@ class WeightChannel(ABC):
         """Rollout replica: take part in ``order``; returns (version, weights) with the
         names, shapes and dtypes of ``like``."""
 
+    relays = False
+    """Whether a rollout replica can serve the weights it last fetched to a later one
+    (:meth:`relay`): the rollout-to-rollout broadcast. It advertises this when it
+    registers, and only then may the controller name it a sync's source."""
+
+    def relay(self, order: SyncOrder, version: int) -> SyncResult:
+        """Rollout replica named rank 0 of ``order``: send the weights of ``version``
+        it last fetched to the order's other members (a late joiner), at once."""
+        raise NotImplementedError(f"{type(self).__name__} does not relay weights")
+
     @abstractmethod
     def close(self) -> None:
         """Release the channel's groups and threads."""

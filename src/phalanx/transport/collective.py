@@ -11,6 +11,12 @@ The fingerprint (names, shapes, dtypes) makes a receiver with another model
 fail loudly instead of loading garbage. The leader sends from its own thread,
 from a snapshot taken at the step boundary, so training goes on while the
 rollout replicas join between their generation batches.
+
+Rank 0 may also be a rollout replica (the rollout-to-rollout broadcast): a
+receiver keeps the flat buffer of the version it fetched last (one copy of the
+weights), and when the controller names it the source for a late joiner it
+sends that buffer as it came, so the policy leader is not asked again for a
+version it already sent.
 """
 
 from __future__ import annotations
@@ -53,12 +59,16 @@ def unpack(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 class CollectiveWeightChannel(WeightChannel):
+    relays = True
+
     def __init__(self, timeout_s: float, device: torch.device | None = None):
         self.comm = TorchCommunicator(timeout_s, device)
         self._mesh: tuple[int, int, int] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-weights")
         self.pending: Future[SyncResult] | None = None
         """The leader's last send (tests and benchmarks wait on it)."""
+        self.kept: tuple[int, int, torch.Tensor] | None = None
+        """(version, layout fingerprint, flat buffer) of the last fetch, to relay."""
 
     def _configure(self, order: SyncOrder) -> None:
         key = (order.mesh_id, order.rank, len(order.members))
@@ -79,6 +89,24 @@ class CollectiveWeightChannel(WeightChannel):
             raise ValueError(f"publish must be called by the mesh's rank 0: got rank {order.rank}.")
         flat, fp = pack(weights), fingerprint(weights)
         self.pending = self._pool.submit(self._send, version, flat, fp, order, report)
+
+    def relay(self, order: SyncOrder, version: int) -> SyncResult:
+        if order.rank != 0:
+            raise ValueError(f"relay must be called by the mesh's rank 0: got rank {order.rank}.")
+        if self.kept is None or self.kept[0] != version:
+            held = "none" if self.kept is None else f"version {self.kept[0]}"
+            return SyncResult(
+                order.seq,
+                version,
+                False,
+                0.0,
+                0,
+                len(order.members),
+                f"this replica cannot relay version {version}: it keeps {held} (the controller "
+                f"names another source next time)",
+            )
+        _, fp, flat = self.kept
+        return self._send(version, flat, fp, order, lambda res: None)
 
     def _send(
         self, version: int, flat: torch.Tensor, fp: int, order: SyncOrder, report: Report
@@ -117,10 +145,11 @@ class CollectiveWeightChannel(WeightChannel):
         expected = sum(t.numel() * t.element_size() for t in like.values())
         if fp != want or nbytes != expected:
             raise CommError(
-                f"weights from the policy leader must match this replica's model: got layout "
+                f"weights from the sync's source must match this replica's model: got layout "
                 f"{fp:#x} ({nbytes} bytes), expected {want:#x} ({expected} bytes). Start every "
                 f"replica with the same [rl.model] config."
             )
+        self.kept = (version, fp, flat)
         return version, unpack(flat, like)
 
     def close(self) -> None:

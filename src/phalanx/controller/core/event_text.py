@@ -18,6 +18,8 @@ EVENT_TEXT = {
     "healed": "{who} healed from {source} to step {step} in {seconds} s",
     "checkpoint_requested": "checkpoint asked for step {step}",
     "sync_failed": "weight sync {seq} failed",
+    "sync_short": "first weight sync went ahead with {up} of {n_init} rollout replicas "
+    "after {waited_s} s",
     "scale": "scale {role} to {replicas}",
     "drain": "drain {who}",
     "rl_finished": "RL job finished",
@@ -68,6 +70,11 @@ def _describe(e: dict[str, Any], k: str, who: str) -> str:
             return (
                 f"weight syncs {e['first_seq']}-{e['seq']} done ({e['runs']}, "
                 f"v{e['first_version']} to v{e['version']})"
+            )
+        if e.get("source_role") == "rollout":
+            return (
+                f"weight sync {e['seq']} done (v{e['version']} relayed by rollout "
+                f"{e['source']} to {e['members'] - 1})"
             )
         return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
     return f"{k} {who}".strip()

@@ -43,6 +43,7 @@ TIMELINE_KINDS = (
     "checkpoint_requested",
     "sync_done",
     "sync_failed",
+    "sync_short",
     "scale",
     "drain",
     "rl_finished",
@@ -108,10 +109,15 @@ def _replica(st: ControllerState, rs: RoleState, m: Member, now: float, wall: fl
     }
 
 
+def _leader_sync(ev: dict[str, Any]) -> bool:
+    return ev["kind"] == "sync_done" and ev.get("source_role", "policy") == "policy"
+
+
 def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events worth a line. An RL job syncs weights after every batch: a run of
     ``sync_done`` with nothing in between becomes one event (the last, with ``runs``,
-    ``first_seq`` and ``first_version``), so joins and evictions stay in sight."""
+    ``first_seq`` and ``first_version``), so joins and evictions stay in sight. A sync
+    a rollout peer relayed (to a joiner) keeps its own line, naming the source."""
     out: list[dict[str, Any]] = []
     for ev in events:
         if ev["kind"] not in TIMELINE_KINDS:
@@ -119,7 +125,7 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ev["kind"] == "quorum" and not (ev.get("recovered") or ev.get("healing")):
             continue  # a routine re-formation says nothing new
         prev = out[-1] if out else None
-        if ev["kind"] == "sync_done" and prev is not None and prev["kind"] == "sync_done":
+        if _leader_sync(ev) and prev is not None and _leader_sync(prev):
             out[-1] = {
                 **ev,
                 "runs": prev.get("runs", 1) + 1,

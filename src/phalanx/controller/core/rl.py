@@ -79,8 +79,19 @@ class RLRequests:
     def maybe_sync(self, now: float, wall: float) -> Tick:
         if self.ledger is None:
             return Tick()
+        rs = self.roles["rollout"]
+        relays = {}
+        for rid in rs.member_ids:
+            m = self.members.members[rid]
+            if m.capabilities.get("relays_weights") and m.address:
+                relays[rid] = m.address
         order = self.ledger.maybe_sync(
-            self.leader(), self.roles["rollout"].member_ids, now=now, wall=wall
+            self.leader(),
+            rs.member_ids,
+            relays=relays,
+            n_init=rs.cfg.n_init_replicas,
+            now=now,
+            wall=wall,
         )
         return Tick(ledger_for=set(order.members)) if order is not None else Tick()
 

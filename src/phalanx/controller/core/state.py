@@ -74,8 +74,7 @@ class ControllerState:
         self.commands = Commands(self.log)
         self.checkpoints = CheckpointBook(self.log)
         self.desired: dict[str, int] = {}
-        """Replica count per role that an operator asked for (``phalanx scale``); a
-        launcher that can start and stop replicas follows it."""
+        """Replica count per role an operator asked for (``phalanx scale``)."""
         self.ledger = (
             Ledger(
                 cfg.rl,
@@ -83,6 +82,7 @@ class ControllerState:
                 run=run,
                 sync_timeout_s=2 * cfg.rl.loop.sync_timeout_s + cfg.timeouts.heartbeat_s,
                 external_store=cfg.rl.transport.rollouts != "controller",
+                first_mesh_hold_s=cfg.timeouts.quorum_s,  # as a first quorum waits
             )
             if cfg.rl is not None
             else None

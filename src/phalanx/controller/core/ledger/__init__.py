@@ -22,7 +22,7 @@ Where each prompt is, at every moment (:meth:`Ledger.balance` checks it)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from phalanx.config.rl import RLConfig
@@ -55,6 +55,7 @@ class Ledger:
         run: str,
         sync_timeout_s: float = 60.0,
         external_store: bool = False,
+        first_mesh_hold_s: float = 0.0,
     ):
         self.rl, self.log = rl, log
         self.loop, self.grpo = rl.loop, rl.grpo
@@ -76,7 +77,7 @@ class Ledger:
             "leases_expired": 0,
         }
         self.prompts = PromptBook(log, self.counts, self.save, self.loop.lease_s)
-        self.weights = WeightSync(log, self.save, sync_timeout_s)
+        self.weights = WeightSync(log, self.save, sync_timeout_s, first_mesh_hold_s)
         self.rollouts = RolloutBook(
             rl, log, self.counts, self.save, self._drop, self.prompts, self.weights
         )
@@ -348,12 +349,21 @@ class Ledger:
         return True
 
     def maybe_sync(
-        self, leader: tuple[str, str] | None, rollout_ids: Iterable[str], *, now: float, wall: float
+        self,
+        leader: tuple[str, str] | None,
+        rollout_ids: Iterable[str],
+        *,
+        relays: Mapping[str, str] | None = None,
+        n_init: int = 1,
+        now: float,
+        wall: float,
     ) -> Sync | None:
         return self.weights.maybe_sync(
             leader,
             rollout_ids,
             self.prompts.busy(),
+            relays=relays,
+            n_init=n_init,
             finished=self.finished,
             now=now,
             wall=wall,

@@ -7,11 +7,23 @@ its newest snapshot to every idle rollout replica that is behind (the mesh).
 At most one sync is in flight; a mesh change (join, eviction, new leader)
 makes the next sync rebuild the group (``mesh_id`` changes) and brings
 joiners up to date before they may lease prompts.
+
+**The source** is rank 0 of the mesh. When an idle rollout replica already
+holds the version the others need and can relay it (it said so when it
+registered: the collective channel keeps what it fetched), it is the source,
+not the policy leader, which goes on training undisturbed: a late joiner gets
+its weights from a rollout peer (Cosmos-RL's rollout-to-rollout broadcast).
+
+**The first mesh** waits for the rollout role's ``n_init_replicas`` to be up
+(asking for prompts), for up to ``hold_s``: the first replica generates with
+the init weights meanwhile, and the group is built once for all of them
+instead of once per replica as they come up. After ``hold_s`` it goes ahead
+with those that are up (event ``sync_short``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,11 +36,14 @@ class Sync:
     seq: int
     mesh_id: int
     members: list[str]
-    """Policy leader first, then the rollout replicas (rank = position)."""
+    """The source first (the policy leader or a rollout peer), then the rollout
+    replicas that receive (rank = position)."""
     store: str
-    """The leader's rendezvous address."""
+    """The source's rendezvous address."""
     ordered_at: float
     ordered_mono: float = field(default=0.0, compare=False)
+    source_role: str = "policy"
+    """``policy`` (the leader sends) or ``rollout`` (a peer relays what it holds)."""
     done: dict[str, int] = field(default_factory=dict)
     """Members that finished, with the version they now hold."""
 
@@ -39,8 +54,12 @@ class Sync:
 
 
 class WeightSync:
-    def __init__(self, log: ChangeLog, save: Callable[[], None], timeout_s: float):
+    def __init__(
+        self, log: ChangeLog, save: Callable[[], None], timeout_s: float, hold_s: float = 0.0
+    ):
         self.log, self.save, self.timeout_s = log, save, timeout_s
+        self.hold_s = hold_s
+        """How long the first mesh waits for the rollout role's n_init_replicas."""
         self.want_version = 0
         self.synced_version = 0
         """Newest version a completed sync delivered (0: the init weights, from config)."""
@@ -49,7 +68,9 @@ class WeightSync:
         self.mesh_id = 0
         self.mesh: list[str] = []
         self.source_busy: tuple[str, int] | None = None
-        """(leader, seq) of the last order until the leader reports it (not durable)."""
+        """(source, seq) of the last order until its source reports it (not durable)."""
+        self.first_wanted: float | None = None
+        """When the first mesh was first wanted (monotonic; not durable)."""
         self.versions: dict[str, int] = {}
         """Weights version each rollout replica last declared (not durable)."""
 
@@ -86,28 +107,34 @@ class WeightSync:
         rollout_ids: Iterable[str],
         busy: set[str],
         *,
+        relays: Mapping[str, str] | None = None,
+        n_init: int = 1,
         finished: bool,
         now: float,
         wall: float,
     ) -> Sync | None:
         """Order a sync if none is in flight and an idle rollout replica needs newer
         weights (a commit reached ``want_version``, or a joiner has none). The mesh is
-        the leader and those replicas. ``leader`` is the policy leader's (replica id,
-        rendezvous address); ``busy`` the replicas holding a prompt lease. Returns
-        the new order."""
+        the source and those replicas. ``leader`` is the policy leader's (replica id,
+        rendezvous address); ``busy`` the replicas holding a prompt lease; ``relays``
+        the rollout replicas that can relay what they hold (id -> address);
+        ``n_init`` the rollout replicas the first mesh waits for. Returns the new order."""
         if self.sync is not None:
             if now - self.sync.ordered_mono > self.timeout_s:
                 self.fail("timed out", wall)
             else:
                 return None
-        if leader is not None and self.source_busy is not None:
-            if self.source_busy[0] == leader[0]:
-                return None  # the leader still sends (or times out) the previous one
-            self.source_busy = None  # that leader is gone
         rollouts = sorted(rollout_ids)
-        if finished or leader is None or not rollouts or self.init_allowed():
+        if self.source_busy is not None and self.source_busy[0] not in (
+            leader[0] if leader else None,
+            *rollouts,
+        ):
+            self.source_busy = None  # that source is gone
+        if finished or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
-        target = max(self.want_version, self.synced_version)
+        # With no policy leader (it is down, or restarting), nothing newer than the last
+        # completed sync can be sent: a joiner may still get that from a rollout peer.
+        target = max(self.want_version, self.synced_version) if leader else self.synced_version
         # Only replicas between two generation batches (holding no lease) take part:
         # a broadcast waits for its slowest member, and one replica busy generating
         # must not hold back the weights of all the others (nor the policy, which
@@ -115,15 +142,19 @@ class WeightSync:
         # And only replicas that asked for prompts since they (re)started or failed a
         # sync: one still loading its model would hold the broadcast until it times out.
         behind = [r for r in rollouts if r not in busy and self.versions.get(r, target) < target]
-        if not behind:
+        if not behind or self._hold_first(rollouts, n_init, now, wall):
             return None
-        members = [leader[0], *behind]
+        source = self._source(leader, rollouts, busy, relays or {}, target)
+        if source is None:
+            return None  # the only possible source still sends (or times out) the last one
+        members = [source[0], *behind]
         if members != self.mesh:
             self.mesh_id += 1
             self.mesh = members
         self.sync_seq += 1
-        self.sync = Sync(self.sync_seq, self.mesh_id, members, leader[1], wall, now)
-        self.source_busy = (leader[0], self.sync_seq)
+        role = "policy" if leader is not None and source[0] == leader[0] else "rollout"
+        self.sync = Sync(self.sync_seq, self.mesh_id, members, source[1], wall, now, role)
+        self.source_busy = (source[0], self.sync_seq)
         self.save()
         self.log.event(
             "sync_ordered",
@@ -132,8 +163,40 @@ class WeightSync:
             mesh_id=self.mesh_id,
             members=len(members),
             want_version=self.want_version,
+            source=source[0],
+            source_role=role,
         )
         return self.sync
+
+    def _hold_first(self, rollouts: list[str], n_init: int, now: float, wall: float) -> bool:
+        """Whether the first mesh still waits for ``n_init`` rollout replicas to be up."""
+        if self.mesh_id > 0:
+            return False
+        up = sum(1 for r in rollouts if r in self.versions)
+        if up >= n_init:
+            return False
+        if self.first_wanted is None:
+            self.first_wanted = now
+        if now - self.first_wanted < self.hold_s:
+            return True
+        self.log.event("sync_short", wall, up=up, n_init=n_init, waited_s=round(self.hold_s, 3))
+        return False
+
+    def _source(
+        self,
+        leader: tuple[str, str] | None,
+        rollouts: list[str],
+        busy: set[str],
+        relays: Mapping[str, str],
+        target: int,
+    ) -> tuple[str, str] | None:
+        """An idle rollout peer that holds ``target`` and relays, else the policy leader
+        (None: neither, or the leader still sends its previous order)."""
+        sending = self.source_busy[0] if self.source_busy else None
+        for r in rollouts if target > 0 else ():  # version 0 was built from config: no copy
+            if r in relays and r not in busy and r != sending and self.versions.get(r) == target:
+                return r, relays[r]
+        return None if leader is None or sending == leader[0] else leader
 
     def fail(self, reason: str, wall: float) -> None:
         s = self.sync
@@ -172,13 +235,21 @@ class WeightSync:
             self.fail(f"{replica_id}: {error[:200]}", wall)
             return True
         s.done[replica_id] = version
-        if replica_id != s.members[0]:  # versions are the rollout replicas'
+        if replica_id != s.members[0]:  # a source's version did not change
             self.versions[replica_id] = version
         if len(s.done) < len(s.members):
             return False
         v = min(s.done.values())
         self.synced_version = max(self.synced_version, v)
-        self.log.event("sync_done", wall, seq=s.seq, version=v, members=len(s.members))
+        self.log.event(
+            "sync_done",
+            wall,
+            seq=s.seq,
+            version=v,
+            members=len(s.members),
+            source=s.members[0],
+            source_role=s.source_role,
+        )
         self.sync = None
         self.save()
         return True
