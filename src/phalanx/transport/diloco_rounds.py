@@ -99,6 +99,8 @@ class ObjectStoreAllReduce:
         self.bytes_read = 0
         self.corrupt = 0
         self.left_out = 0
+        self.averaged = 0
+        """Rounds this replica averaged itself (in aggregator mode: the aggregator's)."""
         self.last_members: list[str] = []
         self.slots = frozenset(slots) if slots is not None else None
         """The names that may be members (the job's slots); None: any name."""
@@ -326,6 +328,7 @@ class ObjectStoreAllReduce:
             n += 1
         if n == 0:
             raise RoundTimeout(f"outer round under {key}: no valid pseudo-gradient among {members}")
+        self.averaged += 1
         return [(a / n).to(t.dtype) for a, t in zip(acc, like, strict=True)], n
 
     def _cat(self, path: str) -> bytes | None:
