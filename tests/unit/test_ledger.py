@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from phalanx.config import JobConfig, load_config
 from phalanx.controller.core.base import ChangeLog
@@ -533,12 +534,24 @@ def test_submit_accepts_once_then_drops_duplicates(st):
     reply = lease(st, R1, 2)
     rolls = [rollout(x) for x in ids(reply)]
     out, tick = st.submit_rollouts(R1, "L1", rolls, now=1, wall=1)
-    assert out == {"accepted": ["p0.0", "p1.0"], "duplicate": [], "stale": [], "unleased": []}
+    assert out == {
+        "accepted": ["p0.0", "p1.0"],
+        "duplicate": [],
+        "stale": [],
+        "unleased": [],
+        "discarded": [],
+    }
     assert tick.ledger_for == {P}  # policy replicas waiting for a batch
     assert ("leases", "L1", None) in st.last_changes  # fully submitted: closed
     assert st.ledger.rollouts.records["p0.0"]["replica_id"] == R1
     out, tick = st.submit_rollouts(R1, "L1", rolls, now=2, wall=2)  # a retry
-    assert out == {"accepted": [], "duplicate": ["p0.0", "p1.0"], "stale": [], "unleased": []}
+    assert out == {
+        "accepted": [],
+        "duplicate": ["p0.0", "p1.0"],
+        "stale": [],
+        "unleased": [],
+        "discarded": [],
+    }
     assert tick == Tick()
     b = check(st)
     assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["pending"] == 2
@@ -549,7 +562,34 @@ def test_submit_accepts_once_then_drops_duplicates(st):
 def test_same_rollout_twice_in_one_submission(st):
     lease(st, R1, 1)
     out = submit(st, R1, "L1", ["p0.0", "p0.0"])
-    assert out == {"accepted": ["p0.0"], "duplicate": ["p0.0"], "stale": [], "unleased": []}
+    assert out == {
+        "accepted": ["p0.0"],
+        "duplicate": ["p0.0"],
+        "stale": [],
+        "unleased": [],
+        "discarded": [],
+    }
+
+
+def test_a_rollout_that_could_not_be_scored_is_discarded_and_its_prompt_goes_again(st):
+    form(st, [P])
+    lease(st, R1, 2)
+    why = "reward math raised ZeroDivisionError: division by zero"
+    unscored = {"rollout_id": "p1.0", "version": 0, "reward": 0.0, "exact_match": 0.0}
+    out, tick = st.submit_rollouts(
+        R1, "L1", [rollout("p0.0"), {**unscored, "discard": why}], now=1, wall=1
+    )
+    assert (out["accepted"], out["discarded"]) == (["p0.0"], ["p1.0"])
+    assert R2 in tick.ledger_for and tick.drops == []  # queued again; no payload to drop
+    ev = [e for e in st.events if e["kind"] == "rollout_discarded"][-1]
+    assert (ev["rollout_id"], ev["reason"], ev["detail"]) == ("p1.0", "reward_error", why)
+    b = check(st)
+    assert b["rollouts"]["discarded"] == {"reward_error": 1} and b["ok"]
+    assert "p1.0" not in st.ledger.rollouts.records
+    assert ids(lease(st, R2, 1, now=2)) == ["p1.1"]  # the next attempt goes out first
+    # A discard carries no payload; one that does is refused before anything is recorded.
+    with pytest.raises(ValidationError, match="neither completions nor a ref"):
+        RolloutIn.model_validate({**rollout("p2.0"), "discard": why})
 
 
 def test_rollouts_of_prompts_never_issued_are_refused_as_unleased(st):
@@ -557,7 +597,13 @@ def test_rollouts_of_prompts_never_issued_are_refused_as_unleased(st):
     accepted and counted as a duplicate. Now it is refused and counted apart."""
     lease(st, R1, 2)
     out = submit(st, R1, "L1", ["p7.0", "p0.1", "p1.0"])
-    assert out == {"accepted": ["p1.0"], "duplicate": [], "stale": [], "unleased": ["p7.0", "p0.1"]}
+    assert out == {
+        "accepted": ["p1.0"],
+        "duplicate": [],
+        "stale": [],
+        "unleased": ["p7.0", "p0.1"],
+        "discarded": [],
+    }
     assert st.ledger.prompts.leases["L1"].prompts == [0, 1]  # p0 still leased: not closed
     b = check(st)
     assert b["rollouts"]["unleased_refused"] == 2 and b["rollouts"]["duplicates_dropped"] == 0
@@ -722,7 +768,13 @@ def test_late_submission_wins_and_the_new_holders_copy_is_a_duplicate(st):
     assert st.ledger.prompts.leases["L2"].prompts == [1]  # taken off the new holder's lease
     assert ("leases", "L2", st.ledger.prompts.leases["L2"].record()) in st.last_changes
     out = submit(st, R2, "L2", ["p0.0", "p1.0"], now=LEASE_S + 1)
-    assert out == {"accepted": ["p1.0"], "duplicate": ["p0.0"], "stale": [], "unleased": []}
+    assert out == {
+        "accepted": ["p1.0"],
+        "duplicate": ["p0.0"],
+        "stale": [],
+        "unleased": [],
+        "discarded": [],
+    }
     assert st.ledger.prompts.leases == {}
     b = check(st)
     assert b["rollouts"]["accepted"] == 2 and b["rollouts"]["duplicates_dropped"] == 1
@@ -890,7 +942,13 @@ def test_stale_submission_is_discarded_at_once():
     out, tick = st.submit_rollouts(
         R1, "L1", [rollout("p2.0", 0), rollout("p3.0", 1)], now=0, wall=0
     )
-    assert out == {"accepted": ["p3.0"], "duplicate": [], "stale": ["p2.0"], "unleased": []}
+    assert out == {
+        "accepted": ["p3.0"],
+        "duplicate": [],
+        "stale": ["p2.0"],
+        "unleased": [],
+        "discarded": [],
+    }
     assert tick.ledger_for == {P, R1, R2}
     assert st.ledger.prompts.by_index[2].rollout_id == "p2.1"
     assert check(st)["rollouts"]["discarded"] == {"stale": 1}

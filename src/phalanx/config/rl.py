@@ -20,6 +20,7 @@ Dotted CLI overrides (``--grpo.lr 3e-3``) apply on top, as for job files.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,25 +71,57 @@ class ModelSection(_Section):
 class TaskSection(_Section):
     """Where prompts and rewards come from."""
 
-    name: Literal["sort4", "jsonl"] = "sort4"
-    """``sort4``: the built-in digit-sorting task. ``jsonl``: prompts from ``path``, scored by ``reward``."""
+    name: Literal["sort4", "jsonl", "dataset"] = "sort4"
+    """``sort4``: the built-in digit-sorting task. ``jsonl``: prompts from ``path``, scored by
+    ``reward``. ``dataset``: prompts from a JSONL, Parquet or Arrow file read with the
+    ``datasets`` library, scored by ``rewards`` (:mod:`phalanx.rl.dataset_task`)."""
     seed: int = Field(0, ge=0)
     """Seed of the built-in task's prompts (and of the order in which prompts are used)."""
     path: str | None = None
-    """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (jsonl only)."""
+    """The prompt file (jsonl, dataset)."""
     reward: str | None = None
     """Reward function as ``module:function`` (jsonl only)."""
+    prompt_field: str = Field("prompt", min_length=1, max_length=200)
+    """Column holding the prompt text (dataset)."""
+    answer_field: str = Field("answer", max_length=200)
+    """Column holding the reference answer; empty: rows have none (dataset)."""
+    rewards: list[str] = Field(default_factory=lambda: ["math"], min_length=1, max_length=32)
+    """Reward functions, summed with ``reward_weights`` (dataset): built-ins ``math``
+    (math-verify against the answer) and ``format``, or ``module:function``."""
+    reward_weights: list[float] | None = None
+    """One weight per reward; None: 1.0 each."""
+    format_pattern: str = Field(r"(\\boxed\{.+\}|####\s*\S+)\s*$", max_length=1000)
+    """Regex the ``format`` reward looks for at the end of a completion."""
+    reward_timeout_s: float = Field(5.0, ge=0, le=3600)
+    """Longest one reward call may take; past it the rollout is discarded. 0: unbounded."""
     tokenizer_path: str | None = None
     """Local HF tokenizer directory. None: the built-in character tokenizer (digits and '>')."""
 
     @model_validator(mode="after")
-    def _jsonl_complete(self) -> TaskSection:
+    def _complete(self) -> TaskSection:
         if self.name == "jsonl" and (self.path is None or self.reward is None):
             raise ValueError(
                 f"task.path and task.reward must both be set when task.name is 'jsonl': got "
                 f"path={self.path!r}, reward={self.reward!r}. Name the JSONL prompt file and "
                 f"the reward function as module:function."
             )
+        if self.name == "dataset" and self.path is None:
+            raise ValueError(
+                "task.path must be set when task.name is 'dataset': got none. Name a JSONL, "
+                "Parquet or Arrow file."
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"task.reward_weights must have one weight per reward: got "
+                f"{len(self.reward_weights)} weights for rewards {self.rewards}."
+            )
+        try:
+            re.compile(self.format_pattern)
+        except re.error as e:
+            raise ValueError(
+                f"task.format_pattern must be a regular expression: {self.format_pattern!r} "
+                f"fails with {e}."
+            ) from e
         return self
 
 

@@ -58,7 +58,7 @@ from phalanx.rl.engine.base import EngineError, GenerationEngine
 from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.model import build_model
-from phalanx.rl.tasks import build_task
+from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import load_tokenizer
 from phalanx.train.orders import Orders
 from phalanx.transport.base import RolloutStore, WeightChannel
@@ -75,10 +75,11 @@ def submit(
     ledger did not accept (a duplicate, a stale one) is dropped from the store."""
     if store is None:
         return client.submit_rollouts(lease_id, rollouts)
-    refs = store.put([r.payload() for r in rollouts])
+    kept = [r for r in rollouts if not r.discard]  # a discarded one has no payload
+    refs = iter(store.put([r.payload() for r in kept]))
     by_ref = [
-        r.model_copy(update={"completions": [], "ref": ref})
-        for r, ref in zip(rollouts, refs, strict=True)
+        r if r.discard else r.model_copy(update={"completions": [], "ref": next(refs)})
+        for r in rollouts
     ]
     return client.submit_rollouts(lease_id, by_ref)
 
@@ -151,7 +152,11 @@ def run(args: ReplicaArgs) -> int:
     client.start_heartbeat()
     rlog = ReplicaLogger(log, client.who)
     tok = load_tokenizer(rl.task.tokenizer_path)
-    task = build_task(rl.task.name, rl.task.seed, rl.task.path, rl.task.reward)
+    try:
+        task = task_from_config(rl.task)
+    except (OSError, ValueError) as e:
+        client.close("failed")
+        raise JobError(str(e)) from e
     # Completions are keyed by prompt (make_rollouts), so which replica draws a
     # prompt, and how often it was dispatched, changes nothing.
     try:
@@ -203,6 +208,7 @@ def run(args: ReplicaArgs) -> int:
             gen_s = time.perf_counter() - t0
             res = submit(client, store, lease.lease_id, rollouts)
             n = len(rollouts)
+            scored = [x for x in rollouts if not x.discard]
             emit(
                 {
                     "event": "rollout",
@@ -216,8 +222,11 @@ def run(args: ReplicaArgs) -> int:
                     "duplicate": len(res.duplicate),
                     "stale": len(res.stale),
                     "unleased": len(res.unleased),
-                    "reward": round(sum(x.reward for x in rollouts) / n, 4),
-                    "exact_match": round(sum(x.exact_match for x in rollouts) / n, 4),
+                    "discarded": len(res.discarded),
+                    "reward": round(sum(x.reward for x in scored) / max(len(scored), 1), 4),
+                    "exact_match": round(
+                        sum(x.exact_match for x in scored) / max(len(scored), 1), 4
+                    ),
                     "gen_s": round(gen_s, 4),
                     "t": time.time(),
                 }

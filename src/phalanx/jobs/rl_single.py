@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import sys
 import time
 from collections import deque
@@ -38,8 +39,11 @@ from phalanx.rl.grpo import (
     rows_to_train,
 )
 from phalanx.rl.model import build_model, num_params
-from phalanx.rl.tasks import build_task
+from phalanx.rl.rewards import RewardError
+from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import load_tokenizer
+
+log = logging.getLogger("phalanx.jobs.rl_single")
 
 THRESHOLD = 0.9
 """Reward and exact-match level whose first crossing the summary reports."""
@@ -77,7 +81,8 @@ def _train(
     g = cfg.grpo
     device = torch.device(g.device)
     tok = load_tokenizer(cfg.task.tokenizer_path)
-    task = build_task(cfg.task.name, cfg.task.seed, cfg.task.path, cfg.task.reward)
+    task = task_from_config(cfg.task)
+    reward_errors = 0
     policy = build_model(cfg.model, tok, device).train()
     engine = HFEngine(copy.deepcopy(policy), tok.eos_id, tok.pad_id, seed=g.seed)
     ref = None
@@ -110,10 +115,17 @@ def _train(
             keys=[prompt_key(g.seed, first + i) for i in range(len(prompts))],
         )
         rewards, em = [], []
-        for c in comps:
-            text, prompt = tok.decode(c.token_ids), prompts[c.prompt_index]
-            rewards.append(task.reward(prompt, text, c.finished))
-            em.append(float(task.exact_match(prompt, text, c.finished)))
+        for i, prompt in enumerate(prompts):
+            group = comps[i * g.group_size : (i + 1) * g.group_size]
+            try:
+                scores = [task.score(prompt, tok.decode(c.token_ids), c.finished) for c in group]
+            except RewardError as e:
+                # As a phalanx job discards the rollout: all-equal rewards, no advantage.
+                log.warning("prompt %d: %s; its group is not trained", first + i, e)
+                reward_errors += 1
+                scores = [(0.0, False)] * len(group)
+            rewards += [float(r) for r, _ in scores]
+            em += [float(x) for _, x in scores]
         t_gen = time.perf_counter() - t0
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         n_tokens = sum(len(c.token_ids) for c in comps)
@@ -161,6 +173,7 @@ def _train(
             "gen_s": round(t_gen, 4),
             "step_s": round(now - t0, 4),
             "seconds": round(now - t_start, 3),
+            "reward_errors": reward_errors,
         }
         records.append(rec)
         emit(rec)

@@ -105,9 +105,20 @@ class RolloutIn(Wire):
     """The payload, when the controller stores it (``rl.transport.rollouts = "controller"``)."""
     ref: PayloadRef | None = None
     """The payload's ref in the job's rollout store, when it is outside the controller."""
+    discard: str = Field("", max_length=300)
+    """Why this rollout cannot be trained (a reward function raised or timed out), with
+    neither completions nor ref: the ledger discards it on arrival as ``reward_error``
+    and dispatches its prompt again."""
 
     @model_validator(mode="after")
     def _payload_or_ref(self) -> RolloutIn:
+        if self.discard:
+            if self.completions or self.ref is not None:
+                raise ValueError(
+                    "a rollout submitted as discarded must carry neither completions nor a "
+                    f"ref: got {len(self.completions)} completions and ref {self.ref!r}"
+                )
+            return self
         if bool(self.completions) == (self.ref is not None):
             raise ValueError(
                 "a rollout must carry its completions or the ref of its stored payload, not "
@@ -180,14 +191,17 @@ class SubmitReq(Wire):
 
 class SubmitReply(Reply):
     """Each rollout id is recorded once: copies are dropped (``duplicate``), rollouts
-    made with too old weights are discarded (``stale``), and rollouts of a prompt the
+    made with too old weights are discarded (``stale``), rollouts of a prompt the
     submitting lease never held (never issued, a made-up lease id, another replica's
-    lease) are refused (``unleased``)."""
+    lease) are refused (``unleased``), and those the replica could not score are
+    recorded as ``discarded``."""
 
     accepted: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     duplicate: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     stale: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     unleased: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
+    discarded: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
+    """Submitted as discarded (``RolloutIn.discard``): recorded, prompt dispatched again."""
 
 
 # -- training batches (policy replicas) --------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 
 class Tokenizer(ABC):
@@ -65,7 +66,35 @@ class Task(ABC):
     def exact_match(self, prompt: str, completion: str, finished: bool) -> bool:
         """Whether the completion is exactly right (reported next to the reward)."""
 
+    def score(self, prompt: str, completion: str, finished: bool) -> tuple[float, bool]:
+        """(reward, exact match) of one completion; tasks whose two share work (a
+        parse of the answer) compute both at once."""
+        return (
+            self.reward(prompt, completion, finished),
+            self.exact_match(prompt, completion, finished),
+        )
+
     def prompts(self, start: int, count: int) -> list[str]:
         """``count`` consecutive prompts from ``start``, wrapping around a finite task."""
         n = self.num_prompts
         return [self.prompt((start + i) % n if n else start + i) for i in range(count)]
+
+
+class RowTask(Task):
+    """A task over a finite list of rows (dicts), prompt ``i`` being row ``i``'s
+    ``prompt_field``."""
+
+    rows: list[dict[str, Any]]
+    prompt_field: str = "prompt"
+
+    @property
+    def num_prompts(self) -> int | None:
+        return len(self.rows)
+
+    def prompt(self, index: int) -> str:
+        if not 0 <= index < len(self.rows):
+            raise ValueError(
+                f"prompt index must be in [0, {len(self.rows)}): got {index}. Use "
+                f"Task.prompts(), which wraps around."
+            )
+        return str(self.rows[index][self.prompt_field])

@@ -1,14 +1,21 @@
 """Generate and score the rollouts of a prompt lease: one group of ``group_size``
 completions per leased prompt, keyed by the prompt (so that a prompt
 dispatched again regenerates the same completions under the same weights),
-each scored by the task."""
+each scored by the task. A group whose scoring fails (a reward function raised or
+timed out: :class:`~phalanx.rl.rewards.RewardError`) is submitted as discarded,
+with the reason."""
 
 from __future__ import annotations
+
+import logging
 
 from phalanx.config.rl import RLConfig
 from phalanx.protocol.rl import Completion, PromptRef, RolloutIn
 from phalanx.rl.base import Task, Tokenizer
 from phalanx.rl.engine.base import GenerationEngine, prompt_key
+from phalanx.rl.rewards import RewardError
+
+log = logging.getLogger("phalanx.rl.generate")
 
 
 def make_rollouts(
@@ -33,11 +40,24 @@ def make_rollouts(
     for i, p in enumerate(prompts):
         group = comps[i * g.group_size : (i + 1) * g.group_size]
         rows, rewards, exact = [], [], []
-        for c in group:
-            text = tok.decode(c.token_ids)
-            r = float(task.reward(texts[i], text, c.finished))
+        try:
+            scores = [task.score(texts[i], tok.decode(c.token_ids), c.finished) for c in group]
+        except RewardError as e:
+            log.warning("prompt %d: %s; its rollout is discarded", p.index, e)
+            out.append(
+                RolloutIn(
+                    rollout_id=p.rollout_id,
+                    version=engine.version,
+                    reward=0.0,
+                    exact_match=0.0,
+                    discard=str(e)[:300],
+                )
+            )
+            continue
+        for c, (r, em) in zip(group, scores, strict=True):
+            r = float(r)
             rewards.append(r)
-            exact.append(float(task.exact_match(texts[i], text, c.finished)))
+            exact.append(float(em))
             rows.append(
                 Completion(
                     prompt_ids=list(c.prompt_ids),

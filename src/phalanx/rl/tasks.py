@@ -17,15 +17,14 @@ JSONL task (``jsonl``)
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from phalanx.rl.base import Task
+from phalanx.config.rl import TaskSection
+from phalanx.rl.base import RowTask, Task
+from phalanx.rl.rewards import RewardFn, accepted_kwargs, load_reward_fn
 
 
 class SortTask(Task):
@@ -64,69 +63,7 @@ class SortTask(Task):
         return finished and completion == self.answer(prompt)
 
 
-RewardFn = Callable[..., float]
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``package.module:function`` and check that it can be called as ``fn(prompt, completion)``.
-
-    Raises ValueError when the spec is malformed, the module cannot be
-    imported, the attribute is missing, or it is not a callable taking two
-    positional arguments; the import error, if any, is attached as the cause.
-    """
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(
-            f"reward must look like 'package.module:function': got {spec!r}. Name the module, "
-            f"a colon, then the function."
-        )
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(
-            f"reward module must be importable: got {mod_name!r}, which fails with "
-            f"{type(e).__name__}: {e}. Install it or put its directory on PYTHONPATH."
-        ) from e
-    obj: Any = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"reward function must exist in its module: got {spec!r}, but {mod_name} has "
-                f"no attribute {attr!r}. Check the function's name."
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(
-            f"reward must be callable: got {spec!r}, a {type(obj).__name__}. Point it at a "
-            f"function fn(prompt, completion, **extra) -> float."
-        )
-    try:
-        inspect.signature(obj).bind_partial("prompt", "completion")
-    except TypeError as e:
-        raise ValueError(
-            f"reward function must accept (prompt, completion): {spec!r} has signature "
-            f"{inspect.signature(obj)}. Give it two positional parameters."
-        ) from e
-    except ValueError:  # builtins without a signature: trust them
-        pass
-    return obj
-
-
-def _accepted(fn: RewardFn) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Filter for the keyword arguments ``fn`` declares (all of them if it takes ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except ValueError:
-        return lambda kw: {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return lambda kw: kw
-    names = {
-        n for n, p in list(params.items())[2:] if p.kind is not inspect.Parameter.VAR_POSITIONAL
-    }
-    return lambda kw: {k: v for k, v in kw.items() if k in names}
-
-
-class JsonlTask(Task):
+class JsonlTask(RowTask):
     """Prompts from a JSONL file, scored by a user reward function.
 
     Exact match is ``finished and completion.strip() == answer.strip()`` when
@@ -139,20 +76,8 @@ class JsonlTask(Task):
         self.path = Path(path)
         self.rows = _read_jsonl(self.path)
         self.reward_fn = load_reward_fn(reward) if isinstance(reward, str) else reward
-        self._filter = _accepted(self.reward_fn)
+        self._filter = accepted_kwargs(self.reward_fn)
         self._by_prompt = {row["prompt"]: row for row in self.rows}
-
-    @property
-    def num_prompts(self) -> int | None:
-        return len(self.rows)
-
-    def prompt(self, index: int) -> str:
-        if not 0 <= index < len(self.rows):
-            raise ValueError(
-                f"prompt index must be in [0, {len(self.rows)}): got {index}. Use "
-                f"Task.prompts(), which wraps around."
-            )
-        return self.rows[index]["prompt"]
 
     def reward(self, prompt: str, completion: str, finished: bool) -> float:
         row = self._by_prompt.get(prompt, {})
@@ -209,3 +134,22 @@ def build_task(
             )
         return JsonlTask(path, reward)
     raise ValueError(f"task name must be 'sort4' or 'jsonl': got {name!r}.")
+
+
+def task_from_config(t: TaskSection) -> Task:
+    """The task of a job's ``[rl.task]`` section. Raises ValueError in one line when
+    its file, fields or reward functions are wrong."""
+    if t.name == "dataset":
+        from phalanx.rl.dataset_task import DatasetTask
+        from phalanx.rl.rewards import Rewards
+
+        if t.path is None:
+            raise ValueError("task.path must name the dataset file: got none.")
+        rewards = Rewards(
+            t.rewards,
+            t.reward_weights,
+            format_pattern=t.format_pattern,
+            timeout_s=t.reward_timeout_s,
+        )
+        return DatasetTask(t.path, rewards, t.prompt_field, t.answer_field)
+    return build_task(t.name, t.seed, t.path, t.reward)

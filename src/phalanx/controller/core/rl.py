@@ -153,7 +153,7 @@ class RLRequests:
         tick = Tick()
         if out["accepted"]:
             tick.ledger_for |= self.roles["policy"].member_ids
-        if out["stale"]:
+        if out["stale"] or out["discarded"]:  # their prompts are queued again
             tick.ledger_for |= self.roles["rollout"].member_ids
         reply = SubmitReply.model_construct(
             **self.envelope(),
@@ -161,6 +161,7 @@ class RLRequests:
             duplicate=out["duplicate"],
             stale=out["stale"],
             unleased=out["unleased"],
+            discarded=out["discarded"],
         )
         return reply, self._tick(led, tick)
 

@@ -233,6 +233,8 @@ class Ledger:
         g = self.grpo
         for k, r in enumerate(rollouts):
             rollout_prompt(r.rollout_id)
+            if r.discard:
+                continue  # no payload to check
             if self.external_store != (r.ref is not None):
                 where = (
                     "its ref in the job's rollout store"
@@ -279,7 +281,13 @@ class Ledger:
         Validates everything before recording anything. Returns the ids by verdict:
         ``accepted``, ``duplicate``, ``stale``, ``unleased``."""
         self._check(rollouts)
-        out: dict[str, list[str]] = {"accepted": [], "duplicate": [], "stale": [], "unleased": []}
+        out: dict[str, list[str]] = {
+            "accepted": [],
+            "duplicate": [],
+            "stale": [],
+            "unleased": [],
+            "discarded": [],
+        }
         floor = self.rollouts.floor()
         for r in rollouts:
             rid = r.rollout_id
@@ -292,20 +300,15 @@ class Ledger:
                     self._drop(r.ref, verdict)
                 continue
             self.prompts.done(idx, lease_id)
+            if r.discard:  # could not be scored: on record, its prompt goes again
+                self.rollouts.accept(self._record(r, idx, replica_id, None))
+                self.rollouts.discard(rid, "reward_error", wall, detail=r.discard)
+                out["discarded"].append(rid)
+                continue
             ref = r.ref if r.ref is not None else rid
             if r.ref is None and r.version >= floor:  # a stale one is discarded below
                 self.puts.append((payload_key(ref), r.payload()))
-            self.rollouts.accept(
-                {
-                    "rollout_id": rid,
-                    "prompt": idx,
-                    "version": r.version,
-                    "replica_id": replica_id,
-                    "reward": r.reward,
-                    "exact_match": r.exact_match,
-                    "ref": ref,
-                }
-            )
+            self.rollouts.accept(self._record(r, idx, replica_id, ref))
             if r.version < floor:
                 self.rollouts.discard(rid, "stale", wall)
                 out["stale"].append(rid)
@@ -314,6 +317,18 @@ class Ledger:
         self.prompts.settle_lease(lease_id)
         self.save()
         return out
+
+    @staticmethod
+    def _record(r: RolloutIn, idx: int, replica_id: str, ref: str | None) -> dict[str, Any]:
+        return {
+            "rollout_id": r.rollout_id,
+            "prompt": idx,
+            "version": r.version,
+            "replica_id": replica_id,
+            "reward": r.reward,
+            "exact_match": r.exact_match,
+            "ref": ref,
+        }
 
     def lose(self, lost: list[tuple[str, str]], *, wall: float) -> tuple[list[str], list[int]]:
         """Rollouts whose payloads could not be read (``(rollout id, reason)``): discard

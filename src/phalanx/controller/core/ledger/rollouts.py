@@ -114,16 +114,23 @@ class RolloutBook:
         self.log.put("rollouts", rec["rollout_id"], rec)
         self.counts["accepted"] += 1
 
-    def discard(self, rid: str, reason: str, wall: float) -> None:
+    def discard(self, rid: str, reason: str, wall: float, detail: str = "") -> None:
         """Drop an accepted rollout and dispatch its prompt again (next attempt)."""
         rec = self.records.pop(rid)
         self.pending.pop(rid, None)
         self.log.put("rollouts", rid, None)
         self.discarded[reason] = self.discarded.get(reason, 0) + 1
         self.prompts.again(rec["prompt"])
-        self.drop(rec["ref"], reason)
+        if rec["ref"] is not None:  # a rollout submitted as discarded has no payload
+            self.drop(rec["ref"], reason)
+        extra = {"detail": detail} if detail else {}
         self.log.event(
-            "rollout_discarded", wall, rollout_id=rid, reason=reason, version=rec["version"]
+            "rollout_discarded",
+            wall,
+            rollout_id=rid,
+            reason=reason,
+            version=rec["version"],
+            **extra,
         )
 
     def reopen(self, b: int) -> None:
