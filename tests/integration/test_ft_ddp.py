@@ -241,7 +241,13 @@ def test_data_exactly_once(kill_restart: KillRestart):
 
 
 def test_late_joiner(make_job: MakeJob, reference: dict[str, dict[str, Any]]):
-    job = make_job(policy={"n_init_replicas": 3}, train={"step_delay_s": 0.02})
+    # Nobody fails here: timeouts a loaded machine meets, so that no live replica is
+    # taken for dead (a missed probe) and the heal is not cut short by the collective's.
+    job = make_job(
+        policy={"n_init_replicas": 3},
+        train={"step_delay_s": 0.02},
+        timeouts={**KILL_TIMEOUTS, "collective_s": 5.0},
+    )
     job.start_controller()
     first = [job.start_replica(n) for n in "abc"]
     d = job.start_replica("d", spare=True)

@@ -436,7 +436,14 @@ def test_lease_hands_out_fresh_prompts_from_the_cursor(st):
     reply = lease(st, R2, 2)
     assert ids(reply) == ["p3.0", "p4.0"]
     b = check(st)
-    assert b["prompts"] == {"issued": 5, "queued": 0, "leased": 5, "done": 0, "trained": 0}
+    assert b["prompts"] == {
+        "issued": 5,
+        "queued": 0,
+        "leased": 5,
+        "done": 0,
+        "trained": 0,
+        "dropped": 0,
+    }
     assert b["leases"] == {"open": 2, "issued": 2, "expired": 0}
 
 
@@ -571,7 +578,7 @@ def test_same_rollout_twice_in_one_submission(st):
     }
 
 
-def test_a_rollout_that_could_not_be_scored_is_discarded_and_its_prompt_goes_again(st):
+def test_a_rollout_that_could_not_be_scored_is_discarded_and_its_prompt_retired(st):
     form(st, [P])
     lease(st, R1, 2)
     why = "reward math raised ZeroDivisionError: division by zero"
@@ -580,13 +587,15 @@ def test_a_rollout_that_could_not_be_scored_is_discarded_and_its_prompt_goes_aga
         R1, "L1", [rollout("p0.0"), {**unscored, "discard": why}], now=1, wall=1
     )
     assert (out["accepted"], out["discarded"]) == (["p0.0"], ["p1.0"])
-    assert R2 in tick.ledger_for and tick.drops == []  # queued again; no payload to drop
+    assert tick.drops == []  # no payload to drop
     ev = [e for e in st.events if e["kind"] == "rollout_discarded"][-1]
     assert (ev["rollout_id"], ev["reason"], ev["detail"]) == ("p1.0", "reward_error", why)
     b = check(st)
     assert b["rollouts"]["discarded"] == {"reward_error": 1} and b["ok"]
-    assert "p1.0" not in st.ledger.rollouts.records
-    assert ids(lease(st, R2, 1, now=2)) == ["p1.1"]  # the next attempt goes out first
+    assert b["prompts"]["dropped"] == 1 and b["prompts"]["done"] == 1  # p0 waits to train
+    assert "p1.0" not in st.ledger.rollouts.records and 1 not in st.ledger.prompts.by_index
+    # The same prompt would fail again: it is not dispatched again; fresh ones are.
+    assert ids(lease(st, R2, 1, now=2)) == ["p2.0"]
     # A discard carries no payload; one that does is refused before anything is recorded.
     with pytest.raises(ValidationError, match="neither completions nor a ref"):
         RolloutIn.model_validate({**rollout("p2.0"), "discard": why})
@@ -703,6 +712,7 @@ def test_partial_submission_keeps_the_rest_of_the_lease(st):
         "leased": 2,
         "done": 1,
         "trained": 0,
+        "dropped": 0,
     }
     submit(st, R1, "L1", ["p0.0", "p2.0"])
     assert st.ledger.prompts.leases == {}

@@ -47,3 +47,19 @@ def test_a_group_whose_reward_fails_is_submitted_as_discarded(tmp_path: Path):
     assert all(c.reward in (0.0, 1.0) for c in good.completions)
     assert bad.rollout_id == "p1.0" and bad.completions == [] and bad.ref is None
     assert bad.discard == "reward picky:picky raised KeyError: 'no rule for this row'"
+
+
+def test_a_finite_task_is_used_in_epochs(tmp_path: Path):
+    """The controller's cursor runs past a dataset's end: prompt index i is row i mod N."""
+    data = tmp_path / "two.jsonl"
+    data.write_text('{"prompt": "21>", "answer": "12"}\n{"prompt": "31>", "answer": "13"}\n')
+    rl = RLConfig.model_validate({"grpo": {"group_size": 2, "max_new_tokens": 3}})
+    tok = load_tokenizer(None)
+    engine = HFEngine(build_model(rl.model, tok), tok.eos_id, tok.pad_id)
+    engine.version = 0
+    task = DatasetTask(data, Rewards(["format"]))
+    refs = [PromptRef(index=i, rollout_id=f"p{i}.0") for i in (1, 2, 5)]
+    out = make_rollouts(rl, engine, tok, task, refs)
+    assert [r.completions[0].prompt_ids for r in out] == [
+        tok.encode(p) for p in ("31>", "21>", "31>")
+    ]

@@ -58,5 +58,5 @@ def test_hf_tokenizer_from_local_path(tmp_path):
 
 
 def test_hf_tokenizer_missing_path_is_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="must be an existing local directory"):
+    with pytest.raises(ValueError, match="must be an existing local directory"):
         load_tokenizer(tmp_path / "nope")

@@ -7,6 +7,7 @@ import json
 import tomllib
 import typing
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -35,7 +36,9 @@ def _kind(model: type[BaseModel] | None, parts: list[str]) -> str:
         field = model.model_fields.get(part) if model is not None else None
         if field is None:
             return "value"
-        args = typing.get_args(field.annotation) or (field.annotation,)
+        ann = field.annotation
+        union = typing.get_origin(ann) in (typing.Union, UnionType)
+        args = typing.get_args(ann) if union else (ann,)  # list[str] is a list, not text
         types = [a for a in args if a is not type(None)]
         if i == len(parts) - 1:
             if types == [str]:

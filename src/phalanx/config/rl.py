@@ -96,6 +96,11 @@ class TaskSection(_Section):
     """Longest one reward call may take; past it the rollout is discarded. 0: unbounded."""
     tokenizer_path: str | None = None
     """Local HF tokenizer directory. None: the built-in character tokenizer (digits and '>')."""
+    chat: bool = False
+    """Give the engine each prompt as the user message of the tokenizer's chat template
+    (with the generation prompt); it needs a tokenizer that has one."""
+    system_prompt: str | None = Field(None, max_length=100_000)
+    """A system message before each prompt (chat only)."""
 
     @model_validator(mode="after")
     def _complete(self) -> TaskSection:
@@ -114,6 +119,11 @@ class TaskSection(_Section):
             raise ValueError(
                 f"task.reward_weights must have one weight per reward: got "
                 f"{len(self.reward_weights)} weights for rewards {self.rewards}."
+            )
+        if self.system_prompt and not self.chat:
+            raise ValueError(
+                "task.system_prompt needs task.chat = true: a system message only exists in "
+                "a chat template."
             )
         try:
             re.compile(self.format_pattern)

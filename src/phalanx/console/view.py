@@ -155,6 +155,7 @@ class View:
             lines.append(
                 f"prompts: issued {p.issued} = queued {p.queued} + leased {p.leased} "
                 f"+ done {p.done} + trained {p.trained}"
+                + (f" + dropped {p.dropped}" if p.dropped else "")
             )
             lines.append(
                 f"rollouts: trained {ro.trained}, pending {ro.pending}, batched "
@@ -398,6 +399,7 @@ def status_text(st: Status) -> str:
         lines.append(
             f"  prompts: issued {p.issued} = queued {p.queued} + leased {p.leased} + "
             f"done {p.done} + trained {p.trained}"
+            + (f" + dropped {p.dropped}" if p.dropped else "")
         )
         lines.append(
             f"  rollouts: accepted {ro.accepted} = pending {ro.pending} + batched "

@@ -50,7 +50,7 @@ from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch, SyncOrder
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.model import build_model, num_params
-from phalanx.rl.tokenizer import load_tokenizer
+from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
@@ -158,8 +158,12 @@ def run(args: ReplicaArgs) -> int:
     client.start_heartbeat()
     rlog = ReplicaLogger(log, client.who)
     device = torch.device(g.device)
-    tok = load_tokenizer(rl.task.tokenizer_path)
-    model = build_model(rl.model, tok, device).train()
+    try:
+        tok = task_tokenizer(rl.task)
+        model = build_model(rl.model, tok, device).train()
+    except (OSError, ValueError) as e:  # the job file's model or tokenizer
+        client.close("failed")
+        raise JobError(str(e)) from e
     ref = build_model(rl.model, tok, device).eval().requires_grad_(False) if g.kl_coef else None
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))

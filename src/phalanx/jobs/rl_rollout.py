@@ -59,7 +59,7 @@ from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import task_from_config
-from phalanx.rl.tokenizer import load_tokenizer
+from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.train.orders import Orders
 from phalanx.transport.base import RolloutStore, WeightChannel
 from phalanx.transport.factory import rollout_store, weight_channel
@@ -151,17 +151,13 @@ def run(args: ReplicaArgs) -> int:
     client.register()
     client.start_heartbeat()
     rlog = ReplicaLogger(log, client.who)
-    tok = load_tokenizer(rl.task.tokenizer_path)
-    try:
-        task = task_from_config(rl.task)
-    except (OSError, ValueError) as e:
-        client.close("failed")
-        raise JobError(str(e)) from e
     # Completions are keyed by prompt (make_rollouts), so which replica draws a
     # prompt, and how often it was dispatched, changes nothing.
     try:
+        tok = task_tokenizer(rl.task)
+        task = task_from_config(rl.task)
         engine = rollout_engine(rl, tok, build_model(rl.model, tok, device), device, args.name)
-    except EngineError as e:
+    except (EngineError, OSError, ValueError) as e:  # the job file's model, data or engine
         client.close("failed")
         raise JobError(str(e)) from e
     store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))

@@ -41,7 +41,7 @@ from phalanx.rl.grpo import (
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.rewards import RewardError
 from phalanx.rl.tasks import task_from_config
-from phalanx.rl.tokenizer import load_tokenizer
+from phalanx.rl.tokenizer import task_tokenizer
 
 log = logging.getLogger("phalanx.jobs.rl_single")
 
@@ -80,7 +80,7 @@ def _train(
 ) -> list[dict[str, Any]]:
     g = cfg.grpo
     device = torch.device(g.device)
-    tok = load_tokenizer(cfg.task.tokenizer_path)
+    tok = task_tokenizer(cfg.task)
     task = task_from_config(cfg.task)
     reward_errors = 0
     policy = build_model(cfg.model, tok, device).train()
@@ -106,7 +106,7 @@ def _train(
         prompts = task.prompts(step * g.prompts_per_step, g.prompts_per_step)
         first = step * g.prompts_per_step
         comps = engine.generate(
-            [tok.encode(p) for p in prompts],
+            [tok.encode_prompt(p) for p in prompts],
             g.group_size,
             g.max_new_tokens,
             g.temperature,

@@ -108,7 +108,7 @@ class RolloutIn(Wire):
     discard: str = Field("", max_length=300)
     """Why this rollout cannot be trained (a reward function raised or timed out), with
     neither completions nor ref: the ledger discards it on arrival as ``reward_error``
-    and dispatches its prompt again."""
+    and retires its prompt (counted as ``dropped``): the same prompt would fail again."""
 
     @model_validator(mode="after")
     def _payload_or_ref(self) -> RolloutIn:
@@ -201,7 +201,7 @@ class SubmitReply(Reply):
     stale: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     unleased: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
     discarded: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
-    """Submitted as discarded (``RolloutIn.discard``): recorded, prompt dispatched again."""
+    """Submitted as discarded (``RolloutIn.discard``): recorded, its prompt retired."""
 
 
 # -- training batches (policy replicas) --------------------------------------

@@ -95,6 +95,8 @@ class PromptCounts(Wire):
     leased: Count
     done: Count
     trained: Count
+    dropped: Count = 0
+    """Prompts retired untrained: their rollout could not be scored (``reward_error``)."""
 
 
 class RolloutCounts(Wire):

@@ -34,6 +34,11 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens (PAD, BOS, EOS) left out."""
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a task's prompt as the engine gets it: :meth:`encode`, or the
+        tokenizer's chat template around it when the task asks for chat prompts."""
+        return self.encode(text)
+
 
 class Task(ABC):
     """Prompts and the reward that scores completions to them.

@@ -28,9 +28,10 @@ def make_rollouts(
     """One rollout per leased prompt, with its completions (the payload), as a
     submission to the ledger takes it."""
     g = rl.grpo
-    texts = [task.prompt(p.index) for p in prompts]
+    # A finite task's rows are used in epochs: prompt index i is row i mod N.
+    texts = [task.prompts(p.index, 1)[0] for p in prompts]
     comps = engine.generate(
-        [tok.encode(t) for t in texts],
+        [tok.encode_prompt(t) for t in texts],
         g.group_size,
         g.max_new_tokens,
         g.temperature,

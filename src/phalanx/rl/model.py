@@ -14,6 +14,7 @@ import torch
 
 from phalanx.config.rl import ModelSection
 from phalanx.rl.base import Tokenizer
+from phalanx.rl.tokenizer import check_same_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -68,6 +69,7 @@ def build_model(spec: ModelSection, tok: Tokenizer, device: str | torch.device =
 
     model: Any
     if spec.path is not None:
+        check_same_tokenizer(tok, spec.path)
         model = load_model(spec.path, spec.attn_implementation)
     else:
         cfg = model_config(spec, tok)
@@ -82,18 +84,42 @@ def build_model(spec: ModelSection, tok: Tokenizer, device: str | torch.device =
 
 
 def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrainedModel:
-    """A causal LM from a local directory written by ``save_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM from a local directory written by ``save_pretrained`` (Qwen2, Llama,
+    GPT-2, or any architecture ``transformers`` has a ``*ForCausalLM`` for). Raises
+    ValueError in one line when the directory holds none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(
+        raise ValueError(
             f"model.path must be an existing local directory: got {str(p)!r}. Save a model "
             f"there with model.save_pretrained(dir); hub names are not fetched at run time."
         )
-    return AutoModelForCausalLM.from_pretrained(
-        str(p), local_files_only=True, attn_implementation=attn_implementation
-    )
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model.path {str(p)!r} must hold a saved model: it has no config.json.")
+    try:
+        cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"model.path {str(p)!r}: its config.json cannot be read: {_first(e)}"
+        ) from e
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ValueError(
+            f"model.path {str(p)!r} must hold a causal LM: its config.json names {archs}. "
+            f"Point it at a *ForCausalLM checkpoint."
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(p), local_files_only=True, attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"model.path {str(p)!r} could not be loaded: {_first(e)}") from e
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def check_vocab(model: Any, tok: Tokenizer) -> None:

@@ -17,7 +17,8 @@ its signature names them or takes ``**kwargs``.
 
 A function that raises, returns something other than a number, or runs past
 ``task.reward_timeout_s`` raises :class:`RewardError`: the rollout replica
-submits that prompt's rollout as discarded, with the reason, and goes on.
+submits that prompt's rollout as discarded, with the reason, and goes on; the
+ledger retires the prompt.
 The time bound is a ``SIGALRM`` timer, so it holds where rewards are scored
 (the replica's main thread); elsewhere calls are not bounded.
 """

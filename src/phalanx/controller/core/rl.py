@@ -153,7 +153,7 @@ class RLRequests:
         tick = Tick()
         if out["accepted"]:
             tick.ledger_for |= self.roles["policy"].member_ids
-        if out["stale"] or out["discarded"]:  # their prompts are queued again
+        if out["stale"]:  # their prompts are queued again
             tick.ledger_for |= self.roles["rollout"].member_ids
         reply = SubmitReply.model_construct(
             **self.envelope(),

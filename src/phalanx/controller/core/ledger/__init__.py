@@ -68,6 +68,7 @@ class Ledger:
         journaled until the controller's collector has made them."""
         self.counts: dict[str, int] = {
             "trained_prompts": 0,
+            "dropped_prompts": 0,
             "trained_rollouts": 0,
             "trained_completions": 0,
             "accepted": 0,
@@ -160,11 +161,17 @@ class Ledger:
         c, ro = self.counts, self.rollouts
         batched = ro.batched()
         discarded = sum(ro.discarded.values())
-        prompts_ok = self.prompts.cursor == sum(states.values()) + c["trained_prompts"]
+        dropped = c.get("dropped_prompts", 0)
+        prompts_ok = self.prompts.cursor == sum(states.values()) + c["trained_prompts"] + dropped
         rollouts_ok = c["accepted"] == len(ro.pending) + batched + c["trained_rollouts"] + discarded
         return {
             "ok": prompts_ok and rollouts_ok,
-            "prompts": {"issued": self.prompts.cursor, **states, "trained": c["trained_prompts"]},
+            "prompts": {
+                "issued": self.prompts.cursor,
+                **states,
+                "trained": c["trained_prompts"],
+                "dropped": dropped,
+            },
             "rollouts": {
                 "accepted": c["accepted"],
                 "pending": len(ro.pending),
@@ -300,9 +307,11 @@ class Ledger:
                     self._drop(r.ref, verdict)
                 continue
             self.prompts.done(idx, lease_id)
-            if r.discard:  # could not be scored: on record, its prompt goes again
+            if r.discard:  # could not be scored: on record; its prompt is dropped
                 self.rollouts.accept(self._record(r, idx, replica_id, None))
-                self.rollouts.discard(rid, "reward_error", wall, detail=r.discard)
+                self.rollouts.discard(rid, "reward_error", wall, detail=r.discard, again=False)
+                self.prompts.trained(idx)  # leaves the book, as a trained prompt does
+                self.counts["dropped_prompts"] += 1
                 out["discarded"].append(rid)
                 continue
             ref = r.ref if r.ref is not None else rid

@@ -114,13 +114,17 @@ class RolloutBook:
         self.log.put("rollouts", rec["rollout_id"], rec)
         self.counts["accepted"] += 1
 
-    def discard(self, rid: str, reason: str, wall: float, detail: str = "") -> None:
-        """Drop an accepted rollout and dispatch its prompt again (next attempt)."""
+    def discard(
+        self, rid: str, reason: str, wall: float, detail: str = "", again: bool = True
+    ) -> None:
+        """Drop an accepted rollout and dispatch its prompt again (next attempt), unless
+        ``again`` is False (the caller retires the prompt)."""
         rec = self.records.pop(rid)
         self.pending.pop(rid, None)
         self.log.put("rollouts", rid, None)
         self.discarded[reason] = self.discarded.get(reason, 0) + 1
-        self.prompts.again(rec["prompt"])
+        if again:
+            self.prompts.again(rec["prompt"])
         if rec["ref"] is not None:  # a rollout submitted as discarded has no payload
             self.drop(rec["ref"], reason)
         extra = {"detail": detail} if detail else {}
