@@ -287,8 +287,11 @@ class LocalJob:
             r.proc = None
             return
         if code == EXIT_UNRECOVERABLE:  # it said why in one line; a restart cannot help
-            self.error = f"{r.name} cannot run: {last_line(self.run_dir / (r.name + '.log'))}"
-            self.note(self.error)
+            # The first one says it and stops the job; others that found the same within
+            # the same pass (a loaded machine) are not said again.
+            if self.error is None:
+                self.error = f"{r.name} cannot run: {last_line(self.run_dir / (r.name + '.log'))}"
+                self.note(self.error)
             return
         r.failed_starts = 0 if r.progress else r.failed_starts + 1
         if r.failed_starts >= MAX_FAILED_STARTS:
