@@ -144,7 +144,9 @@ def test_vllm_serves_the_saved_checkpoint_greedy_as_the_hf_engine(made):
 def test_an_rl_job_on_the_math_dataset_runs_to_its_end(made, tmp_path: Path):
     """examples/math_grpo.toml on the models made here, shortened: 1 policy, 2 rollout
     replicas, 3 batches; one row's reward function raises, so that row's rollouts are
-    discarded with the reason and the job still ends with its ledger balanced."""
+    discarded with the reason and the job still ends with its ledger balanced. The
+    policy trains in micro-batches of 3 under bf16 autocast with activation
+    checkpointing, and the metrics land in TensorBoard event files in the run dir."""
     (tmp_path / "flaky_reward.py").write_text(
         "def flaky(prompt, completion, answer):\n"
         "    if prompt.startswith('Ana has'):\n"
@@ -160,6 +162,8 @@ def test_an_rl_job_on_the_math_dataset_runs_to_its_end(made, tmp_path: Path):
     args += [f"--rl.model.path={made['qwen2']}", f"--rl.task.tokenizer_path={made['qwen2']}"]
     args += [f"--rl.task.path={data}", "--rl.grpo.steps=3", "--rl.grpo.max_new_tokens=8"]
     args += ['--rl.task.rewards=["math", "flaky_reward:flaky"]']
+    args += ["--rl.grpo.micro_batch_size=3", "--rl.grpo.precision=bf16"]
+    args += ["--rl.grpo.activation_checkpointing=true"]
     env = child_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
@@ -168,3 +172,17 @@ def test_an_rl_job_on_the_math_dataset_runs_to_its_end(made, tmp_path: Path):
     assert s["event"] == "summary" and s["ledger_ok"] and s["batches"] == 3
     assert s["trained"] == 3 * 8
     assert s["discarded"].get("reward_error", 0) >= 1, s
+    assert " tok/s" in p.stdout  # the progress line
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"rl/reward", "rl/exact_match", "policy/entropy", "policy/kl_behaviour"}
+    want |= {"perf/tokens_per_s", "perf/train_tokens_per_s", "perf/peak_mem_mb"}
+    want |= {"discarded/reward_error"}
+    assert want <= tags, tags
+    assert [e.step for e in acc.Scalars("rl/reward")] == [0, 1, 2]
+    assert [e.step for e in acc.Scalars("perf/tokens_per_s")] == [1, 2]
+    assert all(e.value > 0 for e in acc.Scalars("perf/train_tokens_per_s"))
+    assert "perf/mfu" not in tags  # a CPU has no peak to measure against

@@ -67,6 +67,7 @@ from phalanx.protocol.rl import (
     BatchAckReq,
     BatchLeaseReply,
     BatchLeaseReq,
+    BatchMetrics,
     LostReply,
     LostReq,
     LostRollout,
@@ -378,11 +379,12 @@ class ControllerClient:
 
         return self._as_member(send)
 
-    def ack_batch(self, step: int) -> BatchAckReply:
-        """Policy replicas: committed up to ``step``; the batches it covers are trained."""
+    def ack_batch(self, step: int, metrics: BatchMetrics | None = None) -> BatchAckReply:
+        """Policy replicas: committed up to ``step``; the batches it covers are trained.
+        ``metrics``: what the replica measured on its last batch (for the history)."""
 
         def send(rid: str) -> BatchAckReply:
-            req = BatchAckReq(replica_id=rid, step=step)
+            req = BatchAckReq(replica_id=rid, step=step, metrics=metrics)
             return self.transport.call("/v1/rollouts/ack", req, BatchAckReply)
 
         return self._as_member(send)

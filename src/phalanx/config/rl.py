@@ -178,6 +178,17 @@ class GRPOSection(_Section):
     more threads only add synchronisation (and collapse on a loaded machine)."""
     device: str = "cpu"
     """torch device of the policy and the engine (``cpu``, ``cuda``, ``cuda:1``)."""
+    micro_batch_size: int = Field(0, ge=0, le=1 << 20)
+    """Completions per forward and backward pass; gradients accumulate over a replica's
+    share, so the step is the un-split one (within float rounding) whatever this is.
+    0: the whole share in one pass. Lower it when activations do not fit."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype of the policy's forward and backward. ``bf16`` runs them under
+    autocast while the weights, gradients and AdamW moments stay fp32 (master weights):
+    a bf16 checkpoint is loaded into fp32 for training."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them
+    (HF gradient checkpointing): less memory for about a third more compute."""
 
 
 class LoopSection(_Section):
@@ -303,6 +314,23 @@ class EngineSection(_Section):
         return self
 
 
+class TrackSection(_Section):
+    """Experiment tracking. Offline by default: TensorBoard event files in the run
+    directory (``<run>/tb``); wandb only when turned on, and offline unless told."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<run dir>/tb``."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``pip install 'phalanx[track]'``)."""
+    wandb_project: str = Field("phalanx", min_length=1, max_length=128)
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` writes the run under ``<run dir>/wandb`` for ``wandb sync`` later;
+    ``online`` sends it (needs a login and a network)."""
+    peak_tflops: float | None = Field(None, gt=0, le=1e6)
+    """The device's peak TFLOP/s in ``grpo.precision``, for MFU. None: known NVIDIA
+    data-centre GPUs are looked up; elsewhere (CPU) MFU is not reported."""
+
+
 class RLConfig(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -310,6 +338,7 @@ class RLConfig(_Section):
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     loop: LoopSection = Field(default_factory=LoopSection)
     transport: TransportSection = Field(default_factory=TransportSection)
+    track: TrackSection = Field(default_factory=TrackSection)
 
     @model_validator(mode="after")
     def _window_within_history(self) -> RLConfig:

@@ -229,7 +229,7 @@ class View:
             f"{now - job.started:7.1f}s  batch {last.batch:4d}  step {last.step:5d}  "
             f"reward {last.reward:.3f} (avg {last.reward_avg:.3f})  exact "
             f"{last.exact_match:.3f} (avg {last.exact_match_avg:.3f})  staleness "
-            f"{last.staleness}  v{rl.weights.synced_version}  |  prompts "
+            f"{last.staleness}  v{rl.weights.synced_version}{_tokens(last)}  |  prompts "
             f"{rl.prompts.issued}, rollouts trained {ro.trained}, discarded "
             f"{sum(ro.discarded.values())}",
             flush=True,
@@ -422,3 +422,18 @@ def status_text(st: Status) -> str:
             f"{q.duplicates}"
         )
     return "\n".join(lines)
+
+
+def _tokens(rec: Any) -> str:
+    """`` 412 tok/s (train 1.9k)`` from a history record, or '' before there is one."""
+    parts = []
+    if rec.tokens_per_s is not None:
+        parts.append(f"  {_si(rec.tokens_per_s)} tok/s")
+    train = rec.metrics.train_tokens_per_s if rec.metrics is not None else None
+    if train is not None:
+        parts.append(f" (train {_si(train)})" if parts else f"  train {_si(train)} tok/s")
+    return "".join(parts)
+
+
+def _si(x: float) -> str:
+    return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:.0f}"

@@ -104,6 +104,8 @@ class OverviewCollector(Collector):
                 ("exact_match", "Exact-match accuracy of the latest trained batch (0-1)."),
                 ("exact_match_avg", "Trailing mean exact-match accuracy (0-1)."),
                 ("staleness", "Staleness of the latest batch, in policy steps."),
+                ("tokens_per_s", "Completion tokens trained per wall second (latest batch)."),
+                ("train_tokens_per_s", "Policy tokens through forward and backward per second."),
             ):
                 if rl.get(key) is not None:
                     name = (

@@ -50,6 +50,7 @@ from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch, SyncOrder
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.model import build_model, num_params
+from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
 from phalanx.train.manager import Manager
@@ -160,7 +161,7 @@ def run(args: ReplicaArgs) -> int:
     device = torch.device(g.device)
     try:
         tok = task_tokenizer(rl.task)
-        model = build_model(rl.model, tok, device).train()
+        model = prepare(build_model(rl.model, tok, device).train(), g)
     except (OSError, ValueError) as e:  # the job file's model or tokenizer
         client.close("failed")
         raise JobError(str(e)) from e
@@ -227,8 +228,8 @@ def run(args: ReplicaArgs) -> int:
                     client.lost_payloads(lost)
                     manager.abstain(f"{len(lost)} payload(s) of batch {batch.index} lost")
             t1 = time.perf_counter()
-            loss = trainer.compute(rows) if manager.error is None else 0.0
-            total = manager.allreduce_grads(loss)
+            stats = trainer.compute(rows) if manager.error is None else {"loss": 0.0}
+            total = manager.allreduce_grads(stats["loss"])
             t2 = time.perf_counter()
             if not manager.should_commit():
                 batch = None  # ask again: the ledger may have frozen it anew (lost payloads)
@@ -253,7 +254,7 @@ def run(args: ReplicaArgs) -> int:
                 # batch is still frozen for them.
                 if state is not None:
                     save_state(state, manager.state_dict())
-                ack = client.ack_batch(manager.step)
+                ack = client.ack_batch(manager.step, trainer.metrics(rows, stats, t2 - t1))
                 leader.serve(ack.sync, manager.step, model)
                 finished = ack.finished
             t3 = time.perf_counter()
@@ -274,6 +275,15 @@ def run(args: ReplicaArgs) -> int:
                     "exact_match_avg": round(sum(v[1] for v in metrics.values()) / len(metrics), 4),
                     "staleness": batch.staleness,
                     "loss": round(total, 6),
+                    "entropy": round(stats.get("entropy", 0.0), 4),
+                    "kl_behaviour": round(stats.get("kl_behaviour", 0.0), 6),
+                    "clip_frac": round(stats.get("clip_frac", 0.0), 4),
+                    # This replica's share: the tokens it read, over its compute time.
+                    "train_tokens": int(stats.get("train_tokens", 0)),
+                    "train_tokens_per_s": round(
+                        stats.get("train_tokens", 0) / max(t2 - t1, 1e-9), 1
+                    ),
+                    "peak_mem_mb": round(peak_memory_mb(device), 1),
                     "participants": manager.world_size,
                     "quorum_id": q.quorum_id,
                     "healed": healed,

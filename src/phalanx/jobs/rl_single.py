@@ -30,16 +30,10 @@ from phalanx.config.rl import RLConfig, load_rl_config
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
-from phalanx.rl.grpo import (
-    collate,
-    group_advantages,
-    grpo_loss,
-    lr_lambda,
-    reference_logprobs,
-    rows_to_train,
-)
+from phalanx.rl.grpo import group_advantages, lr_lambda, rows_to_train
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.rewards import RewardError
+from phalanx.rl.step import backward_rows, peak_memory_mb, prepare
 from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import task_tokenizer
 
@@ -83,7 +77,7 @@ def _train(
     tok = task_tokenizer(cfg.task)
     task = task_from_config(cfg.task)
     reward_errors = 0
-    policy = build_model(cfg.model, tok, device).train()
+    policy = prepare(build_model(cfg.model, tok, device).train(), g)
     engine = HFEngine(copy.deepcopy(policy), tok.eos_id, tok.pad_id, seed=g.seed)
     ref = None
     if g.kl_coef > 0:
@@ -130,21 +124,14 @@ def _train(
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         n_tokens = sum(len(c.token_ids) for c in comps)
         keep = rows_to_train(adv, g.kl_coef)
-        batch = collate([comps[i] for i in keep], adv[keep], tok.pad_id, device)
-        ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
+        train_tokens = 0.0
+        t_train = time.perf_counter()
         for _ in range(g.inner_epochs):
-            loss, stats = grpo_loss(
-                policy,
-                batch,
-                clip_eps=g.clip_eps,
-                clip_eps_high=g.clip_eps_high,
-                temperature=g.temperature,
-                num_tokens=n_tokens,
-                kl_coef=g.kl_coef,
-                ref_logprobs=ref_lp,
-            )
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            stats = backward_rows(
+                policy, comps, adv, keep, g=g, pad_id=tok.pad_id, num_tokens=n_tokens, ref=ref
+            )
+            train_tokens += stats["train_tokens"]
             if g.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), g.grad_clip)
             opt.step()
@@ -170,7 +157,11 @@ def _train(
             "clip_frac": round(stats["clip_frac"], 4),
             "kl_behaviour": round(stats["kl_behaviour"], 6),
             "lr": sched.get_last_lr()[0],
+            "entropy": round(stats["entropy"], 4),
             "gen_s": round(t_gen, 4),
+            "gen_tokens_per_s": round(n_tokens / max(t_gen, 1e-9), 1),
+            "train_tokens_per_s": round(train_tokens / max(now - t_train, 1e-9), 1),
+            "peak_mem_mb": round(peak_memory_mb(device), 1),
             "step_s": round(now - t0, 4),
             "seconds": round(now - t_start, 3),
             "reward_errors": reward_errors,

@@ -33,6 +33,8 @@ from phalanx.launch.procs import last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
 from phalanx.launch.supervise import ControllerDown, ControllerProcess
 from phalanx.protocol.status import Status
+from phalanx.track.base import Trackers, batch_metrics
+from phalanx.track.trackers import trackers
 
 __all__ = ["Chaos", "LocalJob", "Replica"]
 
@@ -82,6 +84,8 @@ class LocalJob:
         self.dashboard: str | None = None
         """The controller's dashboard, with the job token in the URL fragment."""
         self._rng = random.Random(chaos.seed if chaos else 0)
+        self.tracker: Trackers | None = None
+        """The job's metrics sink (RL): TensorBoard under the run directory, and wandb."""
 
     # -- processes -------------------------------------------------------
 
@@ -156,6 +160,14 @@ class LocalJob:
         the job finished, 1 when it failed, 130 when interrupted (SIGINT/SIGTERM);
         in every case the children are stopped first."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.rl is not None:
+            try:
+                self.tracker = trackers(
+                    self.cfg.rl.track, self.run_dir, self.run_dir.name, self.cfg.dump()
+                )
+            except ValueError as e:
+                print(f"phalanx run: {e}", file=sys.stderr, flush=True)
+                return 1
         self.started, self.started_wall = time.monotonic(), time.time()
         old_term = signal.signal(signal.SIGTERM, _interrupt)
         view = View(self, live)
@@ -174,6 +186,9 @@ class LocalJob:
             stop_all(procs)
             if self.poller is not None:
                 self.poller.stop(final=self.controller is not None)
+            if self.tracker is not None:
+                self._track()
+                self.tracker.close()
             if self.controller is not None:
                 self.controller.stop()
             signal.signal(signal.SIGTERM, old_term)
@@ -211,9 +226,20 @@ class LocalJob:
             time.sleep(0.1)
         view.update()
 
+    def _track(self) -> None:
+        """Log the batches trained since the last call to the trackers."""
+        st = self.status()
+        if self.tracker is None or st is None or st.rl is None:
+            return
+        discarded = st.rl.rollouts.discarded
+        for rec in st.rl.history:
+            if rec.batch > self.tracker.last_step:
+                self.tracker.log(rec.batch, batch_metrics(rec, discarded))
+
     def _tick(self) -> bool:
         """One round of supervision. True when the job is over."""
         now = time.monotonic()
+        self._track()
         if self.controller is not None:
             try:
                 news = self.controller.check()

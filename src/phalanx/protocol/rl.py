@@ -252,10 +252,36 @@ class BatchLeaseReply(Reply):
     finished: bool
 
 
+Rate = Annotated[float, Field(ge=0, le=1e15)]
+
+
+class BatchMetrics(Wire):
+    """What the acknowledging policy replica measured on the batch it trained last."""
+
+    tokens: Count | None = None
+    """Completion tokens of the batch (all its rollouts)."""
+    train_tokens_per_s: Rate | None = None
+    """Tokens (prompt and completion) through the replica's forward and backward, per
+    second of its compute."""
+    mfu: Annotated[float, Field(ge=0, le=10)] | None = None
+    """Model FLOPs utilisation of that compute (6 N FLOPs per token) against the
+    device's peak; None where the peak is not known."""
+    entropy: Rate | None = None
+    """Mean per-token entropy of the policy on the replica's share of the batch."""
+    kl_behaviour: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
+    """k3 estimate of KL(behaviour || policy) over the share (staleness made visible)."""
+    kl_ref: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
+    """k3 estimate of KL(policy || reference), with ``grpo.kl_coef > 0``."""
+    clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    peak_mem_mb: Rate | None = None
+    """Peak memory of the replica so far (CUDA allocator peak, else peak RSS), MiB."""
+
+
 class BatchAckReq(Wire):
     replica_id: ReplicaId
     step: Seq
     """Committed step count after the commit."""
+    metrics: BatchMetrics | None = None
 
 
 class BatchAckReply(Reply):

@@ -28,7 +28,7 @@ from phalanx.protocol.base import (
 from phalanx.protocol.commands import CheckpointRecord
 from phalanx.protocol.membership import Quorum
 from phalanx.protocol.queue import QueueCounts, QueueName
-from phalanx.protocol.rl import SignedInt
+from phalanx.protocol.rl import BatchMetrics, SignedInt
 
 Many = Field(max_length=100_000)
 Ids = Annotated[list[ReplicaId], Many]
@@ -127,6 +127,11 @@ class BatchRecord(Wire):
     exact_match_avg: float
     staleness: SignedInt
     at: Wall
+    tokens_per_s: Annotated[float, Field(ge=0, le=1e15)] | None = None
+    """Completion tokens trained per wall second: this batch's tokens over the time since
+    the batch before it was trained (the job's throughput, generation included)."""
+    metrics: BatchMetrics | None = None
+    """What the policy replica that acknowledged the batch measured on it."""
 
 
 class SyncRecord(Wire):
@@ -179,6 +184,10 @@ class JobRL(Wire):
     exact_match: float | None = None
     exact_match_avg: float | None = None
     staleness: SignedInt | None = None
+    tokens_per_s: float | None = None
+    """Completion tokens trained per wall second over the latest batch."""
+    train_tokens_per_s: float | None = None
+    """The acknowledging policy replica's tokens through forward and backward per second."""
 
 
 class JobDiLoCo(Wire):

@@ -116,6 +116,14 @@ def collate(
 
 def token_logprobs(model: Any, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)`` of every target token, ``[B, L - 1]``, one padded forward."""
+    return _forward(model, batch, temperature, entropy=False)[0]
+
+
+def _forward(
+    model: Any, batch: RolloutBatch, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target-token log-probs and, with ``entropy``, the per-position entropy of the
+    tempered distribution (no gradient: it is a metric, not a loss term)."""
     pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
     out = model(
         input_ids=batch.input_ids,
@@ -127,7 +135,13 @@ def token_logprobs(model: Any, batch: RolloutBatch, temperature: float = 1.0) ->
     if temperature != 1.0:
         logits = logits / temperature
     targets = batch.input_ids[:, 1:, None]
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            # H = logsumexp(z) - sum softmax(z) * z
+            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logits.gather(-1, targets).squeeze(-1) - lse, ent
 
 
 def grpo_loss(
@@ -157,7 +171,7 @@ def grpo_loss(
         )
     mask = batch.completion_mask
     n = float(num_tokens) if num_tokens is not None else max(float(mask.sum().item()), 1.0)
-    logp = token_logprobs(model, batch, temperature)
+    logp, ent = _forward(model, batch, temperature, entropy=True)
     # Off-mask columns have old = 0 and arbitrary logp: zero the log-ratio there
     # so exp() cannot overflow into inf * 0 = NaN.
     log_ratio = (logp - batch.old_logprobs) * mask
@@ -188,6 +202,7 @@ def grpo_loss(
             "clip_frac": float((clipped.float() * mask).sum().item() / local),
             # k3 estimate of KL(mu || pi_theta): 0 on the first step after a sync.
             "kl_behaviour": float(((ratio - 1 - log_ratio) * mask).sum().item() / local),
+            "entropy": float(((ent if ent is not None else 0.0) * mask).sum().item() / local),
         }
         if kl is not None:
             stats["kl_ref"] = float((kl * mask).sum().item() / local)

@@ -110,8 +110,14 @@ def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrain
             f"Point it at a *ForCausalLM checkpoint."
         )
     try:
+        # fp32 whatever the checkpoint's dtype: these weights are the optimizer's
+        # masters (AdamW on bf16 weights loses small updates to rounding);
+        # grpo.precision = "bf16" computes in bf16 under autocast.
         return AutoModelForCausalLM.from_pretrained(
-            str(p), local_files_only=True, attn_implementation=attn_implementation
+            str(p),
+            local_files_only=True,
+            attn_implementation=attn_implementation,
+            dtype=torch.float32,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"model.path {str(p)!r} could not be loaded: {_first(e)}") from e

@@ -15,14 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.config.rl import RLConfig
+from phalanx.protocol.rl import BatchMetrics
 from phalanx.rl.engine.base import Completion
-from phalanx.rl.grpo import (
-    collate,
-    group_advantages,
-    grpo_loss,
-    reference_logprobs,
-    rows_to_train,
-)
+from phalanx.rl.grpo import group_advantages, rows_to_train
+from phalanx.rl.model import num_params
+from phalanx.rl.step import backward_rows, mfu, peak_memory_mb, peak_tflops
 from phalanx.train.batch import split
 
 if TYPE_CHECKING:
@@ -82,11 +79,13 @@ class PolicyTrainer:
     def __init__(self, rl: RLConfig, manager: Manager, model: Any, pad_id: int, ref: Any = None):
         self.rl, self.g = rl, rl.grpo
         self.manager, self.model, self.pad_id, self.ref = manager, model, pad_id, ref
-        self.device = torch.device(self.g.device)
+        self.params = num_params(model)
+        self.peak = peak_tflops(torch.device(self.g.device), self.g.precision, rl.track.peak_tflops)
 
-    def compute(self, rows: Rows) -> float:
-        """Forward and backward on this replica's share of the batch's trainable rows.
-        Returns this share's loss (already normalised by the batch's token count)."""
+    def compute(self, rows: Rows) -> dict[str, float]:
+        """Forward and backward on this replica's share of the batch's trainable rows,
+        micro-batched (:func:`phalanx.rl.step.backward_rows`). Returns the share's stats;
+        ``loss`` is already normalised by the batch's token count."""
         g, m = self.g, self.manager
         comps, rewards = completions_of(rows)
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
@@ -94,21 +93,30 @@ class PolicyTrainer:
         off, count = split(len(keep), m.world_size, m.rank)
         mine = keep[off : off + count]
         if not mine:
-            return 0.0
+            return {"loss": 0.0, "train_tokens": 0.0}
         n_tokens = sum(len(c.token_ids) for c in comps)
-        batch = collate([comps[i] for i in mine], adv[mine], self.pad_id, self.device)
-        ref_lp = (
-            reference_logprobs(self.ref, batch, g.temperature) if self.ref is not None else None
+        return backward_rows(
+            self.model, comps, adv, mine, g=g, pad_id=self.pad_id, num_tokens=n_tokens, ref=self.ref
         )
-        loss, _ = grpo_loss(
-            self.model,
-            batch,
-            clip_eps=g.clip_eps,
-            clip_eps_high=g.clip_eps_high,
-            temperature=g.temperature,
-            num_tokens=n_tokens,
-            kl_coef=g.kl_coef,
-            ref_logprobs=ref_lp,
+
+    def metrics(self, rows: Rows, stats: dict[str, float], seconds: float) -> BatchMetrics:
+        """What this replica measured on its last step of the batch ``rows``: the
+        batch's completion tokens, and its own share's throughput, MFU and stats."""
+        tokens = sum(len(c.token_ids) for _, p in rows for c in p.completions)
+        train = stats.get("train_tokens", 0.0)
+        util = mfu(self.params, train, seconds, self.peak)
+
+        def num(key: str) -> float | None:
+            v = stats.get(key)
+            return None if v is None or v != v else round(float(v), 6)
+
+        return BatchMetrics(
+            tokens=tokens,
+            train_tokens_per_s=round(train / seconds, 1) if seconds > 0 else None,
+            mfu=round(util, 5) if util is not None else None,
+            entropy=num("entropy"),
+            kl_behaviour=num("kl_behaviour"),
+            kl_ref=num("kl_ref"),
+            clip_frac=num("clip_frac"),
+            peak_mem_mb=round(peak_memory_mb(torch.device(self.g.device)), 1),
         )
-        loss.backward()
-        return float(loss.item())

@@ -186,8 +186,12 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
                 "exact_match",
                 "exact_match_avg",
                 "staleness",
+                "tokens_per_s",
             )
         }
+        job["rl"]["train_tokens_per_s"] = (last_batch.get("metrics") or {}).get(
+            "train_tokens_per_s"
+        )
         series["reward"] = [[h["step"], h["reward"]] for h in hist][-SERIES_POINTS:]
         series["exact_match"] = [[h["step"], h["exact_match"]] for h in hist][-SERIES_POINTS:]
         b = st.ledger.balance()

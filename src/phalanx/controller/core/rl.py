@@ -223,14 +223,21 @@ class RLRequests:
         return RolloutPayload.model_validate(p, strict=False)  # read back from disk at a restart
 
     def ack_batch(
-        self, replica_id: str, step: int, *, now: float, wall: float
+        self,
+        replica_id: str,
+        step: int,
+        *,
+        now: float,
+        wall: float,
+        metrics: dict[str, float] | None = None,
     ) -> tuple[BatchAckReply, Tick]:
         """A policy replica committed up to ``step``: its batches are trained. The reply
-        names the sync order it must serve, and whether the job is finished."""
+        names the sync order it must serve, and whether the job is finished.
+        ``metrics`` (what it measured on the batch) go into the history record."""
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         tick = Tick()
-        if led.ack(step, wall=wall):
+        if led.ack(step, wall=wall, metrics=metrics):
             tick.ledger_for |= self.roles["rollout"].member_ids
             if led.finished:
                 tick.ledger_for |= self.roles["policy"].member_ids

@@ -144,7 +144,8 @@ function render(st) {
   const cards = [card("step", j.step), card("quorum", j.quorum_id, "quorum_id"), card("steps/s", fmt(j.steps_per_s, 2), "steps_per_s")];
   if (j.rl) {
     cards.push(card("reward", fmt(j.rl.reward), "reward"), card("exact match", fmt(j.rl.exact_match), "exact_match"),
-      card("exact match (avg)", fmt(j.rl.exact_match_avg), "exact_match_avg"), card("staleness", j.rl.staleness ?? "-", "staleness"));
+      card("exact match (avg)", fmt(j.rl.exact_match_avg), "exact_match_avg"), card("staleness", j.rl.staleness ?? "-", "staleness"),
+      card("tokens/s", fmt(j.rl.tokens_per_s, 0), "tokens_per_s"), card("train tokens/s", fmt(j.rl.train_tokens_per_s, 0), "train_tokens_per_s"));
   }
   if (j.diloco) cards.push(card("outer step", j.diloco.outer_step, "outer_step"), card("inner step", j.diloco.inner_step, "inner_step"));
   $("job").replaceChildren(...cards);

@@ -86,7 +86,10 @@ async def lease_batch(api: Api, req: BatchLeaseReq) -> BatchLeaseReply:
 
 async def ack_batch(api: Api, req: BatchAckReq) -> BatchAckReply:
     """The policy committed up to ``step``: its batches are trained. Idempotent."""
-    reply: BatchAckReply = api.service.apply(api.state.rl.ack_batch, req.replica_id, req.step)
+    metrics = req.metrics.model_dump(exclude_none=True) if req.metrics is not None else None
+    reply: BatchAckReply = api.service.apply(
+        api.state.rl.ack_batch, req.replica_id, req.step, metrics=metrics
+    )
     return reply
 
 

@@ -363,10 +363,10 @@ class Ledger:
     def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
         return self.rollouts.batch_for(step, wall=wall)
 
-    def ack(self, step: int, *, wall: float) -> bool:
+    def ack(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> bool:
         """Policy step count ``step`` is committed: every batch it covers is trained.
         Returns True when this moved the ledger (idempotent per step)."""
-        if not self.rollouts.ack(step, wall=wall):
+        if not self.rollouts.ack(step, wall=wall, metrics=metrics):
             return False
         self.weights.committed(step, self.loop.sync_every)
         self.save()

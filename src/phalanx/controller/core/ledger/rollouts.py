@@ -213,7 +213,7 @@ class RolloutBook:
         self.reopened -= set(ahead)
         return ahead
 
-    def ack(self, step: int, *, wall: float) -> bool:
+    def ack(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> bool:
         """Policy step count ``step`` is committed: every batch it covers is trained.
         Returns True when this moved the ledger (idempotent per step)."""
         inner = self.grpo.inner_epochs
@@ -233,10 +233,12 @@ class RolloutBook:
                 self.counts["trained_prompts"] += 1
                 self.counts["trained_rollouts"] += 1
                 self.counts["trained_completions"] += self.grpo.group_size
-            self._record(batch, wall)
+            self._record(batch, wall, metrics)
         return True
 
-    def _record(self, batch: dict[str, Any], wall: float) -> None:
+    def _record(
+        self, batch: dict[str, Any], wall: float, metrics: dict[str, float] | None = None
+    ) -> None:
         w = self.loop.window
         prev = self.history[-(w - 1) :] if w > 1 else []  # history[-0:] would be all of it
         recent = [h["exact_match"] for h in prev] + [batch["exact_match"]]
@@ -251,6 +253,12 @@ class RolloutBook:
             "staleness": batch["staleness"],
             "at": wall,
         }
+        if metrics:
+            h["metrics"] = dict(metrics)
+            tokens = metrics.get("tokens")
+            before = self.history[-1]["at"] if self.history else None
+            if tokens is not None and before is not None and wall > before:
+                h["tokens_per_s"] = round(tokens / (wall - before), 1)
         self.history.append(h)
         self.log.put("rl_history", str(batch["index"]), h)
         while len(self.history) > self.loop.history:

@@ -1,0 +1,153 @@
+"""The policy's forward and backward over a set of rows, in bounded memory.
+
+Shared by the policy replicas (:class:`phalanx.rl.trainer.PolicyTrainer`) and
+the single-process baseline: both take one GRPO step the same way.
+
+- **Micro-batching.** Rows go through the model ``grpo.micro_batch_size`` at a
+  time and their gradients accumulate. Each micro-batch's loss is normalised
+  by the whole batch's token count N (the GRPO loss is a sum over tokens
+  divided by N), so the accumulated gradient is the un-split step's, up to
+  float rounding; only the peak of activation memory changes.
+- **bf16.** ``grpo.precision = "bf16"`` runs the forward (and so the backward)
+  under autocast; the parameters, their gradients and the optimizer's moments
+  stay fp32 (master weights), and the log-probs are taken in fp32.
+- **Activation checkpointing** (``grpo.activation_checkpointing``): HF's
+  gradient checkpointing, non-reentrant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from phalanx.config.rl import GRPOSection
+from phalanx.rl.engine.base import Completion
+from phalanx.rl.grpo import collate, grpo_loss, reference_logprobs
+
+_WEIGHTED = ("ratio_mean", "clip_frac", "kl_behaviour", "entropy", "kl_ref")
+"""Stats that are per-token means of a micro-batch: merged weighted by its tokens."""
+
+
+def prepare(model: Any, g: GRPOSection) -> Any:
+    """Set the training options of ``g`` on a freshly built policy ``model``; returns it."""
+    if g.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(
+                f"grpo.activation_checkpointing needs a model that supports it: "
+                f"{type(model).__name__} does not. Set grpo.activation_checkpointing = false."
+            )
+        # Non-reentrant: works with inputs that need no grad and with autocast.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def autocast(g: GRPOSection, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The compute-dtype context of ``g.precision`` on ``device`` (a no-op for fp32)."""
+    if g.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def micro_batches(rows: Sequence[int], size: int) -> Iterator[list[int]]:
+    """``rows`` in consecutive chunks of ``size`` (0: one chunk)."""
+    step = size if size > 0 else max(len(rows), 1)
+    for i in range(0, len(rows), step):
+        yield list(rows[i : i + step])
+
+
+def backward_rows(
+    model: Any,
+    comps: Sequence[Completion],
+    adv: torch.Tensor,
+    rows: Sequence[int],
+    *,
+    g: GRPOSection,
+    pad_id: int,
+    num_tokens: int,
+    ref: Any = None,
+) -> dict[str, float]:
+    """Forward and backward of ``comps[rows]`` with advantages ``adv[rows]``, micro-batched.
+
+    ``num_tokens`` is the normaliser N: the completion tokens of the whole batch
+    (over every replica of the quorum). Gradients accumulate into ``.grad``: the
+    caller zeroes them before and steps after. Returns the merged stats of
+    :func:`grpo_loss` (``loss`` is this call's share of the batch loss), plus
+    ``train_tokens``, the non-pad tokens the model read (prompt and completion).
+    """
+    device = next(model.parameters()).device
+    out: dict[str, float] = {"loss": 0.0, "num_tokens": 0.0, "ratio_max": 0.0, "train_tokens": 0.0}
+    sums = dict.fromkeys(_WEIGHTED, 0.0)
+    for chunk in micro_batches(rows, g.micro_batch_size):
+        batch = collate([comps[i] for i in chunk], adv[chunk], pad_id, device)
+        with autocast(g, device):
+            ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
+            loss, stats = grpo_loss(
+                model,
+                batch,
+                clip_eps=g.clip_eps,
+                clip_eps_high=g.clip_eps_high,
+                temperature=g.temperature,
+                num_tokens=num_tokens,
+                kl_coef=g.kl_coef,
+                ref_logprobs=ref_lp,
+            )
+        loss.backward()
+        n = stats["num_tokens"]
+        out["loss"] += stats["loss"]
+        out["num_tokens"] += n
+        out["ratio_max"] = max(out["ratio_max"], stats["ratio_max"])
+        out["train_tokens"] += float(batch.attention_mask.sum().item())
+        for k in _WEIGHTED:
+            if k in stats:
+                sums[k] += stats[k] * n
+    for k in _WEIGHTED:
+        if k != "kl_ref" or ref is not None:
+            out[k] = sums[k] / max(out["num_tokens"], 1.0)
+    return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB: the CUDA caching allocator's peak
+    on a GPU, else the peak resident set size (all of the process, not only tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is KiB on Linux and bytes on macOS.
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+PEAK_TFLOPS = {
+    # Dense peak per GPU from NVIDIA's data sheets: (bf16 tensor core, fp32 non-tensor).
+    "H200": (989.4, 66.9),
+    "H100": (989.4, 66.9),
+    "A100": (312.0, 19.5),
+    "L40S": (362.1, 91.6),
+}
+
+
+def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Peak TFLOP/s of ``device`` in ``precision``: ``override`` if given, else the
+    data-sheet figure of a known GPU, else None (a CPU has no agreed peak)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (bf16, fp32) in PEAK_TFLOPS.items():
+        if key in name:
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
+def mfu(params: int, tokens: float, seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: 6 N FLOPs per token trained (forward 2N, backward 4N;
+    Kaplan et al. 2020), over ``seconds`` at ``peak`` TFLOP/s. Recomputation under
+    activation checkpointing is not counted: it is overhead, not model work."""
+    if peak is None or seconds <= 0:
+        return None
+    return 6.0 * params * tokens / seconds / (peak * 1e12)

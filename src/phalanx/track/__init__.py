@@ -1,0 +1,1 @@
+"""Experiment tracking: the job's metrics to TensorBoard event files and wandb."""
