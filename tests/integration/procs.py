@@ -23,6 +23,10 @@ from phalanx import env
 T = TypeVar("T")
 
 REPLICA_SCRIPT = Path(__file__).with_name("replica_proc.py")
+PROGRESS_S = 240.0
+"""Bound on waiting for processes to start (imports) and make their first progress. A
+wait ends at the event; this only caps a hang. On a machine busy with other work the
+start of several torch processes alone has taken over a minute."""
 
 FAST_TIMEOUTS = {
     "heartbeat_interval_s": 0.2,

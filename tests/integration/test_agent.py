@@ -38,7 +38,7 @@ from ftjob import (
     load_state,
     write_job,
 )
-from procs import Controller, wait_for
+from procs import PROGRESS_S, Controller, wait_for
 
 from phalanx.launch.agent_options import LATEST_POINTER, latest_step, request_resize
 from phalanx.train.snapshot import load_state as load_snapshot
@@ -121,7 +121,7 @@ def test_sigkill_worker_is_reported_restarted_and_heals(ft_job: FTJob, tmp_path:
         # every step it committed is in its output.
         wait_for(
             lambda: any(e.get("step", 0) >= KILL_AT for e in worker_lines(run_dir, 0)),
-            60,
+            PROGRESS_S,
             f"the agent's worker to commit step {KILL_AT}",
         )
         os.kill(victim, signal.SIGKILL)
@@ -215,7 +215,7 @@ def test_layout_change_from_two_workers_to_one_resumes(
         assert started["nproc"] == 2 and len(started["workers"]) == 2
         wait_for(
             lambda: any(e.get("step", 0) >= SAVE_EVERY + 1 for e in worker_lines(run_dir, 0)),
-            90,
+            PROGRESS_S,
             f"the 2-worker replica to reach step {SAVE_EVERY + 1}",
         )
         # What `phalanx agent resize --nproc 1` does (without its interpreter's start-up).

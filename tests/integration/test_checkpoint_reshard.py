@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from procs import Procs, child_env, signal_group, wait_for
+from procs import PROGRESS_S, Procs, child_env, signal_group, wait_for
 
 from phalanx.checkpoint import Checkpointer, CheckpointStore
 from phalanx.train import tp, tp_state
@@ -196,7 +196,7 @@ def test_worker_sigterm_checkpoints_and_resumes_on_one_rank(tmp_path: Path, proc
     ckpt = f"file://{tmp_path}/ckpt"
     common = ["--save-every", "4", "--step-delay", "0.01"]
     first = Launch(procs, 2, [*TP_WORKER, "--ckpt", ckpt, "--steps", "100000", *common], "w2")
-    wait_for(lambda: len(first.lines()) >= 6, 60, "the 2-rank worker to reach step 6")
+    wait_for(lambda: len(first.lines()) >= 6, PROGRESS_S, "the 2-rank worker to reach step 6")
     first.signal(signal.SIGTERM)
     first.wait()
     lines = first.lines()

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import FAST_TIMEOUTS, Controller, Procs, signal_group, wait_for, write_job_toml
+from procs import (
+    FAST_TIMEOUTS,
+    PROGRESS_S,
+    Controller,
+    Procs,
+    signal_group,
+    wait_for,
+    write_job_toml,
+)
 
 
 def job_sections(
@@ -187,7 +195,7 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
         held = rl_status(ctl)["leased_by"]
         return next((rid for rid in held if rid.startswith("rollout-slow:")), None)
 
-    slow_id = wait_for(slow_holds_a_lease, 60, "rollout-slow to hold a lease", 0.05)
+    slow_id = wait_for(slow_holds_a_lease, PROGRESS_S, "rollout-slow to hold a lease", 0.05)
     slow.kill()
     expired = wait_for(
         lambda: [
@@ -205,7 +213,7 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
     # The last rollout replica dies first, so the job cannot reach its target
     # before the joiner has synced and generated (and its lease goes back too).
     assert not rl_status(ctl)["finished"]
-    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, 60, "policy step 4")
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, PROGRESS_S, "policy step 4")
     fast.kill()
     joiner = start("rollout", "rollout-late")
     st = wait_finished(ctl, [policy, joiner])
@@ -285,12 +293,12 @@ def test_rl_policy_killed_with_two_policy_replicas_heals_on_restart(rl_job):
     # Its restart is a warm spare: a cold start (the imports) can take longer on a
     # loaded machine than policy-0 needs to finish the job alone.
     p1b = start("policy", "policy-1", spare=True)
-    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4 and p1.alive(), 60, "policy step 4")
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 4 and p1.alive(), PROGRESS_S, "policy step 4")
     p1.kill()
     at_kill = rl_status(ctl)["policy_step"]
     wait_for(
         lambda: any(e["participants"] == 1 and e["step"] > at_kill + 1 for e in p0.events("step")),
-        30,
+        PROGRESS_S,
         "policy-0 to train alone",
     )
     p1b.release()
@@ -308,7 +316,7 @@ def test_rl_controller_restart_keeps_ledger_and_step(rl_job):
     ctl, start = rl_job(rollout_init=1)
     policy = start("policy", "policy-0")
     roll = start("rollout", "rollout-0")
-    wait_for(lambda: rl_status(ctl)["policy_step"] >= 6, 60, "policy step 6")
+    wait_for(lambda: rl_status(ctl)["policy_step"] >= 6, PROGRESS_S, "policy step 6")
     before = rl_status(ctl)
     ctl.kill()
     ctl.start()

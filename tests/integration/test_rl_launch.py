@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import FAST_TIMEOUTS, Controller, child_env, wait_for, write_job_toml
+from procs import FAST_TIMEOUTS, PROGRESS_S, Controller, child_env, wait_for, write_job_toml
 
 from phalanx import cli
 from phalanx.config import load_config
@@ -328,10 +328,10 @@ def test_run_follows_scale(tmp_path: Path, capsys, monkeypatch):
 
     def operator() -> None:
         try:
-            wait_for(lambda: batches() >= 3, 60, "3 batches")
+            wait_for(lambda: batches() >= 3, PROGRESS_S, "3 batches")
             assert cli.main(["scale", "rollout=3", "--controller", str(state)]) == 0
             wait_for(lambda: "rollout-2" in job.replicas, 10, "rollout-2 to start")
-            wait_for(lambda: job.replicas["rollout-2"].progress, 30, "rollout-2 to submit")
+            wait_for(lambda: job.replicas["rollout-2"].progress, PROGRESS_S, "rollout-2 to submit")
             assert cli.main(["scale", "rollout=1", "--controller", str(state)]) == 0
         except BaseException as e:
             errors.append(e)
