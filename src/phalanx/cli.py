@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="write the final model/optimizer state here (safetensors)")
     r.add_argument(
         "--state",
-        help="RL policy replicas: keep the latest committed state in this file and resume "
-        "from it on restart (safetensors)",
+        help="RL policy replicas: checkpoint root (path or storage URL, shared by the job's "
+        "policy replicas) the leader saves the committed state to (async DCP) before each "
+        "ack, and every replica resumes from on restart",
     )
     r.set_defaults(fn=_replica)
 

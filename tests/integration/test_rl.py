@@ -98,7 +98,7 @@ class RLReplica:
         args = [sys.executable, *head, "replica", "--role", role, "--name", name]
         args += ["--controller", str(ctl.state_dir), "--config", str(config)]
         if role == "policy":
-            args += ["--state", str(procs.workdir / f"{name}.state")]
+            args += ["--state", str(procs.workdir / "policy-state")]
         stdin = subprocess.PIPE if spare else subprocess.DEVNULL
         self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}", stdin=stdin)
 
@@ -264,6 +264,7 @@ def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
         "a weight sync of version 2 at least",
     )
     policy.kill()
+    acked_at_kill = rl_status(ctl)["policy_step"]
     late = start("rollout", "rollout-late")
     syncs = wait_for(
         lambda: [e for e in late.events("sync") if e["ok"]] if late.alive() else None,
@@ -279,6 +280,8 @@ def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
     policy_b = start("policy", "policy-0")
     st = wait_finished(ctl, [policy_b, r0, late], timeout=300)
     check_ledger(st, trained_prompts([policy, policy_b]))
+    # It resumed from the leader's last checkpoint, never behind an acknowledged step.
+    assert policy_b.events("step")[0]["step"] > acked_at_kill
     rolls = late.events("rollout")
     assert rolls and all(e["version"] >= syncs[0]["version"] for e in rolls)
 

@@ -911,6 +911,25 @@ def test_an_acks_metrics_go_into_the_history_with_the_jobs_token_rate(st):
     assert st.ledger.rollouts.history[1] == second
 
 
+def test_a_batch_ask_acknowledges_only_the_steps_a_checkpoint_holds(st):
+    fill(st, PPS)
+    st.lease_batch(P, 0, now=0, wall=0)
+    fill(st, PPS)
+    # Step 1 is committed in memory, but its checkpoint has not committed yet: the
+    # batch stays frozen, so a crash now can retrain it from the checkpoint of step 0.
+    reply, _ = st.lease_batch(P, 1, now=1, wall=1, durable=0)
+    assert reply["batch"]["index"] == 1
+    assert st.ledger.policy_step == 0 and 0 in st.ledger.rollouts.batches
+    assert st.ledger.rollouts.history == []
+    # A replica restarted from that checkpoint asks for step 0's batch: the same rollouts.
+    again, _ = st.lease_batch(P, 0, now=2, wall=2, durable=0)
+    assert again["batch"]["index"] == 0 and "policy_rewind" not in kinds(st)
+    # Once the save commits, the next ask acknowledges it.
+    st.lease_batch(P, 1, now=3, wall=3, durable=1)
+    assert st.ledger.policy_step == 1 and [h["batch"] for h in st.ledger.rollouts.history] == [0]
+    assert check(st)["prompts"]["trained"] == PPS
+
+
 def test_batch_lease_covers_a_lost_ack(st):
     fill(st, PPS)
     st.lease_batch(P, 0, now=0, wall=0)

@@ -165,6 +165,11 @@ class Checkpointer:
         )
         return self._inflight
 
+    @property
+    def busy(self) -> bool:
+        """A save is in flight and not finished (``wait`` would block)."""
+        return self._inflight is not None and not self._inflight.done()
+
     def wait(self) -> Manifest | None:
         """Wait for the save in flight, if any; raises what it raised."""
         fut, self._inflight = self._inflight, None

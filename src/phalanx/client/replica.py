@@ -368,11 +368,14 @@ class ControllerClient:
 
         return self._as_member(send)
 
-    def lease_batch(self, step: int, wait_s: float = 10.0) -> BatchLeaseReply:
-        """Policy replicas: the rollout batch of ``step`` (the same for every replica)."""
+    def lease_batch(
+        self, step: int, wait_s: float = 10.0, durable: int | None = None
+    ) -> BatchLeaseReply:
+        """Policy replicas: the rollout batch of ``step`` (the same for every replica).
+        ``durable``: the steps known to be checkpointed (see ``BatchLeaseReq``)."""
 
         def send(rid: str) -> BatchLeaseReply:
-            req = BatchLeaseReq(replica_id=rid, step=step, wait_s=wait_s)
+            req = BatchLeaseReq(replica_id=rid, step=step, wait_s=wait_s, durable=durable)
             return self.transport.call(
                 "/v1/rollouts/lease", req, BatchLeaseReply, timeout=wait_s + 10
             )

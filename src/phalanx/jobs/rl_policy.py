@@ -21,14 +21,18 @@ weight sync (in a lease or ack reply), it publishes its committed weights,
 version = its step count, through the :class:`WeightChannel` at the step
 boundary, and training goes on while they are sent.
 
-With ``state`` set, the replica writes its committed state to that file
-before every ack (so the file is never behind the controller), and resumes
-from it when restarted: a lone policy replica that is killed loses nothing.
+With ``state`` (a checkpoint root: a path or a storage URL, shared by the
+job's policy replicas) the leader saves the committed state there with the
+async DCP checkpointer at every ack point, and the ack waits for the save to
+commit (:mod:`phalanx.rl.durable`), so the newest checkpoint is never behind
+the controller; a restarted replica resumes from it (any layout: the
+checkpoint reshards on load) or heals from a live peer. A lone policy
+replica that is killed loses no acknowledged step.
 
-An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured after a
-committed step that was acknowledged (its batch trained, the state file
-written): the replica finishes any weight send it leads, prints ``done``
-with ``drained``, and deregisters; the other policy replicas go on without it.
+An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured at an ack
+point: the replica sends the ack of its last save, finishes any weight send
+it leads, prints ``done`` with ``drained``, and deregisters; the other policy
+replicas go on without it.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config.rl import RLConfig
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
+from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume
 from phalanx.log import ReplicaLogger
-from phalanx.protocol.rl import Batch, SyncOrder
+from phalanx.protocol.rl import Batch, BatchAckReply, SyncOrder
+from phalanx.rl.durable import DurableAcks, policy_checkpointer
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
@@ -55,7 +60,7 @@ from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
-from phalanx.train.snapshot import load_state, save_state
+from phalanx.train.snapshot import save_state
 from phalanx.transport.base import RolloutStore, SyncResult, WeightChannel
 from phalanx.transport.factory import rollout_store, weight_channel
 
@@ -179,12 +184,13 @@ def run(args: ReplicaArgs) -> int:
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
     manager.register_state("scheduler", sched.state_dict, sched.load_state_dict)
-    if state is not None and state.exists():
-        try:
-            manager.load_state_dict(load_state(state))
-            rlog.info("resumed from %s at step %d", state, manager.step)
-        except ValueError as e:
-            rlog.error("%s; starting from scratch", e)
+    ckpt = policy_checkpointer(state)
+    acks = DurableAcks(client, ckpt, {"job_id": cfg.job.id, "kind": "rl-policy"})
+    if ckpt is not None:
+        resumed = resume(ckpt, manager)  # NoUsableCheckpoint: the launcher stops the job
+        if resumed is not None:
+            acks.durable = resumed
+            rlog.info("resumed from %s at step %d", state, resumed)
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
     weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
     payloads = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
@@ -201,6 +207,12 @@ def run(args: ReplicaArgs) -> int:
     )
     orders = Orders(client, kinds=("drain",))
     finished = drained = False
+
+    def acked_by(replies: list[BatchAckReply]) -> bool:
+        for a in replies:
+            leader.serve(a.sync, manager.step, model)
+        return any(a.finished for a in replies)
+
     batch: Batch | None = None
     rows: Rows = []
     try:
@@ -212,15 +224,18 @@ def run(args: ReplicaArgs) -> int:
                 rlog.warning("%s; asking again", e)
                 continue
             healed = client.replica_id in q.heal
+            finished = acked_by(acks.poll()) or finished
             manager.grads.zero()
             t0 = time.perf_counter()
             if batch is None or batch.index != manager.step // g.inner_epochs:
                 # A batch spans inner_epochs steps: ask only when this step starts a new one.
                 batch = None
                 while batch is None and not finished:
-                    r = client.lease_batch(manager.step, wait_s=5.0)
+                    # A save in flight: ask briefly, so that its ack goes soon after it commits.
+                    wait_s = 0.2 if acks.pending else 5.0
+                    r = client.lease_batch(manager.step, wait_s, acks.durable_for_lease)
                     leader.serve(r.sync, manager.step, model)
-                    batch, finished = r.batch, r.finished
+                    batch, finished = r.batch, r.finished or acked_by(acks.poll())
                 if batch is None:
                     break
                 rows, lost = payloads_of(batch, payloads, rl)
@@ -249,14 +264,10 @@ def run(args: ReplicaArgs) -> int:
             sched.step()
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
             if acked:
-                # Saved before the ack, so the file is never behind the controller: a
-                # restart from it retrains at most the unacknowledged steps, whose
-                # batch is still frozen for them.
-                if state is not None:
-                    save_state(state, manager.state_dict())
-                ack = client.ack_batch(manager.step, trainer.metrics(rows, stats, t2 - t1))
-                leader.serve(ack.sync, manager.step, model)
-                finished = ack.finished
+                # Acknowledged once a checkpoint holds the step (DurableAcks): a restart
+                # from it retrains at most unacknowledged steps, whose batches stay frozen.
+                replies = acks.ack(manager, trainer.metrics(rows, stats, t2 - t1))
+                finished = acked_by(replies) or finished
             t3 = time.perf_counter()
             metrics[batch.index] = (batch.reward, batch.exact_match)
             while len(metrics) > rl.loop.window:
@@ -300,10 +311,11 @@ def run(args: ReplicaArgs) -> int:
                 }
             )
             if acked and not finished:
-                # Leave only at an acknowledged step: the controller counts the batch
-                # trained and the state file holds it, so nothing is trained twice.
+                # Leave only at an ack point: the leader's last save is acknowledged on
+                # the way out, the others' state is the leader's, so nothing is trained twice.
                 orders.poll(manager.step)
                 drained = orders.drain
+        finished = acked_by(acks.close()) or finished
         if weights.pending is not None:
             # A drained leader too: the rollout replicas of its last sync wait for it.
             weights.pending.result(timeout=rl.loop.sync_timeout_s * 2)

@@ -106,9 +106,9 @@ class LocalJob:
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd += ["--out", str(out)]
             if self.rl:
-                state = self.run_dir / "state" / f"{r.name}.safetensors"
-                state.parent.mkdir(parents=True, exist_ok=True)
-                cmd += ["--state", str(state)]
+                # One checkpoint root for every policy replica: the leader saves, and
+                # any replica (re)started later resumes from the newest save.
+                cmd += ["--state", str(self.run_dir / "policy-state")]
         return [*cmd, *self._cfg_args()]
 
     def start_replica(self, r: Replica) -> None:

@@ -244,6 +244,10 @@ class BatchLeaseReq(Wire):
     step: Count
     """The replica's committed step count: the batch asked for is the one it trains next."""
     wait_s: WaitS = 0.0
+    durable: Count | None = None
+    """Steps this replica knows to be in a committed checkpoint. The ask acknowledges
+    ``min(step, durable)`` (an ack lost to a crash); None: ``step`` itself (a replica
+    without a checkpointer: its memory is all there is)."""
 
 
 class BatchLeaseReply(Reply):

@@ -166,16 +166,19 @@ class RLRequests:
         return reply, self._tick(led, tick)
 
     def lease_batch(
-        self, replica_id: str, step: int, *, now: float, wall: float
+        self, replica_id: str, step: int, *, now: float, wall: float, durable: int | None = None
     ) -> tuple[BatchLeaseReply, Tick]:
-        """A policy replica asks for the rollouts of ``step`` (its committed step count)."""
+        """A policy replica asks for the rollouts of ``step`` (its committed step count).
+        ``durable``: the steps it knows to be checkpointed (None: all of ``step``)."""
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         discarded_before = sum(led.rollouts.discarded.values())
         # The asker committed ``step`` steps: batches those cover are trained even if
-        # the ack was lost (the replica died between its commit and its ack).
-        if step > 0:
-            led.ack(step, wall=wall)
+        # the ack was lost (the replica died between its commit and its ack), as far
+        # as a checkpoint holds them: a step no checkpoint holds is not yet trained.
+        acked = step if durable is None else min(step, durable)
+        if acked > 0:
+            led.ack(acked, wall=wall)
         batch = led.batch_for(step, wall=wall)
         tick = self.maybe_sync(now, wall)
         if sum(led.rollouts.discarded.values()) != discarded_before:
