@@ -49,19 +49,20 @@ def train(
     stop_at_exact_match: float | None = None,
     window: int = 10,
     emit: Callable[[dict[str, Any]], None] | None = None,
+    stop_at_reward: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run GRPO for ``cfg.grpo.steps`` rounds in this process; return the per-round records.
 
     ``emit`` gets each record as it is made (the CLI prints them as JSON lines).
-    With ``stop_at_exact_match``, stops once the trailing ``window``-round mean
-    exact match reaches it. Deterministic for a given config on one device and
+    With ``stop_at_exact_match`` (``stop_at_reward``), stops once the trailing
+    ``window``-round mean exact match (reward) reaches it. Deterministic for a given config on one device and
     thread count.
     """
     before = torch.get_num_threads()
     if cfg.grpo.threads:
         torch.set_num_threads(cfg.grpo.threads)
     try:
-        return _train(cfg, stop_at_exact_match, window, emit or (lambda rec: None))
+        return _train(cfg, stop_at_exact_match, window, emit or (lambda rec: None), stop_at_reward)
     finally:
         torch.set_num_threads(before)
 
@@ -71,6 +72,7 @@ def _train(
     stop_at_exact_match: float | None,
     window: int,
     emit: Callable[[dict[str, Any]], None],
+    stop_at_reward: float | None = None,
 ) -> list[dict[str, Any]]:
     g = cfg.grpo
     device = torch.device(g.device)
@@ -171,11 +173,12 @@ def _train(
         for key in ("reward_avg", "exact_match_avg"):
             if key not in reached and len(recent_r) == window and rec[key] >= THRESHOLD:
                 reached[key] = {"step": rec["step"], "seconds": rec["seconds"]}
+        full = len(recent_em) == window
         if (
             stop_at_exact_match is not None
-            and len(recent_em) == window
+            and full
             and rec["exact_match_avg"] >= stop_at_exact_match
-        ):
+        ) or (stop_at_reward is not None and full and rec["reward_avg"] >= stop_at_reward):
             break
     emit(
         {
