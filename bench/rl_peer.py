@@ -2,7 +2,7 @@
 hyper-parameters through TRL's ``GRPOTrainer``, phalanx's single-process loop, and
 phalanx with 1 policy and 2 rollout replicas (HF engine, and vLLM where installed).
 
-    python bench/rl_peer.py [--json] [--threshold 0.5] [--window 10] [--max-steps 400]
+    python bench/rl_peer.py [--json] [--threshold 0.6] [--window 10] [--max-steps 300]
                             [--arms trl,single,phalanx,phalanx_vllm] [--keep DIR]
 
 The task: one-digit additions (``"3+4="``, answer ``"7"``; all 100 of them, in a
@@ -11,7 +11,7 @@ reward, called by every arm), a Qwen2 causal LM built from config (random init,
 seeded, 2 layers, hidden 64; a character-level tokenizer, so that a random model
 can find a right answer by sampling) written with ``save_pretrained``, which every
 arm loads. Every arm: 8 prompts x 8 completions per step, up to 3 new tokens,
-temperature 1, AdamW lr 3e-3, constant, no KL, one optimizer step per batch,
+temperature 1, AdamW lr 5e-4, constant, no KL, one optimizer step per batch,
 clip 0.2 / 0.4 (DAPO's clip-higher, TRL's ``epsilon_high``), token-level loss
 normalisation (TRL ``loss_type="dapo"``), group-normalised advantages.
 
@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-P, G, MAX_NEW, LR = 8, 8, 3, 3e-3
+P, G, MAX_NEW, LR = 8, 8, 3, 5e-4
 PROMPT_TOKENS = 4  # "a+b="
 ARMS = ("trl", "single", "phalanx", "phalanx_vllm")
-WARM_STEPS = 60
+WARM_STEPS = 150
 
 
 # -- the shared setup ----------------------------------------------------------------
@@ -375,9 +375,9 @@ def plot(results: list[dict[str, Any]], out: Path, threshold: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--threshold", type=float, default=0.6)
     ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--max-steps", type=int, default=300)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", type=Path, help="write the reward curves here (PNG)")

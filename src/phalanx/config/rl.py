@@ -29,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.urls import check_storage_url
 
+FORMAT_PATTERN = r"(\\boxed\{.+\}|####\s*\S+)\s*$"
+"""What the ``format`` reward looks for at the end of a completion by default."""
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -90,7 +93,7 @@ class TaskSection(_Section):
     (math-verify against the answer) and ``format``, or ``module:function``."""
     reward_weights: list[float] | None = None
     """One weight per reward; None: 1.0 each."""
-    format_pattern: str = Field(r"(\\boxed\{.+\}|####\s*\S+)\s*$", max_length=1000)
+    format_pattern: str = Field(FORMAT_PATTERN, max_length=1000)
     """Regex the ``format`` reward looks for at the end of a completion."""
     reward_timeout_s: float = Field(5.0, ge=0, le=3600)
     """Longest one reward call may take; past it the rollout is discarded. 0: unbounded."""

@@ -30,6 +30,7 @@ from phalanx.config.rl import RLConfig, load_rl_config
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.generate import score_group
 from phalanx.rl.grpo import group_advantages, lr_lambda, rows_to_train
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.rewards import RewardError
@@ -114,7 +115,7 @@ def _train(
         for i, prompt in enumerate(prompts):
             group = comps[i * g.group_size : (i + 1) * g.group_size]
             try:
-                scores = [task.score(prompt, tok.decode(c.token_ids), c.finished) for c in group]
+                scores = score_group(task, tok, prompt, group)
             except RewardError as e:
                 # As a phalanx job discards the rollout: all-equal rewards, no advantage.
                 log.warning("prompt %d: %s; its group is not trained", first + i, e)

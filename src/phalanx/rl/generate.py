@@ -8,14 +8,25 @@ with the reason."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from phalanx.config.rl import RLConfig
 from phalanx.protocol.rl import Completion, PromptRef, RolloutIn
 from phalanx.rl.base import Task, Tokenizer
+from phalanx.rl.engine.base import Completion as EngineCompletion
 from phalanx.rl.engine.base import GenerationEngine, prompt_key
 from phalanx.rl.rewards import RewardError
 
 log = logging.getLogger("phalanx.rl.generate")
+
+
+def score_group(
+    task: Task, tok: Tokenizer, prompt: str, group: Sequence[EngineCompletion]
+) -> list[tuple[float, bool]]:
+    """(reward, exact match) of each completion of one prompt's group. Raises
+    RewardError when a reward function raised or timed out: the whole group is then
+    left untrained (a phalanx job discards the rollout, the single loop zeroes it)."""
+    return [task.score(prompt, tok.decode(c.token_ids), c.finished) for c in group]
 
 
 def make_rollouts(
@@ -42,7 +53,7 @@ def make_rollouts(
         group = comps[i * g.group_size : (i + 1) * g.group_size]
         rows, rewards, exact = [], [], []
         try:
-            scores = [task.score(texts[i], tok.decode(c.token_ids), c.finished) for c in group]
+            scores = score_group(task, tok, texts[i], group)
         except RewardError as e:
             log.warning("prompt %d: %s; its rollout is discarded", p.index, e)
             out.append(

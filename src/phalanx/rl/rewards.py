@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from phalanx.config.rl import FORMAT_PATTERN
+
 BUILTIN = ("math", "format")
 
 
@@ -138,7 +140,7 @@ class Rewards:
         specs: Sequence[str],
         weights: Sequence[float] | None = None,
         *,
-        format_pattern: str = r"(\\boxed\{.+\}|####\s*\S+)\s*$",
+        format_pattern: str = FORMAT_PATTERN,
         timeout_s: float = 5.0,
     ):
         if not specs:
