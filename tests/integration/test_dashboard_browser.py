@@ -47,6 +47,7 @@ SHRINK = [
 
 try:
     from playwright.sync_api import Page, sync_playwright
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
 except ImportError:  # pragma: no cover - the dev extra installs it
     sync_playwright = None  # type: ignore[assignment]
 
@@ -57,6 +58,20 @@ pytestmark = [
     ),
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (dev extra)"),
 ]
+
+
+def _ask(page: Page, button: str, tries: int = 6) -> None:
+    """Click ``button`` until the confirmation dialog opens. The page re-renders its
+    tables from each status poll; on a loaded machine a click can land as the row it
+    aimed at is replaced, and then nothing opens: click again, as a user would."""
+    for i in range(tries):
+        page.click(button)
+        try:
+            page.wait_for_selector("#confirm[open]", timeout=10_000)
+            return
+        except PlaywrightTimeout:
+            if i == tries - 1:
+                raise
 
 
 def _starts(log: Path) -> list[dict[str, Any]]:
@@ -189,8 +204,7 @@ def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Pr
             policy = page.get_attribute(
                 "table[data-role=policy] tr[data-state=active]", "data-replica"
             )
-            page.click("table[data-role=policy] tr[data-state=active] button:text('evict')")
-            page.wait_for_selector("#confirm[open]")
+            _ask(page, "table[data-role=policy] tr[data-state=active] button:text('evict')")
             page.click("#confirm-cancel")
             page.wait_for_timeout(500)
             roles = cli_status(state)["overview"]["roles"]
@@ -200,8 +214,7 @@ def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Pr
             # 0 from the page (the launcher stops both), so that the job holds still.
             head = "div.role:has(table[data-role=rollout]) h3"
             page.fill(f"{head} input", "0")
-            page.click(f"{head} button:text('scale')")
-            page.wait_for_selector("#confirm[open]")
+            _ask(page, f"{head} button:text('scale')")
             assert "Scale rollout to 0 replicas?" in page.inner_text("#confirm-text")
             page.click("#confirm-ok")
             page.wait_for_selector("#conn:text('done: Scale rollout to 0 replicas')")
