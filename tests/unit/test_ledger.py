@@ -930,6 +930,20 @@ def test_a_batch_ask_acknowledges_only_the_steps_a_checkpoint_holds(st):
     assert check(st)["prompts"]["trained"] == PPS
 
 
+def test_no_batch_is_frozen_past_the_jobs_last_while_its_ack_waits():
+    st = job("rl.grpo.steps=1")
+    fill(st, PPS)
+    assert st.lease_batch(P, 0, now=0, wall=0)[0]["batch"]["index"] == 0
+    fill(st, PPS)
+    # Step 1 is committed but its checkpoint is not yet: the job is not finished, and
+    # batch 1 would be past grpo.steps.
+    reply, _ = st.lease_batch(P, 1, now=1, wall=1, durable=0)
+    assert reply["batch"] is None and not reply["finished"]
+    assert 1 not in st.ledger.rollouts.batches
+    reply, _ = st.ack_batch(P, 1, now=2, wall=2)
+    assert reply["finished"]
+
+
 def test_batch_lease_covers_a_lost_ack(st):
     fill(st, PPS)
     st.lease_batch(P, 0, now=0, wall=0)

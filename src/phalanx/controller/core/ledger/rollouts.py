@@ -163,6 +163,10 @@ class RolloutBook:
             return self.batches[b]
         if self.finished:
             return None  # a finished job is not rewound: nothing more will train
+        if b >= self.grpo.steps:
+            # Past the job's last batch. It is not finished yet only because the last
+            # ack waits for its checkpoint: nothing more is frozen meanwhile.
+            return None
         if b < self.next_batch and b not in self.reopened:
             self._rewind(b, step, wall)
         floor = b * self.grpo.inner_epochs - self.loop.max_staleness
