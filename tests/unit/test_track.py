@@ -64,9 +64,14 @@ def test_a_batch_record_flattens_to_grouped_scalars():
 def test_tensorboard_event_files_read_back(tmp_path: Path):
     t = trackers(TrackSection(), tmp_path, "run", {})
     for b in range(3):
-        t.log(b, batch_metrics(_record(b, entropy=1.0 + b)))
+        t.log(b, batch_metrics(_record(b, entropy=1.0 + b)), wall=1000.0 + b)
     t.log(1, {"rl/reward": 99.0})  # already logged: ignored
     t.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.wall_time for e in acc.Scalars("rl/reward")] == [1000.0, 1001.0, 1002.0]
     got = _scalars(tmp_path / "tb")
     assert got["rl/reward"] == [(0, 0.0), (1, 0.25), (2, 0.5)]
     assert got["policy/entropy"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
@@ -108,7 +113,7 @@ def test_wandb_not_installed_is_one_line(tmp_path: Path, monkeypatch):
 
 
 class _Broken(Tracker):
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], wall: float | None = None) -> None:
         raise OSError("disk full")
 
     def close(self) -> None:

@@ -234,7 +234,8 @@ class LocalJob:
         discarded = st.rl.rollouts.discarded
         for rec in st.rl.history:
             if rec.batch > self.tracker.last_step:
-                self.tracker.log(rec.batch, batch_metrics(rec, discarded))
+                # At the controller's time of the batch's ack, not of this poll.
+                self.tracker.log(rec.batch, batch_metrics(rec, discarded), rec.at)
 
     def _tick(self) -> bool:
         """One round of supervision. True when the job is over."""

@@ -22,8 +22,9 @@ class Tracker(ABC):
     """A sink of scalar metrics, keyed by a step that only grows."""
 
     @abstractmethod
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record ``metrics`` at ``step`` (the batch index)."""
+    def log(self, step: int, metrics: Mapping[str, float], wall: float | None = None) -> None:
+        """Record ``metrics`` at ``step`` (the batch index); ``wall``: when the step
+        happened (``time.time()``; None: now)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -70,13 +71,13 @@ class Trackers(Tracker):
         self.trackers = trackers
         self.last_step = -1
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], wall: float | None = None) -> None:
         if step <= self.last_step:
             return  # already logged (a status read twice, a restarted poll)
         self.last_step = step
         for t in list(self.trackers):
             try:
-                t.log(step, metrics)
+                t.log(step, metrics, wall)
             except Exception as e:  # a tracker is best-effort: never fail the job
                 log.warning("tracker %s failed and is dropped: %s", type(t).__name__, e)
                 self.trackers.remove(t)

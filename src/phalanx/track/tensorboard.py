@@ -23,7 +23,7 @@ class TensorBoardTracker(Tracker):
         self.logdir = logdir
         self.writer = EventFileWriter(str(logdir), flush_secs=10)
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], wall: float | None = None) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         values = [
@@ -31,7 +31,7 @@ class TensorBoardTracker(Tracker):
         ]
         self.writer.add_event(
             event_pb2.Event(
-                wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values)
+                wall_time=wall or time.time(), step=step, summary=summary_pb2.Summary(value=values)
             )
         )
 

@@ -31,7 +31,7 @@ class WandbTracker(Tracker):
             reinit="create_new",
         )
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], wall: float | None = None) -> None:
         self.run.log(dict(metrics), step=step)
 
     def close(self) -> None:
