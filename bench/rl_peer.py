@@ -365,10 +365,13 @@ def plot(results: list[dict[str, Any]], out: Path, threshold: float) -> None:
     for r in results:
         xs = [c[0] for c in r["curve"]]
         ys = [c[1] for c in r["curve"]]
-        ax.plot(xs, ys, label=r["arm"], linewidth=1)
+        w = r["window"]
+        trail = [sum(ys[max(0, i - w + 1) : i + 1]) / min(w, i + 1) for i in range(len(ys))]
+        (line,) = ax.plot(xs, trail, label=f"{r['arm']} ({w}-step mean)", linewidth=1.8)
+        ax.plot(xs, ys, color=line.get_color(), linewidth=0.6, alpha=0.35)
     ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("seconds from launch")
-    ax.set_ylabel("batch mean reward")
+    ax.set_ylabel("reward (thin: each batch)")
     ax.set_title("GRPO on one-digit addition: phalanx and TRL")
     ax.legend()
     fig.tight_layout()
