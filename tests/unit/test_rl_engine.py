@@ -18,13 +18,7 @@ TOK = CharTokenizer()
 PROMPTS = [TOK.encode(p) for p in ("3142>", "90>", "7>", "55012>")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny model runs fastest on one thread; more only oversubscribe a busy machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -20,13 +20,7 @@ from phalanx.rl.tokenizer import CharTokenizer
 TOK = CharTokenizer()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny model runs fastest on one thread; more only oversubscribe a busy machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_advantages_are_group_normalised():

@@ -19,12 +19,7 @@ TOK = CharTokenizer()
 G = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(model, n_prompts=3, seed=0):
