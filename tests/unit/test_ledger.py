@@ -930,6 +930,45 @@ def test_a_batch_ask_acknowledges_only_the_steps_a_checkpoint_holds(st):
     assert check(st)["prompts"]["trained"] == PPS
 
 
+def test_an_ack_syncs_at_once_and_drops_its_batch_once_a_checkpoint_holds_it():
+    st = job("rl.loop.sync_every=1")
+    declare(st, R2)
+    form(st, [P])
+    fill(st, PPS, reward=2.0)
+    st.lease_batch(P, 0, now=0, wall=0)
+    # Step 1 is committed, its checkpoint not yet: weights may sync from it now, and
+    # the batch stays frozen with the figures the policy measured on it.
+    reply, tick = st.ack_batch(P, 1, now=3, wall=3, metrics={"tokens": 40}, durable=0)
+    assert st.ledger.weights.want_version == 1 and reply["sync"] is not None
+    assert tick.ledger_for >= {P}  # the leader is woken to serve the sync
+    batch = st.ledger.rollouts.batches[0]
+    assert (batch["trained_at"], batch["metrics"]) == (3, {"tokens": 40})
+    assert st.tables["batches"]["0"] == batch  # journaled: a restart keeps them
+    assert st.ledger.rollouts.history == [] and st.ledger.policy_step == 0
+    # The save commits: the durable ack drops the batch, stamped with its training time.
+    st.ack_batch(P, 1, now=5, wall=5, durable=1)
+    assert 0 not in st.ledger.rollouts.batches and st.ledger.policy_step == 1
+    (h,) = st.ledger.rollouts.history
+    assert (h["at"], h["metrics"]) == (3, {"tokens": 40})
+    assert check(st)["prompts"]["trained"] == PPS
+
+
+def test_a_policy_back_from_an_older_checkpoint_rewinds_the_weight_versions():
+    st = job("rl.loop.sync_every=1")
+    fill(st, PPS)
+    st.lease_batch(P, 0, now=0, wall=0)
+    st.ack_batch(P, 1, now=1, wall=1, durable=0)
+    assert st.ledger.weights.want_version == 1
+    # Every policy replica died before the save of step 1 committed: the one restarted
+    # from step 0 gets the same frozen batch, and version 1 is wanted again from it.
+    again, _ = st.lease_batch(P, 0, now=2, wall=2, durable=0)
+    assert again["batch"]["index"] == 0
+    assert "policy_behind" in kinds(st) and "policy_rewind" not in kinds(st)
+    assert (st.ledger.weights.want_version, st.ledger.weights.synced_version) == (0, 0)
+    st.ack_batch(P, 1, now=3, wall=3, durable=1)
+    assert st.ledger.weights.want_version == 1 and st.ledger.policy_step == 1
+
+
 def test_no_batch_is_frozen_past_the_jobs_last_while_its_ack_waits():
     st = job("rl.grpo.steps=1")
     fill(st, PPS)

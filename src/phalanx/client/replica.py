@@ -382,12 +382,16 @@ class ControllerClient:
 
         return self._as_member(send)
 
-    def ack_batch(self, step: int, metrics: BatchMetrics | None = None) -> BatchAckReply:
-        """Policy replicas: committed up to ``step``; the batches it covers are trained.
-        ``metrics``: what the replica measured on its last batch (for the history)."""
+    def ack_batch(
+        self, step: int, metrics: BatchMetrics | None = None, durable: int | None = None
+    ) -> BatchAckReply:
+        """Policy replicas: committed up to ``step`` (weights may sync from it); the
+        batches of ``min(step, durable)`` are trained (``durable``: the steps in a
+        committed checkpoint; None: all). ``metrics``: what the replica measured on its
+        last batch (for the history)."""
 
         def send(rid: str) -> BatchAckReply:
-            req = BatchAckReq(replica_id=rid, step=step, metrics=metrics)
+            req = BatchAckReq(replica_id=rid, step=step, metrics=metrics, durable=durable)
             return self.transport.call("/v1/rollouts/ack", req, BatchAckReply)
 
         return self._as_member(send)

@@ -23,11 +23,12 @@ boundary, and training goes on while they are sent.
 
 With ``state`` (a checkpoint root: a path or a storage URL, shared by the
 job's policy replicas) the leader saves the committed state there with the
-async DCP checkpointer at every ack point, and the ack waits for the save to
-commit (:mod:`phalanx.rl.durable`), so the newest checkpoint is never behind
-the controller; a restarted replica resumes from it (any layout: the
-checkpoint reshards on load) or heals from a live peer. A lone policy
-replica that is killed loses no acknowledged step.
+async DCP checkpointer, one save at a time. Each ack point is acknowledged as
+committed at once (weights sync from it), and as durable once a save holding
+it commits (:mod:`phalanx.rl.durable`): the ledger drops only durable batches,
+so the newest checkpoint is never behind it. A restarted replica resumes from
+it (any layout: the checkpoint reshards on load) or heals from a live peer. A
+lone policy replica that is killed loses no acknowledged step.
 
 An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured at an ack
 point: the replica sends the ack of its last save, finishes any weight send
@@ -264,8 +265,8 @@ def run(args: ReplicaArgs) -> int:
             sched.step()
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
             if acked:
-                # Acknowledged once a checkpoint holds the step (DurableAcks): a restart
-                # from it retrains at most unacknowledged steps, whose batches stay frozen.
+                # Committed now; durable once a checkpoint holds the step (DurableAcks):
+                # a restart retrains at most undurable steps, whose batches stay frozen.
                 replies = acks.ack(manager, trainer.metrics(rows, stats, t2 - t1))
                 finished = acked_by(replies) or finished
             t3 = time.perf_counter()

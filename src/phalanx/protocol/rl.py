@@ -284,8 +284,11 @@ class BatchMetrics(Wire):
 class BatchAckReq(Wire):
     replica_id: ReplicaId
     step: Seq
-    """Committed step count after the commit."""
+    """Committed step count after the commit: weights may sync from it."""
     metrics: BatchMetrics | None = None
+    durable: Count | None = None
+    """Steps in a committed checkpoint: the ack drops the batches of
+    ``min(step, durable)``; None: of ``step`` (no checkpointer: memory is all there is)."""
 
 
 class BatchAckReply(Reply):

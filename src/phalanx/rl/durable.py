@@ -1,23 +1,30 @@
-"""The policy's state through the async DCP checkpointer, and acks that wait for it.
+"""The policy's state through the async DCP checkpointer, and acks that split
+"trained" from "durable".
 
-A policy replica acknowledges a step to the ledger (the batches it covers are
-trained: their payloads are dropped, their prompts done). That is safe only
-once the step survives the loss of every policy replica, so the ack waits for a
-committed checkpoint that holds it:
+A policy replica's ack tells the ledger two things:
 
-- at an ack point, rank 0 of the quorum (the policy leader; every member holds
-  the same state after a commit) starts an async save (``Checkpointer.save_async``:
-  the step stalls only for the copy to host memory) and training goes on;
-- when that save commits, the ack is sent (polled between steps and while
-  waiting for a batch);
-- the other members send no ack; their batch asks tell the controller only the
-  steps they know to be durable (``BatchLeaseReq.durable``).
+- **committed** (``step``): weights may sync from this step. The ack goes at
+  once at each ack point, so the rollout replicas get new weights without
+  waiting for any checkpoint;
+- **durable** (``durable``): the steps a committed checkpoint holds. Only
+  those batches are dropped (payloads freed, prompts done). That is safe only
+  once the step survives the loss of every policy replica.
+
+Rank 0 of the quorum (the policy leader: every member holds the same state
+after a commit) saves with ``Checkpointer.save_async``. The step stalls only
+for the copy to host memory, and training goes on. One save runs at a time:
+the steps committed meanwhile wait for the next one, which starts as soon as
+the one in flight commits (polled between steps and while waiting for a
+batch). Its commit sends an ack that moves ``durable``. The other members
+send no ack; their batch asks tell the controller only the steps they know to
+be durable (``BatchLeaseReq.durable``).
 
 A restarted replica resumes from the newest committed checkpoint, which is
-never behind the ledger; the ledger re-offers the batches of any steps after
-it. Nothing committed is lost and nothing is trained twice. Without a
-checkpointer (no ``--state``), acks go at once, as the replica's memory is all
-there is.
+never behind what the ledger dropped; the ledger re-offers the batches of any
+steps after it, and rewinds the weight versions to it (the rollout replicas
+get the resumed lineage at the next sync). Nothing committed is lost and
+nothing is trained twice. Without a checkpointer (no ``--state``), acks are
+durable at once, as the replica's memory is all there is.
 """
 
 from __future__ import annotations
@@ -35,18 +42,29 @@ log = logging.getLogger("phalanx.rl.durable")
 
 
 class DurableAcks:
-    """Acks of one policy replica, each sent once a checkpoint holds its step.
+    """Acks of one policy replica: committed at once, durable once a checkpoint
+    holds the step.
 
     Who calls: the replica's training loop, single-threaded: :meth:`ack` at each
     ack point after the commit, :meth:`poll` between steps and while waiting for a
-    batch, :meth:`close` at the end (it waits for the last save and sends its ack).
+    batch (the state is a committed one there), :meth:`close` at the end (it saves
+    the last step if no save holds it, and sends its ack).
     """
 
     def __init__(self, client: ControllerClient, ckpt: Checkpointer | None, extra: dict[str, Any]):
         self.client, self.ckpt, self.extra = client, ckpt, extra
-        self.pending: tuple[int, BatchMetrics | None] | None = None
+        self.saving: int | None = None
+        """The step of the save in flight."""
+        self.behind = False
+        """A step was committed after the newest save started: it waits for the next."""
+        self.manager: Manager | None = None
         self.durable = 0
         """The newest step known to be in a committed checkpoint (resumed or saved)."""
+
+    @property
+    def pending(self) -> bool:
+        """A step is committed that no committed checkpoint holds yet."""
+        return self.saving is not None or self.behind
 
     @property
     def durable_for_lease(self) -> int | None:
@@ -54,41 +72,51 @@ class DurableAcks:
         return None if self.ckpt is None else self.durable
 
     def ack(self, manager: Manager, metrics: BatchMetrics | None) -> list[BatchAckReply]:
-        """An ack point: acknowledge now (no checkpointer), or, on the quorum's rank 0,
-        save the state in the background and acknowledge when it commits. Returns the
-        replies of the acks sent by this call (an earlier save's, if it was pending)."""
+        """An ack point: the step is committed (weights may sync from it). Without a
+        checkpointer it is durable too. On the quorum's rank 0, a save of it starts
+        now, or when the one in flight commits. Returns the replies of the acks sent."""
         if self.ckpt is None:
             return [self.client.ack_batch(manager.step, metrics)]
         if manager.rank != 0:
             return []
-        replies = self.poll(block=True)  # one save at a time: the previous one's ack first
-        try:
-            self.ckpt.save_async(manager.step, manager.state_dict(), self.extra)
-        except Exception as e:  # storage failed: the ack waits for the next save
-            log.error("could not start the checkpoint of step %d: %s", manager.step, e)
-            return replies
-        self.pending = (manager.step, metrics)
-        return replies
+        self.manager, self.behind = manager, True
+        return [self.client.ack_batch(manager.step, metrics, self.durable), *self.poll()]
 
     def poll(self, block: bool = False) -> list[BatchAckReply]:
-        """Send the ack of the save in flight if it committed (with ``block``: wait
-        for it). A save that failed sends nothing: the next ack point saves again."""
-        if self.ckpt is None or self.pending is None:
+        """If the save in flight committed (with ``block``: wait for it), send its
+        durable ack; then start the next save if a newer step waits for one. A save
+        that failed sends nothing: the next ack point saves again."""
+        if self.ckpt is None:
             return []
-        if not block and self.ckpt.busy:
-            return []
-        (step, metrics), self.pending = self.pending, None
-        try:
-            self.ckpt.wait()
-        except Exception as e:  # a failed save: this step stays unacknowledged for now
-            log.error("checkpoint of step %d failed, its ack waits for the next: %s", step, e)
-            return []
-        self.durable = max(self.durable, step)
-        return [self.client.ack_batch(step, metrics)]
+        replies: list[BatchAckReply] = []
+        if self.saving is not None and (block or not self.ckpt.busy):
+            step, self.saving = self.saving, None
+            try:
+                self.ckpt.wait()
+            except Exception as e:  # this step stays undurable until a later save
+                log.error("checkpoint of step %d failed, its ack waits for the next: %s", step, e)
+                return replies
+            self.durable = max(self.durable, step)
+            replies.append(self.client.ack_batch(step, None, step))
+        m = self.manager
+        if self.saving is None and self.behind and m is not None and m.rank == 0:
+            self.behind = False
+            if m.step > self.durable:
+                try:
+                    self.ckpt.save_async(m.step, m.state_dict(), self.extra)
+                    self.saving = m.step
+                except Exception as e:  # storage failed: the next ack point saves again
+                    log.error("could not start the checkpoint of step %d: %s", m.step, e)
+        return replies
 
     def close(self) -> list[BatchAckReply]:
-        """The loop is over: wait for the last save and send its ack."""
-        return self.poll(block=True)
+        """The loop is over: save the last step if no save holds it, wait, and ack."""
+        replies: list[BatchAckReply] = []
+        while self.pending:
+            replies += self.poll(block=True)
+            if self.saving is None:
+                break  # a save failed, or nothing newer was left to save
+        return replies
 
 
 def policy_checkpointer(root: Any) -> Checkpointer | None:

@@ -176,9 +176,7 @@ class RLRequests:
         # The asker committed ``step`` steps: batches those cover are trained even if
         # the ack was lost (the replica died between its commit and its ack), as far
         # as a checkpoint holds them: a step no checkpoint holds is not yet trained.
-        acked = step if durable is None else min(step, durable)
-        if acked > 0:
-            led.ack(acked, wall=wall)
+        led.ack(step, wall=wall, durable=durable)
         batch = led.batch_for(step, wall=wall)
         tick = self.maybe_sync(now, wall)
         if sum(led.rollouts.discarded.values()) != discarded_before:
@@ -233,14 +231,16 @@ class RLRequests:
         now: float,
         wall: float,
         metrics: dict[str, float] | None = None,
+        durable: int | None = None,
     ) -> tuple[BatchAckReply, Tick]:
-        """A policy replica committed up to ``step``: its batches are trained. The reply
-        names the sync order it must serve, and whether the job is finished.
-        ``metrics`` (what it measured on the batch) go into the history record."""
+        """A policy replica committed up to ``step``: weights may sync from it, and the
+        batches of ``min(step, durable)`` (the steps in a checkpoint; None: all) are
+        trained. The reply names the sync order it must serve, and whether the job is
+        finished. ``metrics`` (what it measured on the batch) go into the history."""
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         tick = Tick()
-        if led.ack(step, wall=wall, metrics=metrics):
+        if led.ack(step, wall=wall, metrics=metrics, durable=durable):
             tick.ledger_for |= self.roles["rollout"].member_ids
             if led.finished:
                 tick.ledger_for |= self.roles["policy"].member_ids

@@ -85,10 +85,10 @@ async def lease_batch(api: Api, req: BatchLeaseReq) -> BatchLeaseReply:
 
 
 async def ack_batch(api: Api, req: BatchAckReq) -> BatchAckReply:
-    """The policy committed up to ``step``: its batches are trained. Idempotent."""
+    """The policy committed up to ``step`` (durable up to ``durable``). Idempotent."""
     metrics = req.metrics.model_dump(exclude_none=True) if req.metrics is not None else None
     reply: BatchAckReply = api.service.apply(
-        api.state.rl.ack_batch, req.replica_id, req.step, metrics=metrics
+        api.state.rl.ack_batch, req.replica_id, req.step, metrics=metrics, durable=req.durable
     )
     return reply
 

@@ -363,12 +363,38 @@ class Ledger:
     def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
         return self.rollouts.batch_for(step, wall=wall)
 
-    def ack(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> bool:
-        """Policy step count ``step`` is committed: every batch it covers is trained.
-        Returns True when this moved the ledger (idempotent per step)."""
-        if not self.rollouts.ack(step, wall=wall, metrics=metrics):
+    def committed(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> None:
+        """The policy committed ``step`` steps, in memory at least: weights may sync
+        from it, and the batches it covers keep ``metrics`` for their ack. A step
+        behind the wanted version means every replica that held the newer state is
+        gone and training resumed from a checkpoint: the versions rewind with it, so
+        the resumed lineage is synced anew."""
+        w = self.weights
+        before = (w.want_version, w.synced_version)
+        if step < w.want_version:
+            self.log.event("policy_behind", wall, step=step, want_version=w.want_version)
+            w.rewind(step)
+        w.committed(step, self.loop.sync_every)
+        self.rollouts.trained(step, wall=wall, metrics=metrics)
+        if (w.want_version, w.synced_version) != before:
+            self.save()
+
+    def ack(
+        self,
+        step: int,
+        *,
+        wall: float,
+        metrics: dict[str, float] | None = None,
+        durable: int | None = None,
+    ) -> bool:
+        """Policy step count ``step`` is committed (see :meth:`committed`), and
+        ``min(step, durable)`` is in a checkpoint (``durable`` None: all of ``step``):
+        the batches that covers are trained and dropped. Returns True when this
+        dropped any (idempotent per step)."""
+        self.committed(step, wall=wall, metrics=metrics)
+        acked = step if durable is None else min(step, durable)
+        if acked <= 0 or not self.rollouts.ack(acked, wall=wall):
             return False
-        self.weights.committed(step, self.loop.sync_every)
         self.save()
         return True
 

@@ -217,9 +217,23 @@ class RolloutBook:
         self.reopened -= set(ahead)
         return ahead
 
+    def trained(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> None:
+        """Policy step count ``step`` is committed but maybe not yet in a checkpoint:
+        the batches it covers keep when they were trained and what the policy measured
+        (``metrics``), for the ack that drops them (:meth:`ack`). Idempotent."""
+        inner = self.grpo.inner_epochs
+        for b, batch in self.batches.items():
+            if (b + 1) * inner <= step and "trained_at" not in batch:
+                batch["trained_at"] = wall
+                if metrics:
+                    batch["metrics"] = dict(metrics)
+                self.log.put("batches", str(b), batch)
+
     def ack(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> bool:
-        """Policy step count ``step`` is committed: every batch it covers is trained.
-        Returns True when this moved the ledger (idempotent per step)."""
+        """Policy step count ``step`` is committed and durable: every batch it covers
+        is trained, and dropped. Returns True when this moved the ledger (idempotent
+        per step)."""
+        self.trained(step, wall=wall, metrics=metrics)
         inner = self.grpo.inner_epochs
         if step <= self.policy_step and not any((b + 1) * inner <= step for b in self.batches):
             return False
@@ -237,12 +251,13 @@ class RolloutBook:
                 self.counts["trained_prompts"] += 1
                 self.counts["trained_rollouts"] += 1
                 self.counts["trained_completions"] += self.grpo.group_size
-            self._record(batch, wall, metrics)
+            self._record(batch, wall)
         return True
 
-    def _record(
-        self, batch: dict[str, Any], wall: float, metrics: dict[str, float] | None = None
-    ) -> None:
+    def _record(self, batch: dict[str, Any], wall: float) -> None:
+        """The history entry of a trained batch, stamped with when it was trained (its
+        ack may come later, with the checkpoint), with the policy's figures of it."""
+        at, metrics = batch.get("trained_at", wall), batch.get("metrics")
         w = self.loop.window
         prev = self.history[-(w - 1) :] if w > 1 else []  # history[-0:] would be all of it
         recent = [h["exact_match"] for h in prev] + [batch["exact_match"]]
@@ -255,14 +270,14 @@ class RolloutBook:
             "reward_avg": round(sum(recent_r) / len(recent_r), 5),
             "exact_match_avg": round(sum(recent) / len(recent), 5),
             "staleness": batch["staleness"],
-            "at": wall,
+            "at": at,
         }
         if metrics:
             h["metrics"] = dict(metrics)
             tokens = metrics.get("tokens")
             before = self.history[-1]["at"] if self.history else None
-            if tokens is not None and before is not None and wall > before:
-                h["tokens_per_s"] = round(tokens / (wall - before), 1)
+            if tokens is not None and before is not None and at > before:
+                h["tokens_per_s"] = round(tokens / (at - before), 1)
         self.history.append(h)
         self.log.put("rl_history", str(batch["index"]), h)
         while len(self.history) > self.loop.history:
