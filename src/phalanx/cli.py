@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, *extra]
         cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos)
+    job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos, zygote=not args.no_zygote)
     return job.run(live=not args.plain, as_json=args.json)
 
 
@@ -250,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--run-dir", help="where logs and state go (default runs/JOB-TIME)")
     u.add_argument("--plain", action="store_true", help="plain log lines instead of a live table")
     u.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
+    u.add_argument(
+        "--no-zygote",
+        action="store_true",
+        help="start each replica as a fresh interpreter instead of forking it from a "
+        "process that did the imports once",
+    )
     u.set_defaults(fn=_run)
 
     s = sub.add_parser(

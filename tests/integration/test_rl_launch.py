@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -390,3 +391,11 @@ def test_phalanx_run_rl_end_to_end(tmp_path: Path):
     assert s["trained"] == 6 * PROMPTS and s["ledger_ok"]
     assert isinstance(s["reached"], bool) and s["wall_s"] > 0
     assert s["replicas"] == {"policy": 1, "rollout": 2}
+    # The policy's durable acks (behind its committed step) never read as a policy
+    # back from a checkpoint.
+    with sqlite3.connect(tmp_path / "run" / "controller" / "journal.sqlite") as db:
+        kinds = [
+            json.loads(v)["kind"]
+            for (v,) in db.execute("select value from records where tbl = 'events'")
+        ]
+    assert "sync_ordered" in kinds and "policy_behind" not in kinds

@@ -276,6 +276,17 @@ def test_target_counts_only_with_a_full_window(tmp_path: Path):
     assert p.best == entry(0, 1.0, 10.0)
 
 
+def test_a_reward_target_counts_as_the_jobs_own(tmp_path: Path):
+    p = StatusPoller(tmp_path, target=1.0, window=2, target_reward=0.6)
+    low = entry(0, 0.5, 10.0).model_copy(update={"reward_avg": 0.7})
+    p._scan(history(low))
+    assert p.target_hit is None  # the window is not full yet
+    hit = entry(1, 0.5, 11.0).model_copy(update={"reward_avg": 0.65})
+    p._scan(history(low, hit))
+    assert (p.target_hit, p.target_metric) == (hit, "reward")
+    assert p.best_reward == low
+
+
 def test_status_text_of_an_rl_job():
     st = ControllerState(rl_cfg())
     st.start(0.0, 0.0)
@@ -319,6 +330,16 @@ def test_rl_summary_line():
         "job sort-grpo: exact match 0.9 reached at batch 41 (step 84) in 63.2 s; prompts 700, "
         "rollouts trained 672, discarded 5 (stale: 5); 2 replica(s) killed, 1 heal(s), syncs 42 "
         "(mean 12.5 ms). Logs: runs/x"
+    )
+    # A job that stops on its reward says so, and names both targets when neither came.
+    s |= {"target": 1.0, "target_reward": 0.6, "reached_metric": "reward"}
+    assert rl_line(None, s).startswith(  # type: ignore[arg-type]
+        "job sort-grpo: reward 0.6 reached at batch 41 (step 84) in 63.2 s;"
+    )
+    s |= {"reached": False, "best_exact_match_avg": 0.25, "best_reward_avg": 0.5}
+    assert rl_line(None, s).startswith(  # type: ignore[arg-type]
+        "job sort-grpo: exact match 1.0 or reward 0.6 not reached in 42 batches (best trailing "
+        "mean exact match 0.250, reward 0.500) after 70.0 s;"
     )
 
 

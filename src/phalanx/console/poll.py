@@ -38,9 +38,10 @@ def fetch_status(controller: str, timeout_s: float = 10.0) -> Status:
 
 class StatusPoller:
     """Keeps the latest controller status, and for RL jobs the first trained batch
-    whose trailing mean exact match reached the target.
+    whose trailing mean exact match reached ``target``, or whose trailing mean
+    reward reached ``target_reward`` (:attr:`target_metric` says which).
 
-    The target counts only once the trailing window is full, as the controller's
+    A target counts only once the trailing window is full, as the controller's
     own stopping rule does: an early lucky batch is not a solved task.
     """
 
@@ -50,15 +51,22 @@ class StatusPoller:
         target: float | None = None,
         window: int = 1,
         interval_s: float = 0.5,
+        target_reward: float | None = None,
     ):
         self.state_dir = state_dir
         self.target, self.window = target, window
+        self.target_reward = target_reward
         self.interval_s = interval_s
         self.latest: Status | None = None
         self.errors = 0
         self.last_error = ""
         self.target_hit: BatchRecord | None = None
+        self.target_metric: str | None = None
+        """``exact match`` or ``reward``: the target the hit reached."""
         self.best: BatchRecord | None = None
+        """The batch with the best trailing mean exact match."""
+        self.best_reward: BatchRecord | None = None
+        """The batch with the best trailing mean reward."""
         self._seen_at = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,10 +109,11 @@ class StatusPoller:
             self._seen_at = h.at
             if self.best is None or h.exact_match_avg > self.best.exact_match_avg:
                 self.best = h
-            if (
-                self.target_hit is None
-                and self.target is not None
-                and h.batch + 1 >= self.window
-                and h.exact_match_avg >= self.target
-            ):
-                self.target_hit = h
+            if self.best_reward is None or h.reward_avg > self.best_reward.reward_avg:
+                self.best_reward = h
+            if self.target_hit is not None or h.batch + 1 < self.window:
+                continue
+            if self.target is not None and h.exact_match_avg >= self.target:
+                self.target_hit, self.target_metric = h, "exact match"
+            elif self.target_reward is not None and h.reward_avg >= self.target_reward:
+                self.target_hit, self.target_metric = h, "reward"

@@ -143,9 +143,12 @@ class View:
         st = job.status()
         rl = st.rl if st is not None else None
         last = rl.last if rl is not None else None
-        target = job.cfg.rl.loop.target_exact_match if job.cfg.rl else None
+        loop = job.cfg.rl.loop if job.cfg.rl else None
+        target = loop.target_exact_match if loop else None
+        target_r = loop.target_reward if loop else None
+        r_target = f", target {target_r}" if target_r is not None else ""
         lines = [
-            f"reward {_f(last.reward if last else None)} (avg {_f(last.reward_avg if last else None)})  "
+            f"reward {_f(last.reward if last else None)} (avg {_f(last.reward_avg if last else None)}{r_target})  "
             f"exact {_f(last.exact_match if last else None)} (avg {_f(last.exact_match_avg if last else None)}, "
             f"target {target if target is not None else 'none'})  "
             f"staleness {last.staleness if last else '-'}"
@@ -303,6 +306,7 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
     rl = st.rl if st is not None else None
     hit = poller.target_hit if poller else None
     best = poller.best if poller else None
+    best_r = poller.best_reward if poller else None
     last = rl.last if rl is not None else None
     syncs, sync_ms = sync_stats(reps)
     return {
@@ -311,7 +315,9 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
         "ok": job.error is None and rl is not None and rl.finished,
         "error": job.error,
         "target": job.cfg.rl.loop.target_exact_match if job.cfg.rl else None,
+        "target_reward": job.cfg.rl.loop.target_reward if job.cfg.rl else None,
         "reached": hit is not None,
+        "reached_metric": poller.target_metric if poller and hit else None,
         "seconds_to_target": round(hit.at - job.started_wall, 2) if hit else None,
         "target_batch": hit.batch if hit else None,
         "target_step": hit.step if hit else None,
@@ -320,6 +326,7 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
         "exact_match_avg": last.exact_match_avg if last else None,
         "reward_avg": last.reward_avg if last else None,
         "best_exact_match_avg": best.exact_match_avg if best else None,
+        "best_reward_avg": best_r.reward_avg if best_r else None,
         "prompts": rl.prompts.issued if rl else 0,
         "trained": rl.rollouts.trained if rl else 0,
         "discarded": dict(rl.rollouts.discarded) if rl else {},
@@ -338,16 +345,20 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
 
 
 def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
-    target = s["target"]
+    targets = {"exact match": s["target"], "reward": s.get("target_reward")}
     if s["reached"]:
+        metric = s.get("reached_metric") or "exact match"
         head = (
-            f"exact match {target} reached at batch {s['target_batch']} (step "
+            f"{metric} {targets[metric]} reached at batch {s['target_batch']} (step "
             f"{s['target_step']}) in {s['seconds_to_target']:.1f} s"
         )
-    elif target is not None:
+    elif any(v is not None for v in targets.values()):
+        best = {"exact match": s["best_exact_match_avg"], "reward": s.get("best_reward_avg")}
+        set_ = [k for k, v in targets.items() if v is not None]
         head = (
-            f"exact match {target} not reached in {s['batches']} batches (best trailing mean "
-            f"{_f(s['best_exact_match_avg'])}) after {s['wall_s']:.1f} s"
+            f"{' or '.join(f'{k} {targets[k]}' for k in set_)} not reached in {s['batches']} "
+            f"batches (best trailing mean {', '.join(f'{k} {_f(best[k])}' for k in set_)}) "
+            f"after {s['wall_s']:.1f} s"
         )
     else:
         head = (

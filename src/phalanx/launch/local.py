@@ -28,8 +28,9 @@ from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
 from phalanx.console.view import View
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
+from phalanx.launch.forks import Zygote, preload_for
 from phalanx.launch.options import Chaos
-from phalanx.launch.procs import last_line, signal_proc, spawn, stop_all
+from phalanx.launch.procs import Proc, last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
 from phalanx.launch.supervise import ControllerDown, ControllerProcess
 from phalanx.protocol.status import Status
@@ -59,6 +60,7 @@ class LocalJob:
         overrides: list[str],
         replicas: int | dict[str, int],
         chaos: Chaos | None = None,
+        zygote: bool = True,
     ):
         self.config_path = config_path
         self.cfg = cfg
@@ -86,6 +88,9 @@ class LocalJob:
         self._rng = random.Random(chaos.seed if chaos else 0)
         self.tracker: Trackers | None = None
         """The job's metrics sink (RL): TensorBoard under the run directory, and wandb."""
+        self.use_zygote = zygote
+        self.zygote: Zygote | None = None
+        """Forks the replicas with their imports done (:mod:`phalanx.launch.zygote`)."""
 
     # -- processes -------------------------------------------------------
 
@@ -112,11 +117,15 @@ class LocalJob:
         return [*cmd, *self._cfg_args()]
 
     def start_replica(self, r: Replica) -> None:
-        r.proc = spawn(self.replica_cmd(r), self.run_dir / f"{r.name}.log", subprocess.PIPE)
+        cmd, log = self.replica_cmd(r), self.run_dir / f"{r.name}.log"
+        forked = None
+        if self.zygote is not None and cmd[:3] == [sys.executable, "-m", "phalanx.cli"]:
+            forked = self.zygote.spawn(cmd[3:], log, True)
+        r.proc = forked or spawn(cmd, log, subprocess.PIPE)
         r.started()
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()
 
-    def _read(self, r: Replica, proc: subprocess.Popen[bytes]) -> None:
+    def _read(self, r: Replica, proc: Proc) -> None:
         assert proc.stdout is not None
         with (self.run_dir / f"{r.name}.log").open("ab") as log:
             for line in proc.stdout:
@@ -184,6 +193,8 @@ class LocalJob:
             with self.lock:
                 procs = [r.proc for r in self.replicas.values()]
             stop_all(procs)
+            if self.zygote is not None:
+                self.zygote.close()
             if self.poller is not None:
                 self.poller.stop(final=self.controller is not None)
             if self.tracker is not None:
@@ -196,6 +207,10 @@ class LocalJob:
         return code or (1 if self.error else 0)
 
     def _start(self) -> None:
+        if self.use_zygote:
+            # Its imports run while the controller comes up.
+            roles = {r.role for r in self.replicas.values()}
+            self.zygote = Zygote(preload_for(self.cfg, roles), self.run_dir / "zygote.log")
         url = self.start_controller()
         self.note(f"controller at {url}")
         # The token goes in the fragment, which browsers never send to the server (nor
@@ -208,6 +223,7 @@ class LocalJob:
             self.run_dir / "controller",
             loop.target_exact_match if loop else None,
             loop.window if loop else 1,
+            target_reward=loop.target_reward if loop else None,
         )
         self.poller.start()
         with self.lock:

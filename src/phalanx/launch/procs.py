@@ -8,6 +8,22 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import IO, Protocol
+
+
+class Proc(Protocol):
+    """A child replica: a ``Popen``, or one forked by the zygote
+    (:class:`phalanx.launch.forks.ForkedProc`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
@@ -44,13 +60,13 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def signal_proc(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
+def signal_proc(proc: Proc | None, sig: int) -> None:
     """Send ``sig`` to a live child's process group."""
     if proc is not None and proc.poll() is None:
         signal_group(proc.pid, sig)
 
 
-def stop_all(procs: list[subprocess.Popen[bytes] | None], grace_s: float = 5.0) -> None:
+def stop_all(procs: list[Proc | None], grace_s: float = 5.0) -> None:
     """SIGTERM each process group, then SIGKILL those still alive after ``grace_s``."""
     live = [p for p in procs if p is not None and p.poll() is None]
     for p in live:

@@ -8,9 +8,10 @@ rollout replica: ``start``, ``rollout`` (one submitted lease), ``sync`` and ``do
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass, field
 from typing import Any
+
+from phalanx.launch.procs import Proc
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Replica:
     name: str
     """``ROLE-INDEX``; the index orders scale-downs (highest first)."""
     role: str = "policy"
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
     replica_id: str = ""
     starts: int = 0
     kills: int = 0

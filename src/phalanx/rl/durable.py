@@ -97,7 +97,10 @@ class DurableAcks:
                 log.error("checkpoint of step %d failed, its ack waits for the next: %s", step, e)
                 return replies
             self.durable = max(self.durable, step)
-            replies.append(self.client.ack_batch(step, None, step))
+            # Its step is behind the committed one: an ack's step says what is
+            # committed (an older one would read as a policy back from a checkpoint).
+            m = self.manager
+            replies.append(self.client.ack_batch(max(step, m.step if m else 0), None, step))
         m = self.manager
         if self.saving is None and self.behind and m is not None and m.rank == 0:
             self.behind = False
