@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from phalanx.launch.zygote import MAX_MSG, send
+from phalanx.launch.zygote_wire import MAX_MSG, send
 
 log = logging.getLogger("phalanx.launch")
 

@@ -38,15 +38,7 @@ import time
 import traceback
 from typing import Any
 
-MAX_MSG = 1 << 16
-
-
-def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(msg).encode()
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.send(data)
+from phalanx.launch.zygote_wire import MAX_MSG, send
 
 
 def preload(modules: list[str]) -> list[str]:
