@@ -226,7 +226,10 @@ else:
             continue
         time.sleep(0.1)
         step += 1
-        state.write_text(json.dumps({"step": step}))
+        # Atomically: a chaos SIGKILL mid-write must not leave a torn state file.
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step}))
+        tmp.replace(state)
         c.report_progress(step=step)
         ack = c.ack_batch(step)
         emit(event="step", role="policy", replica=rid, step=step, batch=b.index,

@@ -56,12 +56,15 @@ def preload(modules: list[str]) -> list[str]:
     return failed
 
 
-def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
-    """In the forked child: become the replica, and never return."""
+def _child(sock: socket.socket, req: dict[str, Any], fds: list[int], started: int) -> None:
+    """In the forked child: become the replica, and never return. ``started`` is
+    closed once the child leads its own session, which the zygote waits for before
+    it answers: a signal to the group the launcher is told of must reach it."""
     rc = 1
     try:
         sock.close()
         os.setsid()
+        os.close(started)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(
                 sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
@@ -127,6 +130,7 @@ def serve(sock: socket.socket, modules: list[str]) -> None:
                 raise ValueError("a request is a JSON object with 2 file descriptors")
             sys.stdout.flush()
             sys.stderr.flush()
+            ready_r, ready_w = os.pipe()
             pid = os.fork()
         except (ValueError, OSError) as e:
             for fd in fds:
@@ -134,7 +138,11 @@ def serve(sock: socket.socket, modules: list[str]) -> None:
             send(sock, {"error": str(e)})
             continue
         if pid == 0:
-            _child(sock, req, fds)
+            os.close(ready_r)
+            _child(sock, req, fds, ready_w)
+        os.close(ready_w)
+        os.read(ready_r, 1)  # EOF: the child closed its end after setsid (or died)
+        os.close(ready_r)
         for fd in fds:
             os.close(fd)
         live.add(pid)
