@@ -89,7 +89,8 @@ class DurableAcks:
         if self.ckpt is None:
             return []
         replies: list[BatchAckReply] = []
-        if self.saving is not None and (block or not self.ckpt.busy):
+        m = self.manager  # set by the ack point that started any save
+        if self.saving is not None and m is not None and (block or not self.ckpt.busy):
             step, self.saving = self.saving, None
             try:
                 self.ckpt.wait()
@@ -99,9 +100,7 @@ class DurableAcks:
             self.durable = max(self.durable, step)
             # Its step is behind the committed one: an ack's step says what is
             # committed (an older one would read as a policy back from a checkpoint).
-            m = self.manager
-            replies.append(self.client.ack_batch(max(step, m.step if m else 0), None, step))
-        m = self.manager
+            replies.append(self.client.ack_batch(max(step, m.step), None, step))
         if self.saving is None and self.behind and m is not None and m.rank == 0:
             self.behind = False
             if m.step > self.durable:
