@@ -63,8 +63,10 @@ def write_job(
     policy: dict[str, Any] | None = None,
     timeouts: dict[str, Any] | None = None,
     job_id: str = "ftddp",
+    ranks: int = 1,
 ) -> Path:
-    """Write a job TOML: :data:`TRAIN` and :data:`TIMEOUTS` with overrides."""
+    """Write a job TOML: :data:`TRAIN` and :data:`TIMEOUTS` with overrides, and
+    ``ranks`` processes per replica."""
     sections = {
         "job": {"id": job_id, "seed": 7},
         "timeouts": {**TIMEOUTS, **(timeouts or {})},
@@ -72,6 +74,7 @@ def write_job(
         "roles.policy": {"min_replicas": 1, "n_init_replicas": 1, "join_timeout_s": 0.5}
         | (policy or {}),
         "train": {**TRAIN, **(train or {})},
+        "replica": {"ranks": ranks},
     }
     return write_job_toml(path, sections)
 
@@ -196,6 +199,17 @@ phalanx.cli ARGS`` would. It touches neither the network nor the controller
 before it is released."""
 
 
+GATED_SPARE = (
+    "import os, runpy, sys, time, torch, torch._dynamo, phalanx.jobs.ft_hsdp\n"
+    "gate = sys.argv.pop(1)\n"
+    "while not os.path.exists(gate):\n"
+    "    time.sleep(0.02)\n"
+    "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)\n"
+)
+""":data:`SPARE` for each rank of a replica of several ranks: the ranks share their
+launcher's stdin, so they wait for a file (``argv[1]``, named per replica) instead."""
+
+
 class Replica(Proc):
     """A ``phalanx replica`` process (or a warm spare that will become one)."""
 
@@ -207,8 +221,16 @@ class Replica(Proc):
         self.out = out
         self.waiting = spare
 
+    gate: Path | None = None
+    """A gated spare's release file (see :data:`GATED_SPARE`)."""
+
     def release(self) -> None:
         """Start a warm spare's replica (see :data:`SPARE`)."""
+        if self.gate is not None:
+            assert self.waiting, f"{self.label} is not a spare"
+            self.gate.touch()
+            self.waiting = False
+            return
         assert self.waiting and self.popen.stdin is not None, f"{self.label} is not a spare"
         self.popen.stdin.write(b"go\n")
         self.popen.stdin.close()
@@ -267,17 +289,37 @@ class FTJob:
         r.raise_for_status()
         return r.json()
 
-    def start_replica(self, name: str, *overrides: str, spare: bool = False) -> Replica:
+    def start_replica(
+        self, name: str, *overrides: str, spare: bool = False, ranks: int = 1
+    ) -> Replica:
         """Start ``python -m phalanx.cli replica --name NAME`` (extra args are dotted
         config overrides); its final state goes to ``LABEL.safetensors``. With
         ``spare=True`` the process starts as a warm spare and the replica runs
-        only at :meth:`Replica.release`."""
+        only at :meth:`Replica.release`. With ``ranks > 1`` the replica's ranks are
+        started by ``phalanx.launch.ranks`` (the process is that launcher; its
+        ranks share its process group)."""
         label = self._label(f"replica-{name}")
         out = self.workdir / f"{label}.safetensors"
         cli = ["replica", "--config", str(self.config), "--controller", str(self.state_dir)]
         cli += ["--name", name, "--out", str(out), *overrides]
         head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
-        r = Replica([sys.executable, *head, *cli], label, self.workdir, name, out, spare)
+        gate = self.workdir / f"{label}.go"
+        if ranks > 1:
+            rank = ["-c", GATED_SPARE, str(gate)] if spare else head
+            head = [
+                "-m",
+                "phalanx.launch.ranks",
+                "--nproc",
+                str(ranks),
+                "--",
+                sys.executable,
+                *rank,
+            ]
+        r = Replica(
+            [sys.executable, *head, *cli], label, self.workdir, name, out, spare and ranks == 1
+        )
+        if spare and ranks > 1:
+            r.gate, r.waiting = gate, True
         self.procs.append(r)
         return r
 

@@ -25,6 +25,8 @@ class Communicator(ABC):
 
     rank: int = 0
     world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    """Where the tensors handed to this communicator must live (NCCL: the rank's GPU)."""
 
     @abstractmethod
     def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None: ...

@@ -172,7 +172,7 @@ def _copy_into(
     for t, m in zip(tensors, metas, strict=True):
         src = _as_bytes(t)
         start = m["offset"] - base
-        buf[start : start + src.numel()].copy_(src.cpu())
+        buf[start : start + src.numel()].copy_(src)
 
 
 def pack(tree: Any) -> tuple[bytes, torch.Tensor]:
@@ -253,37 +253,42 @@ def send_state(comm: Communicator, tree: Any, dst: int, tag: int = 0) -> int:
     from their own storage."""
     header, tensors, metas, length = _layout(tree)
     segs = segments(metas)  # refuses an unsupported dtype before anything is sent
+    dev = comm.device
     preamble = torch.zeros(PREAMBLE_BYTES, dtype=torch.uint8)
     preamble[:16].view(torch.int64).copy_(torch.tensor([len(header), length]))
     inline = header[: PREAMBLE_BYTES - 16]
     preamble[16 : 16 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
-    out = [preamble]
+    out = [preamble.to(dev)]
     if len(header) > len(inline):
-        out.append(torch.frombuffer(bytearray(header[len(inline) :]), dtype=torch.uint8))
+        rest = torch.frombuffer(bytearray(header[len(inline) :]), dtype=torch.uint8)
+        out.append(rest.to(dev))
     for start, end, idx in segs:
         t = tensors[idx[0]]
-        if len(idx) == 1 and t.device.type == "cpu":
-            seg = _as_bytes(t)  # no copy for a contiguous CPU tensor
+        if len(idx) == 1 and t.device == dev:
+            seg = _as_bytes(t)  # no copy for a contiguous tensor already on the wire's device
         else:
-            seg = torch.empty(end - start, dtype=torch.uint8)
+            seg = torch.empty(end - start, dtype=torch.uint8, device=dev)
             _copy_into(seg, start, [tensors[i] for i in idx], [metas[i] for i in idx])
         out += [seg[i : i + CHUNK_BYTES] for i in range(0, seg.numel(), CHUNK_BYTES)]
     comm.send_many(out, dst, tag)
     return len(header) + length
 
 
-def _receive_buffer(scratch: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    """The start of ``scratch`` if it is a long enough flat uint8 CPU tensor, else new memory."""
+def _receive_buffer(
+    scratch: torch.Tensor | None, nbytes: int, device: torch.device
+) -> torch.Tensor:
+    """The start of ``scratch`` if it is a long enough flat uint8 tensor on ``device``,
+    else new memory there."""
     if (
         scratch is not None
         and scratch.dtype == torch.uint8
         and scratch.dim() == 1
         and scratch.is_contiguous()
-        and scratch.device.type == "cpu"
+        and scratch.device == device
         and scratch.numel() >= nbytes
     ):
         return scratch[:nbytes]
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def recv_state(
@@ -291,16 +296,19 @@ def recv_state(
 ) -> Any:
     """Receive a state tree sent by :func:`send_state`. Its tensors are views into
     one buffer: the start of ``scratch`` (a flat uint8 tensor, e.g. from
-    :func:`faulted_buffer`) when it is long enough, else new memory."""
-    preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8)
+    :func:`faulted_buffer`) when it is long enough, else new memory. Every buffer
+    lives on the communicator's device, and so do the received tensors."""
+    dev = comm.device
+    preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=dev)
     comm.recv(preamble, src, tag)
+    preamble = preamble.cpu()
     hlen, blen = (int(x) for x in preamble[:16].view(torch.int64))
     head = preamble[16 : 16 + hlen].numpy().tobytes()
     if hlen > len(head):
-        rest = torch.empty(hlen - len(head), dtype=torch.uint8)
+        rest = torch.empty(hlen - len(head), dtype=torch.uint8, device=dev)
         comm.recv(rest, src, tag)
-        head += rest.numpy().tobytes()
-    buf = _receive_buffer(scratch, blen)
+        head += rest.cpu().numpy().tobytes()
+    buf = _receive_buffer(scratch, blen, dev)
     meta = json.loads(head)
     parts = []
     for start, end, _ in segments(meta["tensors"]):

@@ -305,6 +305,14 @@ class DiLoCoSection(_Section):
         )
 
 
+class ReplicaSection(_Section):
+    """The processes one replica spans."""
+
+    ranks: int = Field(1, ge=1, le=1024)
+    """Ranks per replica: the model is sharded over them with FSDP2 (HSDP: fault
+    tolerance across replicas, sharding inside). Every replica of a job has the same."""
+
+
 def _default_roles() -> dict[str, RoleSection]:
     return {"policy": RoleSection()}
 
@@ -316,6 +324,7 @@ class JobConfig(_Section):
     roles: dict[str, RoleSection] = Field(default_factory=_default_roles)
     """Roles of the job, by name: `policy` and/or `rollout`."""
     train: TrainSection = Field(default_factory=TrainSection)
+    replica: ReplicaSection = Field(default_factory=ReplicaSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     rl: RLConfig | None = None
     """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
@@ -336,6 +345,18 @@ class JobConfig(_Section):
             raise ValueError(
                 f"roles must be exactly {list(ROLE_NAMES)} for an RL job (one with an [rl] "
                 f"section): got {sorted(self.roles)}. Add [roles.policy] and [roles.rollout]."
+            )
+        if self.replica.ranks > 1 and (self.rl is not None or self.diloco is not None):
+            raise ValueError(
+                f"replica.ranks must be 1 in an RL or DiLoCo job: got {self.replica.ranks}. "
+                "Replicas of several ranks run the FT data-parallel job only, for now; set "
+                "[replica] ranks = 1."
+            )
+        if self.replica.ranks > 1 and self.checkpoint.url:
+            raise ValueError(
+                f"checkpoint.url must be empty with replica.ranks > 1 (got ranks="
+                f"{self.replica.ranks}): sharded replicas do not save checkpoints yet. "
+                "Leave checkpoint.url empty or set [replica] ranks = 1."
             )
         if self.diloco is not None:
             if self.rl is not None:

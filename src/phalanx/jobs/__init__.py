@@ -4,6 +4,7 @@
 kind               loop
 =================  =====================================================================
 ``ft_ddp``         a replica of the FT data-parallel job (``ft_ddp.py``)
+``ft_hsdp``        one rank of an FT replica of several ranks (``ft_hsdp.py``)
 ``diloco_sync``    a replica of synchronous DiLoCo over the FT group (``diloco_sync.py``)
 ``diloco_slot``    a slot of decoupled DiLoCo, exchanging through storage (``diloco_slot.py``)
 ``diloco_syncer``  the aggregator of decoupled DiLoCo rounds (``diloco_syncer.py``)
@@ -40,6 +41,11 @@ JOBS: dict[str, JobSpec] = {
     s.kind: s
     for s in (
         JobSpec("ft_ddp", "phalanx.jobs.ft_ddp", "fault-tolerant data-parallel replica"),
+        JobSpec(
+            "ft_hsdp",
+            "phalanx.jobs.ft_hsdp",
+            "one rank of a fault-tolerant replica of several ranks (FSDP2 inside)",
+        ),
         JobSpec("diloco_sync", "phalanx.jobs.diloco_sync", "synchronous DiLoCo replica"),
         JobSpec(
             "diloco_slot",
@@ -93,7 +99,7 @@ def job_kind(cfg: JobConfig, role: str) -> str:
         return "rl_rollout" if role == "rollout" else "rl_policy"
     if cfg.diloco is not None:
         return "diloco_slot" if cfg.diloco.mode == "objectstore" else "diloco_sync"
-    return "ft_ddp"
+    return "ft_hsdp" if cfg.replica.ranks > 1 else "ft_ddp"
 
 
 def spec_for(args: ReplicaArgs) -> JobSpec:

@@ -14,6 +14,7 @@ import ctypes
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,27 @@ def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
             "replica": s.client.replica_id,
             "step": s.manager.step,
             "heals": s.manager.heals,
+        }
+    )
+
+
+def emit_step(
+    replica_id: str | None, r: Any, cursor: int, samples: list[int] | None, **extra: Any
+) -> None:
+    """The ``step`` line of a committed FT step ``r`` (a :class:`~phalanx.train.manager.StepResult`)."""
+    emit(
+        {
+            **({"samples": samples} if samples is not None else {}),
+            "event": "step",
+            "replica": replica_id,
+            "step": r.step,
+            "loss": r.loss,
+            "participants": r.participants,
+            "quorum_id": r.quorum_id,
+            "healed": r.healed,
+            "cursor": cursor,
+            **extra,
+            "t": time.time(),
         }
     )
 

@@ -11,16 +11,15 @@ committed.
 from __future__ import annotations
 
 import logging
-import time
 
 from phalanx.client import QuorumTimeout
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import (
     after_commit,
     close_replica,
-    emit,
     emit_finished_elsewhere,
     emit_retry,
+    emit_step,
     finish_replica,
     setup_replica,
     start_checkpoints,
@@ -53,21 +52,8 @@ def run(args: ReplicaArgs) -> int:
                 return 0
             if r.committed:
                 client.report_progress(loss=r.loss)
-                extra = {"samples": manager.last_indices} if tc.log_samples else {}
-                emit(
-                    {
-                        **extra,
-                        "event": "step",
-                        "replica": client.replica_id,
-                        "step": r.step,
-                        "loss": r.loss,
-                        "participants": r.participants,
-                        "quorum_id": r.quorum_id,
-                        "healed": r.healed,
-                        "cursor": sampler.cursor,
-                        "t": time.time(),
-                    }
-                )
+                samples = manager.last_indices if tc.log_samples else None
+                emit_step(client.replica_id, r, sampler.cursor, samples)
                 if after_commit(cfg, s, r.step):
                     return 0
             else:

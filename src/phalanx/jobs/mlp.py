@@ -45,12 +45,20 @@ def build_optimizer(tc: TrainSection, model: torch.nn.Module) -> torch.optim.Opt
 
 
 def make_compute(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, delay_s: float = 0.0
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    delay_s: float = 0.0,
+    always_forward: bool = False,
 ) -> Compute:
+    """``compute(indices, scale)`` for the manager. With ``always_forward`` an empty
+    micro-batch still runs forward and backward (a sharded model's ranks must all
+    take part in each one's collectives)."""
+
     def compute(indices: list[int], scale: float) -> float:
         if delay_s:
             time.sleep(delay_s)
-        if not indices:
+        if not indices and not always_forward:
             return 0.0
         idx = torch.as_tensor(indices)
         per_sample = ((model(x[idx]) - y[idx]) ** 2).mean(dim=1)

@@ -3,6 +3,8 @@ global batch, and DiLoCo's outer loop. No process loop of its own (those are
 in :mod:`phalanx.jobs`).
 
 - ``manager.py``      quorum per step, all-reduce, commit everywhere or nowhere, live heal
+- ``ft_optimizer.py`` an optimizer wrapper that steps only when the step commits
+- ``hsdp.py``         replicas of several ranks: FSDP2 inside, the FT manager across (HSDP)
 - ``grads.py``        gradients in flat buffers, bucketed all-reduce with the commit vote
 - ``heal.py``         the state a joiner receives, into a pre-faulted buffer
 - ``batch.py``        a replica's share of the global batch, micro-batches
@@ -21,6 +23,10 @@ __all__ = ["FTOptimizer", "Manager", "StepResult"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "FTOptimizer":
+        from phalanx.train import ft_optimizer
+
+        return ft_optimizer.FTOptimizer
     if name in __all__:
         from phalanx.train import manager
 

@@ -57,6 +57,8 @@ class GradBuffer:
         """Sum gradients over the group; returns the group's summed loss. Sets
         :attr:`vote_ok` when every participant voted to commit."""
         self.bind()
+        if self.meta.device != comm.device:
+            self.meta = torch.zeros(2, dtype=torch.float64, device=comm.device)
         self.meta[0] = 1.0 if vote else 0.0
         self.meta[1] = loss_sum
         self.vote_ok = False

@@ -111,7 +111,7 @@ class Manager:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size or global_batch_size
         self.quorum_timeout_s = quorum_timeout_s
-        self.grads = GradBuffer(model, bucket_bytes)
+        self.grads = self._make_grads(model, bucket_bytes)
         self.step = 0
         self.quorum: Quorum | None = None
         self._configured: tuple[int, ...] | None = None
@@ -133,6 +133,9 @@ class Manager:
         """The job's last step, if the loop sets it: a quorum formed after the job
         reached it raises :class:`JobFinished` instead of training alone."""
 
+    def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> GradBuffer:
+        return GradBuffer(model, bucket_bytes)
+
     # -- state -----------------------------------------------------------
 
     def register_state(
@@ -152,8 +155,7 @@ class Manager:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self._load_model(sd)
         self.step = int(sd["step"])
         if self.sampler is not None:
             self.sampler.load_state_dict(sd["sampler"])
@@ -163,6 +165,11 @@ class Manager:
                 self.extra[k][1](v)
         self.client.report_progress(step=self.step)
         self.client.who.step = self.step
+
+    def _load_model(self, sd: dict[str, Any]) -> None:
+        """Model and optimizer of a state from :meth:`state_dict` (a heal's or a checkpoint's)."""
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
 
     # -- quorum ----------------------------------------------------------
 
@@ -192,11 +199,7 @@ class Manager:
         heal this replica or its assigned lagging peers. CommError is recorded
         (this replica will vote no), not raised."""
         self.start_quorum()
-        assert self._pending is not None
-        try:
-            q = self._pending.result()
-        finally:
-            self._pending = None
+        q = self._take_quorum()
         self.quorum = q
         self._ok, self._error, self._abstained = True, None, None
         if self.total_steps is not None and q.job_step >= self.total_steps > q.max_step:
@@ -229,7 +232,7 @@ class Manager:
             if self._configured != key:
                 t0 = time.perf_counter()
                 store = q.members[0].address
-                self.comm.configure(store, f"{q.role}/q{q.quorum_id}", self.rank, self.world_size)
+                self.comm.configure(store, self._group_prefix(q), self.rank, self.world_size)
                 self._configured = key
                 self.log.info(
                     "process group for quorum %d: %d replicas (%.0f ms)",
@@ -244,6 +247,18 @@ class Manager:
         finally:
             self._heal_buffer.drop()
         return q
+
+    def _take_quorum(self) -> Quorum:
+        """The quorum asked for by :meth:`start_quorum` (waits for it)."""
+        assert self._pending is not None
+        try:
+            return self._pending.result()
+        finally:
+            self._pending = None
+
+    def _group_prefix(self, q: Quorum) -> str:
+        """The store prefix of this quorum's process group."""
+        return f"{q.role}/q{q.quorum_id}"
 
     def _heal(self, q: Quorum) -> None:
         me = self.client.replica_id
@@ -313,7 +328,7 @@ class Manager:
         self.grads.vote_ok = False
         if not self._ok:
             return float("nan")
-        meta = torch.tensor([1.0, loss_sum], dtype=torch.float64)
+        meta = torch.tensor([1.0, loss_sum], dtype=torch.float64, device=self.comm.device)
         try:
             self.comm.allreduce([meta], "sum")
         except CommError as e:
@@ -409,37 +424,3 @@ class Manager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._heal_buffer.close()
         self.comm.abort()
-
-
-class FTOptimizer:
-    """Wraps an optimizer so that it steps only when the step commits.
-
-    Use it where the loop owns the order instead of :meth:`Manager.train_step`::
-
-        manager.start_quorum(); opt.zero_grad()
-        ... forward/backward on manager.share() (after manager.wait_quorum()) ...
-        manager.allreduce_grads(loss_sum)
-        opt.step()   # calls manager.should_commit(); steps only on True
-    """
-
-    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer):
-        self.manager = manager
-        self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        # Gradients live in the manager's flat buffer: zero it, never drop it.
-        self.manager.grads.zero()
-
-    def step(self) -> bool:
-        """Step the optimizer if every participant succeeded. Returns whether it did."""
-        if self.manager.should_commit():
-            self.optimizer.step()
-            return True
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(sd)

@@ -1,0 +1,416 @@
+"""Replicas of several ranks: FSDP2 inside a replica, fault tolerance across
+replicas (HSDP; DESIGN.md, replicas of several ranks).
+
+A replica's N ranks shard its model with ``fully_shard`` on a one-dimensional
+device mesh over torch.distributed's default group (the replica's own world,
+started by :mod:`phalanx.launch.ranks` or torchrun). Across replicas, rank
+``r`` of every participating replica forms the cross-replica group of shard
+``r``: its gradients are summed there, and a joiner's rank ``r`` heals from
+rank ``r`` of a healthy replica. Each step:
+
+1. rank 0 (the replica's *leader*, the only rank that talks to the
+   controller) asks for the quorum and broadcasts it to the other ranks over
+   the replica's control group (gloo, JSON bytes: no pickle);
+2. every rank builds its shard's cross-replica group for the quorum and heals
+   its shard if the replica is behind; the ranks then agree (one tiny
+   all-reduce) on whether all of that worked and on the step they hold;
+3. every rank runs its part of the replica's share of the global batch (the
+   same number of micro-batches on every rank, as FSDP needs);
+4. every rank all-reduces its shard's gradients with the commit vote and the
+   loss over its cross-replica group;
+5. the replica commits only if every rank saw every replica vote yes in its
+   group (a second tiny all-reduce inside the replica): the vote spans every
+   rank of every participating replica.
+
+A failure inside the replica (a rank died: a control all-reduce or an FSDP
+collective raised) is not recoverable there: :class:`ReplicaBroken` ends the
+rank, :mod:`phalanx.launch.ranks` stops the others, and the launcher restarts
+the whole replica, which heals shard by shard. A failed cross-replica
+collective is the usual FT case: the replica votes no, its leader reports the
+peers, and the step is retried with the next quorum.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from phalanx.comm.base import Communicator
+from phalanx.log import Who
+from phalanx.protocol.membership import Quorum
+from phalanx.train.batch import split
+from phalanx.train.manager import Compute, Manager
+
+CONTROL_BYTES = 16 << 10
+"""The first broadcast of a quorum carries this many bytes; a longer one costs a second."""
+
+
+class ReplicaBroken(RuntimeError):
+    """A rank of this replica failed (a collective inside the replica raised): the
+    replica must be restarted as a whole."""
+
+
+class LayoutMismatch(RuntimeError):
+    """The quorum holds replicas with another number of ranks than this one's."""
+
+
+def env_ranks() -> tuple[int, int]:
+    """(rank, ranks) of this process in its replica, from torchrun's environment."""
+    try:
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"RANK and WORLD_SIZE must be integers: {e}") from e
+    if not 0 <= rank < size:
+        raise ValueError(f"RANK must be in [0, WORLD_SIZE): got RANK={rank}, WORLD_SIZE={size}")
+    return rank, size
+
+
+class ReplicaRanks:
+    """This process's place in its replica, and the replica's own groups: the
+    default group (FSDP's mesh) and a gloo group for control messages.
+
+    ``timeout_s`` bounds every control message; it must outlast the leader's
+    longest wait for a quorum, which the other ranks wait through."""
+
+    def __init__(self, timeout_s: float, device: torch.device | None = None):
+        self.rank, self.size = env_ranks()
+        self.device = device or torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timeout)
+        self.control: Any = dist.new_group(backend="gloo", timeout=timeout)
+        self.mesh: DeviceMesh = init_device_mesh(self.device.type, (self.size,))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast_json(self, value: Any = None) -> Any:
+        """Rank 0's ``value`` (JSON-able) on every rank."""
+        head = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+        data = b""
+        if self.leader:
+            data = json.dumps(value, separators=(",", ":")).encode()
+            head[:8].view(torch.int64)[0] = len(data)
+            inline = data[: CONTROL_BYTES - 8]
+            head[8 : 8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+        self._run(lambda: dist.broadcast(head, 0, group=self.control), "broadcast")
+        n = int(head[:8].view(torch.int64)[0])
+        if n > CONTROL_BYTES - 8:
+            rest = torch.zeros(n - (CONTROL_BYTES - 8), dtype=torch.uint8)
+            if self.leader:
+                rest.copy_(
+                    torch.frombuffer(bytearray(data[CONTROL_BYTES - 8 :]), dtype=torch.uint8)
+                )
+            self._run(lambda: dist.broadcast(rest, 0, group=self.control), "broadcast")
+            raw = head[8:].numpy().tobytes() + rest.numpy().tobytes()
+        else:
+            raw = head[8 : 8 + n].numpy().tobytes()
+        return json.loads(raw)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """The element-wise sum of ``values`` over the replica's ranks."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of ``values`` over the replica's ranks."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: list[float], op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self._run(lambda: dist.all_reduce(t, op=op, group=self.control), "all-reduce")
+        return [float(v) for v in t.tolist()]
+
+    def _run(self, fn: Any, what: str) -> None:
+        try:
+            fn()
+        except Exception as e:
+            raise ReplicaBroken(f"a {what} inside the replica failed (a rank is gone): {e}") from e
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankClient:
+    """The replica's identity on a rank other than 0, as the leader received it
+    with each quorum. Only the leader talks to the controller: it reports the
+    replica's progress and heals, and the failures its ranks relay to it
+    (:meth:`report_failure` keeps them for that)."""
+
+    def __init__(self, role: str, name: str, rank: int):
+        self.who = Who(role=role, replica_id=name, rank=rank)
+        self.replica_id: str | None = None
+        self.incarnations = 0
+        self.failure: str | None = None
+
+    def report_progress(self, **_: Any) -> None:
+        """The leader reports the replica's progress (it commits the same steps)."""
+
+    def report_heal(self, *_: Any) -> None:
+        """The leader reports the replica's heal (every rank heals its shard)."""
+
+    def report_failure(self, peers: list[str], reason: str, failed_commit: bool = False) -> None:
+        self.failure = reason
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_tree(x: Any) -> Any:
+    """A state tree with every DTensor replaced by this rank's shard."""
+    if isinstance(x, torch.Tensor):
+        return local(x)
+    if isinstance(x, dict):
+        return {k: local_tree(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(local_tree(v) for v in x)
+    return x
+
+
+class ShardedGrads:
+    """This rank's gradient shards, summed over its cross-replica group in
+    flat buckets together with the commit vote and the loss (as
+    :class:`~phalanx.train.grads.GradBuffer` does for whole gradients). FSDP2
+    owns ``.grad``: the shards are copied into the buckets and back."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bucket_bytes = bucket_bytes
+        self.flats: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        for p in self.params:
+            key = (p.dtype, local(p).device)
+            n = self.flats[key].numel() if key in self.flats else 0
+            self.flats[key] = torch.zeros(n + local(p).numel(), dtype=p.dtype, device=key[1])
+        self.meta = torch.zeros(2, dtype=torch.float64)
+        self.vote_ok = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats.values())
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def allreduce(
+        self, comm: Communicator, world_size: int, loss_sum: float, vote: bool = True
+    ) -> float:
+        if self.meta.device != comm.device:
+            self.meta = torch.zeros(2, dtype=torch.float64, device=comm.device)
+        offsets = dict.fromkeys(self.flats, 0)
+        views = []
+        for p in self.params:
+            shard = local(p)
+            key = (p.dtype, shard.device)
+            flat, off = self.flats[key], offsets[key]
+            view = flat[off : off + shard.numel()].view_as(shard)
+            offsets[key] = off + shard.numel()
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(local(p.grad))
+            views.append(view)
+        buckets = []
+        for flat in self.flats.values():
+            per = max(1, self.bucket_bytes // flat.element_size())
+            buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
+        self.meta[0] = 1.0 if vote else 0.0
+        self.meta[1] = loss_sum
+        self.vote_ok = False
+        comm.allreduce([*buckets, self.meta], "sum")
+        for p, view in zip(self.params, views, strict=True):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local(p.grad).copy_(view)
+        self.vote_ok = round(self.meta[0].item()) == world_size
+        return float(self.meta[1])
+
+
+class HSDPManager(Manager):
+    """The FT manager of one rank of a replica of several ranks (module doc).
+
+    ``client`` is the controller client on rank 0 and a :class:`RankClient`
+    on the others; ``comm`` is this rank's cross-replica communicator."""
+
+    def __init__(self, client: Any, ranks: ReplicaRanks, *args: Any, **kwargs: Any):
+        self.ranks = ranks
+        super().__init__(client, *args, **kwargs)
+        self.replica_indices: list[int] = []
+
+    def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> Any:
+        return ShardedGrads(model, bucket_bytes)
+
+    # -- state: this rank's shards ----------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return local_tree(super().state_dict())
+
+    def _load_model(self, sd: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                local(v).copy_(sd["model"][k])
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        osd = sd["optimizer"]
+        state = {}
+        for pid, st in osd["state"].items():
+            p = params[int(pid)]
+            state[pid] = {
+                k: DTensor.from_local(
+                    v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim()
+                else v
+                for k, v in st.items()
+            }
+        self.optimizer.load_state_dict({**osd, "state": state})
+
+    # -- quorum: the leader's, on every rank ------------------------------
+
+    def start_quorum(self) -> None:
+        if self.ranks.leader:
+            super().start_quorum()
+
+    def _take_quorum(self) -> Quorum:
+        from phalanx.client import QuorumTimeout
+
+        if self.ranks.leader:
+            try:
+                q = super()._take_quorum()
+            except Exception as e:
+                kind = "timeout" if isinstance(e, QuorumTimeout) else "error"
+                self.ranks.broadcast_json({"raise": kind, "message": str(e)[:2000]})
+                raise
+            self.ranks.broadcast_json(
+                {
+                    "quorum": q.model_dump_json(),
+                    "replica_id": self.client.replica_id,
+                    "incarnations": self.client.incarnations,
+                }
+            )
+            self._check_layout(q)
+            return q
+        msg = self.ranks.broadcast_json()
+        if "raise" in msg:
+            if msg["raise"] == "timeout":
+                raise QuorumTimeout(msg["message"])
+            raise RuntimeError(f"rank 0 of this replica failed to get a quorum: {msg['message']}")
+        self.client.replica_id = msg["replica_id"]
+        self.client.who.replica_id = msg["replica_id"]
+        self.client.incarnations = msg["incarnations"]
+        q = Quorum.model_validate_json(msg["quorum"])
+        self._check_layout(q)
+        return q
+
+    def _group_prefix(self, q: Quorum) -> str:
+        return f"{super()._group_prefix(q)}/n{self.ranks.size}/s{self.ranks.rank}"
+
+    def wait_quorum(self) -> Quorum:
+        q = super().wait_quorum()
+        self._agree("the quorum's setup")
+        return q
+
+    def _check_layout(self, q: Quorum) -> None:
+        other = {m.ranks for m in q.members} - {self.ranks.size}
+        if other:
+            raise LayoutMismatch(
+                f"this replica spans {self.ranks.size} ranks but the quorum's replicas span "
+                f"{sorted(other | {self.ranks.size})}: every replica of a job must have the "
+                "same [replica] ranks"
+            )
+
+    def _agree(self, what: str) -> None:
+        """Make this rank's outcome the replica's: if any rank failed (or the
+        ranks hold different steps after a partial heal), every rank votes no
+        and the leader reports the failure; the lowest step is taken by all,
+        so that the next quorum heals the whole replica."""
+        failure = self._error or getattr(self.client, "failure", None)
+        not_ok, failed, neg_low, high = self.ranks.max(
+            [float(not self._ok), float(failure is not None), -float(self.step), float(self.step)]
+        )
+        low = -round(neg_low)
+        if low != round(high):
+            self.log.warning(
+                "the replica's ranks hold steps %d..%d after %s: all go back to %d to be healed",
+                low,
+                round(high),
+                what,
+                low,
+            )
+            self.step = low
+            self.client.who.step = low
+            if self.ranks.leader:
+                self.client.report_progress(step=low)
+        if not_ok:
+            if self.ranks.leader and failed and self._ok:
+                self._report_peers(f"a rank of this replica failed in {what}")
+            if self._ok:
+                self._ok, self._error = False, f"another rank of this replica failed in {what}"
+                self._configured = None
+                self.comm.abort()
+        if isinstance(self.client, RankClient):
+            self.client.failure = None
+
+    def _report_peers(self, reason: str) -> None:
+        q = self.quorum
+        me = self.client.replica_id
+        peers = [r for r in (q.replica_ids if q else []) if r != me]
+        try:
+            self.client.report_failure(peers, reason=reason, failed_commit=True)
+        except Exception as report_error:
+            self.log.error("failure report not delivered: %s", report_error)
+
+    # -- data: the replica's share, split over its ranks -------------------
+
+    def compute(self, fn: Compute, rank: int, world_size: int) -> float:
+        """This rank's part of the replica's share, in as many micro-batches as
+        every other rank of the replica runs (FSDP's collectives pair up);
+        ranks with fewer samples run empty ones. Returns the summed loss."""
+        if self.sampler is None:
+            raise RuntimeError("compute() needs the manager's sampler: build it with one.")
+        off, count = split(self.global_batch_size, world_size, rank)
+        share = self.sampler.positions(self.sampler.cursor + off, count)
+        sub_off, sub_count = split(count, self.ranks.size, self.ranks.rank)
+        mine = share[sub_off : sub_off + sub_count]
+        self.replica_indices, self.last_indices = share, mine
+        most = -(-count // self.ranks.size)
+        n_micro = max(1, -(-most // self.micro_batch_size))
+        total = 0.0
+        for i in range(n_micro):
+            mb = mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
+            total += float(fn(mb, 1.0 / self.global_batch_size))
+        return total
+
+    # -- gradients and the replica-wide vote -------------------------------
+
+    def allreduce_grads(self, loss_sum: float = 0.0) -> float:
+        total = super().allreduce_grads(loss_sum)
+        ok = self._ok and self.grads.vote_ok
+        failure = self._error or getattr(self.client, "failure", None)
+        votes, failed, loss = self.ranks.sum(
+            [float(ok), float(failure is not None), total if ok else 0.0]
+        )
+        if round(votes) != self.ranks.size:
+            self.grads.vote_ok = False
+            if self.ranks.leader and failed and self._ok:
+                self._report_peers("a rank of this replica failed in the gradient all-reduce")
+            if self._ok and failed:
+                self._configured = None
+                self.comm.abort()
+            if isinstance(self.client, RankClient):
+                self.client.failure = None
+            return float("nan")
+        return loss
+
+    def close(self) -> None:
+        super().close()

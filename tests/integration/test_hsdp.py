@@ -1,0 +1,220 @@
+"""Replicas of several ranks (HSDP) end to end: a real controller, replicas of 2
+ranks each started by ``phalanx.launch.ranks``, FSDP2 over gloo inside each
+replica, real SIGKILL of one rank and SIGSTOP of a whole replica.
+
+Each scenario keeps the FT invariants of ``test_ft_ddp.py`` (every step
+committed once, agreed on, exactly-once data over the replicas' shares) and
+ends with every replica's gathered state equal to a failure-free run's to
+1e-9 (float64): the reference is one unsharded replica, so the sharding and
+the split over ranks do not change the numbers either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ftjob import (
+    TRAIN,
+    WAIT_S,
+    FTJob,
+    Replica,
+    assert_close,
+    assert_identical,
+    check_samples,
+    check_steps,
+    step_lines,
+    write_job,
+)
+
+STEPS = 30
+LONG = 60
+BATCH = TRAIN["global_batch_size"]
+DATASET = TRAIN["dataset_size"]
+SEED = 7
+ATOL = 1e-9
+PACE = {"step_delay_s": 0.05}
+"""Per micro-batch: 3 micro-batches per rank and step, so a step lasts long
+enough for a kill to land inside it, and the steps left after it take seconds."""
+HELD_TIMEOUTS = {"heartbeat_s": 30.0, "suspect_grace_s": 1.0, "quorum_s": 60.0}
+HELD_POLICY = {"n_init_replicas": 2, "join_timeout_s": 30.0}
+"""For the failure tests. A failed replica is found by the survivor's failed
+collective (and a probe it cannot answer), so these do not slow its eviction.
+They let the test hold the survivor (SIGSTOP) while the failed replica comes
+back, which takes seconds on a loaded 2-core machine: the survivor is not taken
+for dead meanwhile, and the returning replica's quorum waits for it instead of
+starting alone from an old step."""
+
+
+def ranks_of(launcher: Replica) -> dict[int, int]:
+    """The launcher's rank processes: {RANK: pid}, read from /proc."""
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != launcher.popen.pid:
+                continue
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(d)
+    return out
+
+
+@contextlib.contextmanager
+def held(p: Replica) -> Iterator[None]:
+    """``p``'s process group stopped (SIGSTOP) for the duration."""
+    p.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        p.signal(signal.SIGCONT)
+
+
+def wait_registered(job: FTJob, name: str, other_than: str) -> str:
+    """Wait until the controller lists a replica ``name`` whose id is not ``other_than``
+    (a new incarnation); return its id."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for m in job.status()["roles"]["policy"]["replicas"]:
+            rid = m["replica_id"]
+            if rid.split(":")[0] == name and rid != other_than:
+                return str(rid)
+        time.sleep(0.1)
+    raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
+
+
+@pytest.fixture
+def jobs(tmp_path: Path) -> Iterator[list[FTJob]]:
+    made: list[FTJob] = []
+    try:
+        yield made
+    finally:
+        for j in made:
+            j.cleanup()
+
+
+def make(root: Path, name: str, made: list[FTJob], ranks: int, **kw: Any) -> FTJob:
+    d = root / name
+    d.mkdir()
+    train = {"steps": STEPS, **kw.pop("train", {})}
+    job = FTJob(d, write_job(d / "job.toml", job_id=name, train=train, ranks=ranks, **kw))
+    made.append(job)
+    job.start_controller()
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Any]]:
+    """Final states of failure-free runs of one unsharded replica, by step count
+    (``STEPS`` and ``LONG``), run side by side."""
+    made: list[FTJob] = []
+    root = tmp_path_factory.mktemp("ref")
+    try:
+        runs = {
+            n: make(root, f"ref{n}", made, ranks=1, train={"steps": n}).start_replica("r0")
+            for n in (STEPS, LONG)
+        }
+        yield {n: r.finish() for n, r in runs.items()}
+    finally:
+        for j in made:
+            j.cleanup(exit_grace_s=15.0)
+
+
+def check(
+    replicas: list[Replica],
+    finals: list[dict[str, Any]],
+    reference: dict[int, Any],
+    steps: int = STEPS,
+) -> None:
+    lines = step_lines(replicas)
+    check_steps(lines, steps, BATCH)
+    check_samples(lines, DATASET, SEED, BATCH)
+    assert_identical(finals)
+    worst = assert_close(finals[0], reference[steps], ATOL)
+    print(f"largest difference from the failure-free run: {worst:.3g}")
+
+
+def test_two_replicas_of_two_ranks_match_one_unsharded_replica(
+    tmp_path: Path, jobs: list[FTJob], reference: dict[int, Any]
+) -> None:
+    job = make(tmp_path, "calm", jobs, ranks=2, policy={"n_init_replicas": 2})
+    a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
+    a.wait_step(1)
+    members = job.status()["roles"]["policy"]["replicas"]
+    assert len(members) == 2 and all(m["ranks"] == 2 for m in members), members
+    finals = [a.finish(), b.finish()]
+    check([a, b], finals, reference)
+    steps = a.steps()
+    assert {e["participants"] for e in steps} == {2} and {e["ranks"] for e in steps} == {2}
+
+
+def test_a_rank_killed_mid_step_fails_its_replica_which_comes_back_and_heals(
+    tmp_path: Path, jobs: list[FTJob], reference: dict[int, Any]
+) -> None:
+    job = make(
+        tmp_path, "kill", jobs, ranks=2, train=PACE, policy=HELD_POLICY, timeouts=HELD_TIMEOUTS
+    )
+    a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
+    # The restart is a warm spare (ftjob.GATED_SPARE): a cold start of two ranks takes
+    # longer on a loaded 2-core machine than the survivor needs to finish the job.
+    b2 = job.start_replica("b", ranks=2, spare=True)
+    b.wait_step(8)
+    os.kill(ranks_of(b)[1], signal.SIGKILL)
+    # The other rank fails on its own (its next collective inside the replica) or is
+    # stopped by the launcher, which exits with a failing status either way.
+    assert b.popen.wait(timeout=60) != 0
+    # The survivor commits without it...
+    gone = a.wait_event(lambda e: e["event"] == "step" and e["participants"] == 1, "a step alone")
+    # ...and the replica, restarted whole, heals shard by shard and trains beside it.
+    with held(a):
+        b2.release()
+        wait_registered(job, "b", other_than=gone["replica"])
+    healed = b2.wait_event(lambda e: e["event"] == "step" and e["healed"], "the heal")
+    assert healed["participants"] == 2 and healed["step"] > gone["step"]
+    finals = [a.finish(), b2.finish()]
+    check([a, b, b2], finals, reference)
+    err = b.err_path.read_text(errors="replace")
+    assert "stopping the replica's other ranks" in err or "the replica stops" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_replica_stopped_whole_is_left_behind_and_rejoins(
+    tmp_path: Path, jobs: list[FTJob], reference: dict[int, Any]
+) -> None:
+    # The default test timeouts (ftjob.TIMEOUTS): the stopped replica is evicted
+    # within the heartbeat timeout, the survivor goes on after its collective
+    # timeout. LONG steps at >= 0.3 s leave the survivor busy for long after b is
+    # let go: b (warm) needs about a second to register again and heal.
+    job = make(
+        tmp_path,
+        "stop",
+        jobs,
+        ranks=2,
+        train={**PACE, "steps": LONG},
+        policy={"n_init_replicas": 2},
+    )
+    a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
+    b.wait_step(5)
+    with held(b):  # the launcher and both ranks: one process group
+        alone = a.wait_event(
+            lambda e: e["event"] == "step" and e["participants"] == 1, "a step without b"
+        )
+    back = b.wait_event(
+        lambda e: e["event"] == "step" and e["healed"] and e["step"] > alone["step"],
+        "b to heal and rejoin",
+    )
+    assert back["participants"] == 2
+    finals = [a.finish(), b.finish()]
+    check([a, b], finals, reference, steps=LONG)
