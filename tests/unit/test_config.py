@@ -336,3 +336,25 @@ def test_every_example_parses():
         assert cfg.roles, path
         t = cfg.timeouts
         assert t.collective_s < t.heartbeat_s < t.quorum_s, path
+
+
+# -- replicas of several ranks ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["replica.ranks=0"], "replica.ranks"),
+        (["replica.ranks=2", "diloco.sync_every=2"], "replica.ranks must be 1 in an RL or DiLoCo"),
+        (["replica.ranks=2", "checkpoint.url=file:///tmp/x"], "checkpoint.url must be empty"),
+        (["train.d_model=30", "train.n_heads=4"], "train.d_model must divide by train.n_heads"),
+    ],
+)
+def test_sharded_replicas_refuse_what_they_cannot_do_yet(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=overrides)
+
+
+def test_the_hsdp_example_has_replicas_of_two_ranks_and_a_transformer():
+    cfg = load_config(EXAMPLES / "ft_hsdp.toml")
+    assert cfg.replica.ranks == 2 and cfg.train.model == "transformer"

@@ -16,6 +16,7 @@ RL = load_config(
 )
 SYNC = load_config(overrides=["diloco.sync_every=2"])
 SLOTS = load_config(overrides=["diloco.mode=objectstore", "diloco.url=file:///tmp/x"])
+HSDP = load_config(overrides=["replica.ranks=2"])
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,7 @@ SLOTS = load_config(overrides=["diloco.mode=objectstore", "diloco.url=file:///tm
         (RL, "rollout", "rl_rollout"),
         (SYNC, "policy", "diloco_sync"),
         (SLOTS, "policy", "diloco_slot"),
+        (HSDP, "policy", "ft_hsdp"),
     ],
 )
 def test_each_job_config_and_role_has_its_loop(cfg, role, kind):

@@ -149,6 +149,16 @@ class ControllerSection(_Section):
 class TrainSection(_Section):
     """The FT data-parallel training job (the built-in example task)."""
 
+    model: Literal["mlp", "transformer"] = "mlp"
+    """The built-in task: an MLP regressing a fixed random function (``in_dim``,
+    ``hidden``, ``out_dim``), or a small transformer learning counting sequences
+    by next-token prediction (``vocab``, ``seq``, ``d_model``, ``n_heads``, ``n_layers``)."""
+    vocab: int = Field(64, ge=2, le=1 << 20)
+    seq: int = Field(16, ge=2, le=1 << 16)
+    d_model: int = Field(64, ge=1, le=1 << 16)
+    n_heads: int = Field(4, ge=1, le=1024)
+    n_layers: int = Field(2, ge=1, le=1024)
+
     steps: int = Field(100, ge=1, le=10_000_000)
     """Committed optimizer steps to run."""
     global_batch_size: int = Field(64, ge=1, le=1 << 24)
@@ -175,6 +185,15 @@ class TrainSection(_Section):
     """Extra time per step (a stand-in for a bigger model, for demos)."""
     log_samples: bool = False
     """Print the sample indices each replica trained on with every committed step (for audits)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TrainSection:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"train.d_model must divide by train.n_heads: got d_model={self.d_model}, "
+                f"n_heads={self.n_heads}. Pick a d_model that is a multiple of n_heads."
+            )
+        return self
 
 
 class CheckpointSection(_Section):

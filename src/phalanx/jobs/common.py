@@ -25,7 +25,8 @@ from phalanx.client import ControllerClient, ControllerError
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
-from phalanx.jobs.mlp import build_data, build_model, build_optimizer, make_compute
+from phalanx.jobs import task
+from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.orders import Orders
 from phalanx.transport.base import store_name
@@ -181,8 +182,7 @@ def setup_replica(
         client.close("job already finished")
         return None
     client.start_heartbeat()
-    model = build_model(tc, cfg.job.seed)
-    x, y = build_data(tc, cfg.job.seed)
+    model = task.build_model(tc, cfg.job.seed)
     manager = Manager(
         client,
         TorchCommunicator(cfg.timeouts.collective_s),
@@ -195,7 +195,7 @@ def setup_replica(
         quorum_timeout_s=cfg.timeouts.quorum_s,
     )
     manager.total_steps = total
-    compute = make_compute(model, x, y, tc.step_delay_s)
+    compute = task.make_compute(tc, model, cfg.job.seed)
     return ReplicaSetup(
         client, store, manager, compute, ckpt=None, resumed=None, orders=Orders(client)
     )

@@ -37,9 +37,10 @@ import torch
 from phalanx.checkpoint.store import put_atomic
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
+from phalanx.jobs import task
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, keep_freed_memory
-from phalanx.jobs.mlp import build_data, build_model, build_optimizer, make_compute
+from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.diloco import DiLoCo
 from phalanx.train.snapshot import pack_state, unpack_state
@@ -80,9 +81,8 @@ class DecoupledReplica:
         self.index = slot_index(name, dc.replicas)
         self.fs, root = fsspec.core.url_to_fs(dc.url, **dc.storage_options)
         self.root = root.rstrip("/")
-        self.model = build_model(tc, cfg.job.seed)
-        x, y = build_data(tc, cfg.job.seed)
-        self.compute = make_compute(self.model, x, y, tc.step_delay_s)
+        self.model = task.build_model(tc, cfg.job.seed)
+        self.compute = task.make_compute(tc, self.model, cfg.job.seed)
         self.optimizer = build_optimizer(tc, self.model)
         self.sampler = ElasticSampler(tc.dataset_size, seed=cfg.job.seed)
         self.exchange = ObjectStoreAllReduce(

@@ -20,7 +20,7 @@ import torch
 
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit
-from phalanx.jobs.mlp import build_model
+from phalanx.jobs.task import build_model
 from phalanx.train.diloco import DiLoCo
 from phalanx.transport.diloco_rounds import RESULT, ObjectStoreAllReduce
 

@@ -18,6 +18,7 @@ it compares with a run of replicas of any other size.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
+from phalanx.jobs import task
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, emit_step, keep_freed_memory
-from phalanx.jobs.mlp import build_data, build_model, build_optimizer, make_compute
+from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.hsdp import (
     HSDPManager,
     LayoutMismatch,
@@ -48,15 +50,23 @@ log = logging.getLogger("phalanx.train")
 
 
 def shard_model(model: torch.nn.Module, ranks: ReplicaRanks) -> torch.nn.Module:
-    """FSDP2 over the replica's ranks: each layer with parameters is its own
-    unit, then the root. Gradients are summed over the ranks, not averaged (the
-    loss is already scaled by 1 / global batch)."""
-    units = [
-        m for m in model.modules() if m is not model and any(True for _ in m.parameters(False))
-    ]
+    """FSDP2 over the replica's ranks: each transformer block (or, in a model
+    without blocks, each layer with parameters) is its own unit, then the root.
+    Gradients are summed over the ranks, not averaged (the loss is already scaled
+    by 1 / global batch), with plain sums (gloo has no pre-multiplied sum)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, torch.nn.ModuleList):
+        units = list(blocks)
+    else:
+        units = [
+            m for m in model.modules() if m is not model and any(True for _ in m.parameters(False))
+        ]
+    # The units' outputs are views (reshapes, splits) that nothing changes in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for m in [*units, model]:
         fully_shard(m, mesh=ranks.mesh)
         m.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # (each unit's own)
+        m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
 
 
@@ -120,8 +130,7 @@ def run(args: ReplicaArgs) -> int:
         return 0
     if ranks.leader:
         client.start_heartbeat()
-    model = shard_model(build_model(tc, cfg.job.seed), ranks)
-    x, y = build_data(tc, cfg.job.seed)
+    model = shard_model(task.build_model(tc, cfg.job.seed), ranks)
     manager = HSDPManager(
         client,
         ranks,
@@ -135,7 +144,7 @@ def run(args: ReplicaArgs) -> int:
         quorum_timeout_s=t.quorum_s,
     )
     manager.total_steps = total
-    compute = make_compute(model, x, y, tc.step_delay_s, always_forward=True)
+    compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
     orders = Orders(client) if ranks.leader else None
     if ranks.leader:
         params = sum(local(p).numel() for p in model.parameters())
@@ -208,7 +217,8 @@ def _loop(
             assert orders is not None
             client.report_progress(loss=r.loss)
             samples = manager.replica_indices if tc.log_samples else None
-            emit_step(client.replica_id, r, sampler.cursor, samples, ranks=ranks.size)
+            heal = {"heal": manager.last_heal} if r.healed else {}
+            emit_step(client.replica_id, r, sampler.cursor, samples, ranks=ranks.size, **heal)
             orders.poll(r.step)
             drain = orders.drain
         if ranks.broadcast_json({"drain": drain} if ranks.leader else None)["drain"]:

@@ -114,7 +114,13 @@ class LocalJob:
                 # One checkpoint root for every policy replica: the leader saves, and
                 # any replica (re)started later resumes from the newest save.
                 cmd += ["--state", str(self.run_dir / "policy-state")]
-        return [*cmd, *self._cfg_args()]
+        cmd += self._cfg_args()
+        ranks = self.cfg.replica.ranks
+        if ranks > 1:
+            # The replica's ranks, started together and failed together (its
+            # launcher's exit is the replica's); the zygote forks single processes.
+            return [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]
+        return cmd
 
     def start_replica(self, r: Replica) -> None:
         cmd, log = self.replica_cmd(r), self.run_dir / f"{r.name}.log"

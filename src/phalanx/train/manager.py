@@ -36,7 +36,7 @@ import torch
 
 from phalanx.client import ControllerClient
 from phalanx.comm.base import CommError, Communicator
-from phalanx.comm.transfer import recv_state, send_state
+from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.membership import Quorum
@@ -273,7 +273,13 @@ class Manager:
             warm = received_into(sd, scratch)
             self.heals += 1
             nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-            self.last_heal = {"seconds": dt, "from": q.heal[me], "step": self.step, "warm": warm}
+            self.last_heal = {
+                "seconds": dt,
+                "from": q.heal[me],
+                "step": self.step,
+                "warm": warm,
+                "bytes": buffer_bytes(sd),
+            }
             self.client.report_heal(q.heal[me], self.step, round(dt, 4), q.quorum_id)
             self.log.info(
                 "healed from %s to step %d in %.3f s (%d model bytes, into %s memory)",

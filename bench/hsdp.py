@@ -1,0 +1,322 @@
+"""HSDP benchmark: replicas of several ranks (FSDP2 inside, fault tolerance
+across) next to plain FSDP2 over the same ranks, same model, same run.
+
+    python bench/hsdp.py [--json] [--steps 40] [--kill-at 20] [--d-model 256]
+
+The model is the built-in job's transformer (``train.model = "transformer"``:
+``--layers`` blocks of width ``--d-model``, vocabulary 256, 32 tokens per
+sample, float32, AdamW), global batch 16 in micro-batches of 4, one torch
+thread per process. Every figure comes from the same invocation:
+
+- ``step_ratio_vs_fsdp``: HSDP's median step time (gaps between consecutive
+  commit timestamps of replica ``a``, steps 5 to ``--kill-at``: steady state,
+  before any failure) over plain FSDP2's. HSDP: a real controller and 2
+  replicas of 2 ranks (``phalanx replica`` under ``phalanx.launch.ranks``),
+  FSDP2 over each replica's 2 ranks and the FT manager across them. Plain
+  FSDP2: the same 4 ranks in one ``fully_shard`` group, the same global batch,
+  no controller, no quorum, no cross-replica all-reduce.
+- ``stall_s``: at step ``--kill-at`` of replica ``b``, its rank 1 gets a real
+  SIGKILL; from the kill to the survivor ``a``'s next commit (a step it
+  commits without ``b``).
+- ``heal_gbps``: ``b`` is then restarted: a warm standby (a launcher and 2
+  ranks started at the beginning, imports paid, waiting for a file) is let go;
+  rank 0's heal of its shard (model, AdamW state, step, sampler, RNG) from
+  ``a``'s rank 0: bytes received / seconds (``Manager.last_heal``).
+  ``gloo_broadcast_gbps``: a plain gloo broadcast of as many bytes between 2
+  fresh processes, median of 5. ``heal_ratio`` is the first over the second.
+  GB/s means 1e9 bytes per second.
+- torchft: not run here (see docs/benchmarks.md).
+
+Timeouts: collective 2 s, heartbeat 4 s (the examples' values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PY = sys.executable
+GATED = (
+    "import os, runpy, sys, time, torch, torch._dynamo, phalanx.jobs.ft_hsdp\n"
+    "gate = sys.argv.pop(1)\n"
+    "while not os.path.exists(gate):\n"
+    "    time.sleep(0.02)\n"
+    "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)\n"
+)
+"""A rank of a warm standby replica: imports done, it runs ``phalanx.cli`` once the
+gate file exists."""
+VOCAB, SEQ, BATCH, MICRO = 256, 32, 16, 4
+
+
+def job_toml(path: Path, steps: int, d_model: int, layers: int) -> Path:
+    path.write_text(
+        f"""[job]
+id = "bench-hsdp"
+seed = 0
+[timeouts]
+collective_s = 2.0
+heartbeat_s = 4.0
+quorum_s = 60.0
+heartbeat_interval_s = 0.5
+suspect_grace_s = 0.25
+[roles.policy]
+min_replicas = 1
+n_init_replicas = 2
+join_timeout_s = 0.5
+[replica]
+ranks = 2
+[train]
+model = "transformer"
+steps = {steps}
+global_batch_size = {BATCH}
+micro_batch_size = {MICRO}
+lr = 1e-3
+vocab = {VOCAB}
+seq = {SEQ}
+d_model = {d_model}
+n_heads = 4
+n_layers = {layers}
+dataset_size = 4096
+"""
+    )
+    return path
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Lines:
+    """A process whose JSON stdout lines are collected with their arrival time."""
+
+    def __init__(self, cmd: list[str], err: Path):
+        with err.open("wb") as f:
+            self.p = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=f, env=env(), start_new_session=True
+            )
+        self.events: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for raw in self.p.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("{"):
+                ev = json.loads(line)
+                ev["_at"] = time.time()
+                with self.cond:
+                    self.events.append(ev)
+                    self.cond.notify_all()
+        with self.cond:
+            self.events.append({"event": "eof"})
+            self.cond.notify_all()
+
+    def wait(self, pred: Any, what: str, timeout: float = 600.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if pred(e):
+                        return e
+                if any(e["event"] == "eof" for e in self.events):
+                    raise RuntimeError(f"waiting for {what}, but the process exited")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"waiting for {what}: {timeout} s passed")
+                self.cond.wait(0.5)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait()
+
+
+def rank_pid(launcher: subprocess.Popen[bytes], rank: int) -> int:
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher.pid:
+                continue
+            if f"RANK={rank}".encode() in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
+                return int(d)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise RuntimeError(f"rank {rank} of launcher {launcher.pid} not found")
+
+
+def ranks_cmd(n: int, *cmd: str) -> list[str]:
+    return [PY, "-m", "phalanx.launch.ranks", "--nproc", str(n), "--", PY, *cmd]
+
+
+def median_gap(events: list[dict[str, Any]], lo: int, hi: int) -> float:
+    t = {e["step"]: e["t"] for e in events if e["event"] == "step"}
+    return statistics.median(
+        t[s] - t[s - 1] for s in range(lo + 1, hi + 1) if s in t and s - 1 in t
+    )
+
+
+# -- the arms -----------------------------------------------------------------
+
+
+def fsdp_worker(config: str, steps: int) -> int:
+    """One rank of plain FSDP2 over every rank (no FT): the baseline."""
+    import torch
+
+    from phalanx.config import load_config
+    from phalanx.jobs import task
+    from phalanx.jobs.ft_hsdp import shard_model
+    from phalanx.jobs.mlp import build_optimizer
+    from phalanx.train.batch import micro_batches, split
+    from phalanx.train.hsdp import ReplicaRanks
+
+    cfg = load_config(config)
+    tc = cfg.train
+    torch.set_num_threads(1)
+    ranks = ReplicaRanks(120.0)
+    model = shard_model(task.build_model(tc, cfg.job.seed), ranks)
+    opt = build_optimizer(tc, model)
+    compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
+    for step in range(1, steps + 1):
+        off, count = split(BATCH, ranks.size, ranks.rank)
+        idx = list(range((step - 1) * BATCH + off, (step - 1) * BATCH + off + count))
+        for p in model.parameters():
+            p.grad = None
+        for mb in micro_batches(idx, MICRO):
+            compute([i % tc.dataset_size for i in mb], 1.0 / BATCH)
+        opt.step()
+        if ranks.leader:
+            print(json.dumps({"event": "step", "step": step, "t": time.time()}), flush=True)
+    ranks.close()
+    return 0
+
+
+def bcast_worker(nbytes: int, rounds: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, 0)
+        dt = time.perf_counter() - t0
+        if dist.get_rank() == 1:
+            print(json.dumps({"event": "bcast", "s": dt}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-hsdp-"))
+    cfg = job_toml(work / "job.toml", args.steps, args.d_model, args.layers)
+    me = str(Path(__file__).resolve())
+    out: dict[str, Any] = {"d_model": args.d_model, "layers": args.layers, "steps": args.steps}
+
+    base = Lines(ranks_cmd(4, me, "--fsdp-worker", str(cfg), str(args.steps)), work / "fsdp.err")
+    base.wait(lambda e: e.get("step") == args.steps, "the FSDP2 baseline")
+    base.p.wait()
+    out["fsdp_step_s"] = median_gap(base.events, 5, args.steps)
+
+    state = work / "state"
+    ctl_cmd = [PY, "-m", "phalanx.cli", "controller", "--config", str(cfg)]
+    ctl = subprocess.Popen(
+        [*ctl_cmd, "--state-dir", str(state), "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=(work / "controller.err").open("wb"),
+        env=env(),
+        start_new_session=True,
+    )
+    procs: list[Lines] = []
+    try:
+        while not (state / "url").exists():
+            if ctl.poll() is not None:
+                raise RuntimeError(f"the controller exited; see {work / 'controller.err'}")
+            time.sleep(0.05)
+
+        def replica(name: str, gate: Path | None = None) -> Lines:
+            head = ["-c", GATED, str(gate)] if gate is not None else ["-m", "phalanx.cli"]
+            cmd = ranks_cmd(2, *head, "replica", "--config", str(cfg))
+            cmd += ["--controller", str(state), "--name", name]
+            p = Lines(cmd, work / f"{name}-{len(procs)}.err")
+            procs.append(p)
+            return p
+
+        a, b = replica("a"), replica("b")
+        gate = work / "restart.go"
+        b2 = replica("b", gate)  # a warm standby: its ranks have paid their imports
+        b.wait(lambda e: e.get("step", 0) >= args.kill_at, f"b's step {args.kill_at}")
+        t_kill = time.time()
+        os.kill(rank_pid(b.p, 1), signal.SIGKILL)
+        after = a.wait(
+            lambda e: e["event"] == "step" and e["participants"] == 1 and e["t"] > t_kill,
+            "a's first commit without b",
+        )
+        out["stall_s"] = after["t"] - t_kill
+        b.p.wait()
+        gate.touch()
+        healed = b2.wait(lambda e: e["event"] == "step" and e.get("healed"), "b's heal")
+        heal = healed["heal"]
+        out["heal_bytes"], out["heal_s"] = heal["bytes"], heal["seconds"]
+        out["heal_gbps"] = heal["bytes"] / heal["seconds"] / 1e9
+        a.wait(lambda e: e["event"] == "done", "a's end")
+        out["hsdp_step_s"] = median_gap(a.events, 5, args.kill_at)
+        out["step_ratio_vs_fsdp"] = out["hsdp_step_s"] / out["fsdp_step_s"]
+    finally:
+        for p in procs:
+            p.kill()
+        ctl.kill()
+        ctl.wait()
+
+    bc = Lines(ranks_cmd(2, me, "--bcast-worker", str(out["heal_bytes"]), "6"), work / "bcast.err")
+    bc.p.wait()
+    times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
+    out["gloo_broadcast_gbps"] = out["heal_bytes"] / statistics.median(times) / 1e9
+    out["heal_ratio"] = out["heal_gbps"] / out["gloo_broadcast_gbps"]
+    out["torchft"] = "not run: see docs/benchmarks.md"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=20)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--fsdp-worker", nargs=2, metavar=("CONFIG", "STEPS"), help=argparse.SUPPRESS)
+    p.add_argument("--bcast-worker", nargs=2, metavar=("BYTES", "ROUNDS"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.fsdp_worker:
+        return fsdp_worker(args.fsdp_worker[0], int(args.fsdp_worker[1]))
+    if args.bcast_worker:
+        return bcast_worker(int(args.bcast_worker[0]), int(args.bcast_worker[1]))
+    if not 5 < args.kill_at < args.steps - 5:
+        p.error(
+            f"--kill-at must be in (5, steps - 5): got {args.kill_at} with --steps {args.steps}"
+        )
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>22}  {v:.4g}" if isinstance(v, float) else f"{k:>22}  {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
