@@ -139,9 +139,14 @@ def test_cli_needs_a_command_or_a_config(capsys: pytest.CaptureFixture[str], tmp
     assert "the worker command must follow `--`: got none" in msg
 
 
-def test_cli_default_worker_is_one_process(capsys: pytest.CaptureFixture[str]):
-    msg = agent_error(capsys, "--name", "r0", "--config", "job.toml", "--nproc", "2")
-    assert "--nproc must be 1 for the default worker" in msg
+def test_cli_default_worker_has_the_jobs_ranks(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    job = tmp_path / "job.toml"
+    job.write_text("[replica]\nranks = 2\n")
+    msg = agent_error(capsys, "--name", "r0", "--config", str(job), "--nproc", "3")
+    assert "--nproc must be the job's [replica] ranks" in msg
+    assert "got --nproc 3 and ranks = 2" in msg
+    missing = agent_error(capsys, "--name", "r0", "--config", str(tmp_path / "no.toml"))
+    assert "no.toml" in missing
 
 
 def test_cli_controller_placeholder_needs_a_controller(

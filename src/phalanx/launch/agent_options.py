@@ -373,11 +373,17 @@ def options_from_args(args: Any) -> AgentOptions | None:
             "runs that job): got none."
         )
     if not cmd and args.config and (args.name or not serve):
-        if args.nproc != 1:
+        from phalanx.config import ConfigError, load_config
+
+        try:
+            ranks = load_config(args.config).replica.ranks
+        except ConfigError as e:
+            raise SystemExit(f"phalanx agent: {e}") from None
+        if args.nproc != ranks:
             raise SystemExit(
-                f"phalanx agent: --nproc must be 1 for the default worker (`phalanx replica`, "
-                f"one process per replica): got {args.nproc}. Pass a command after `--` for "
-                f"replicas of several processes."
+                f"phalanx agent: --nproc must be the job's [replica] ranks for the default "
+                f"worker (`phalanx replica`): got --nproc {args.nproc} and ranks = {ranks} in "
+                f"{args.config}. Pass --nproc {ranks}, or a command after `--`."
             )
         cmd = [
             sys.executable,

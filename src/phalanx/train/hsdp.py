@@ -83,6 +83,12 @@ class ReplicaRanks:
         self.rank, self.size = env_ranks()
         self.device = device or torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
+        if self.device.type == "cuda":
+            # NCCL's watchdog must give up on a hung collective before the control
+            # plane's own timeouts do (the torchft seed's advice).
+            os.environ.setdefault(
+                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, int(timeout_s / 2)))
+            )
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timeout)

@@ -114,9 +114,10 @@ class CollectiveWeightChannel(WeightChannel):
         t0 = time.perf_counter()
         try:
             self._configure(order)
-            header = torch.tensor([version, fp, flat.numel()], dtype=torch.int64)
+            dev = self.comm.device  # NCCL takes only tensors on its GPU
+            header = torch.tensor([version, fp, flat.numel()], dtype=torch.int64, device=dev)
             self.comm.broadcast(header, 0)
-            self.comm.broadcast(flat, 0)
+            self.comm.broadcast(flat.to(dev), 0)
             res = SyncResult(
                 order.seq, version, True, time.perf_counter() - t0, flat.numel(), len(order.members)
             )
@@ -133,10 +134,11 @@ class CollectiveWeightChannel(WeightChannel):
     ) -> tuple[int, dict[str, torch.Tensor]]:
         try:
             self._configure(order)
-            header = torch.zeros(3, dtype=torch.int64)
+            dev = self.comm.device
+            header = torch.zeros(3, dtype=torch.int64, device=dev)
             self.comm.broadcast(header, 0)
             version, fp, nbytes = (int(x) for x in header.tolist())
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             self.comm.broadcast(flat, 0)
         except CommError:
             self._fail()
