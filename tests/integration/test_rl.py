@@ -266,11 +266,18 @@ def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
     policy.kill()
     acked_at_kill = rl_status(ctl)["policy_step"]
     late = start("rollout", "rollout-late")
-    syncs = wait_for(
-        lambda: [e for e in late.events("sync") if e["ok"]] if late.alive() else None,
-        300,
-        "the late rollout replica to get weights",
-    )
+
+    def late_synced() -> list[dict[str, Any]]:
+        got = [e for e in late.events("sync") if e["ok"]]
+        if not got and not late.alive():  # (alive() raises on a failing exit)
+            raise AssertionError(
+                "the late rollout replica exited 0 without weights:\n"
+                f"{late.out.read_text()[-2000:]}\n{late.err.read_text()[-2000:]}\n"
+                f"controller: {ctl.status()['overview']['timeline'][-10:]}"
+            )
+        return got
+
+    syncs = wait_for(late_synced, 300, "the late rollout replica to get weights")
     r0_id = r0.events("start")[0]["replica"]
     assert syncs[0]["source"] == r0_id and syncs[0]["version"] >= 2, syncs[0]
     relayed = [e for e in r0.events("sync") if e["source"] == r0_id]
