@@ -3,6 +3,7 @@ chaos eligibility, the target scan, and the status summary. No processes."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -381,3 +382,16 @@ def test_live_view_renders_an_rl_job(tmp_path: Path):
     assert "policy-0" in text and "step 3 loss 0.250" in text
     assert "4 rollouts" in text and "v2" in text and "down" in text
     assert "prompts: issued 0 = queued 0" in text and "rollout 1 running, 0 registered" in text
+
+
+def test_a_replica_of_several_ranks_is_started_through_the_ranks_launcher(tmp_path: Path):
+    from phalanx.config import load_config
+    from phalanx.launch.local import LocalJob
+
+    cfg = load_config(overrides=["replica.ranks=2"])
+    job = LocalJob(None, cfg, tmp_path, ["replica.ranks=2"], 1)
+    cmd = job.replica_cmd(job.replicas["policy-0"])
+    assert cmd[1:6] == ["-m", "phalanx.launch.ranks", "--nproc", "2", "--"]
+    assert cmd[6:9] == [sys.executable, "-m", "phalanx.cli"] and "replica" in cmd
+    one = LocalJob(None, load_config(), tmp_path, [], 1)
+    assert one.replica_cmd(one.replicas["policy-0"])[1:3] == ["-m", "phalanx.cli"]
