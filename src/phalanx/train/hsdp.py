@@ -253,6 +253,9 @@ class HSDPManager(Manager):
         self.ranks = ranks
         super().__init__(client, *args, **kwargs)
         self.replica_indices: list[int] = []
+        self._replica_at_quorum: str | None = None
+        """The replica's id as broadcast with the last quorum: the same on every rank,
+        unlike rank 0's live client, which may register again at any moment."""
 
     def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> Any:
         return ShardedGrads(model, bucket_bytes)
@@ -297,13 +300,15 @@ class HSDPManager(Manager):
                 kind = "timeout" if isinstance(e, QuorumTimeout) else "error"
                 self.ranks.broadcast_json({"raise": kind, "message": str(e)[:2000]})
                 raise
+            rid = self.client.replica_id
             self.ranks.broadcast_json(
                 {
                     "quorum": q.model_dump_json(),
-                    "replica_id": self.client.replica_id,
+                    "replica_id": rid,
                     "incarnations": self.client.incarnations,
                 }
             )
+            self._replica_at_quorum = rid
             self._check_layout(q)
             return q
         msg = self.ranks.broadcast_json()
@@ -314,9 +319,21 @@ class HSDPManager(Manager):
         self.client.replica_id = msg["replica_id"]
         self.client.who.replica_id = msg["replica_id"]
         self.client.incarnations = msg["incarnations"]
+        self._replica_at_quorum = msg["replica_id"]
         q = Quorum.model_validate_json(msg["quorum"])
         self._check_layout(q)
         return q
+
+    def predicted_share(self) -> tuple[int, int] | None:
+        """The share the last quorum gave this replica, from what every rank of the
+        replica holds alike (the last broadcast), so that all ranks make the same
+        choice to compute ahead of the quorum: FSDP's collectives pair up. (Rank 0's
+        client may have registered again since: the share then changes with the
+        next quorum, and every rank recomputes.)"""
+        q, me = self.quorum, self._replica_at_quorum
+        if q is None or me not in q.replica_ids:
+            return None
+        return q.replica_ids.index(me), len(q.members)
 
     def _group_prefix(self, q: Quorum) -> str:
         return f"{super()._group_prefix(q)}/n{self.ranks.size}/s{self.ranks.rank}"
