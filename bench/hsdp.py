@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from phalanx.launch.ranks import rank_pids
+
 PY = sys.executable
 GATED = (
     "import os, runpy, sys, time, torch, torch._dynamo, phalanx.jobs.ft_hsdp\n"
@@ -141,21 +143,6 @@ class Lines:
         except ProcessLookupError:
             pass
         self.p.wait()
-
-
-def rank_pid(launcher: subprocess.Popen[bytes], rank: int) -> int:
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher.pid:
-                continue
-            if f"RANK={rank}".encode() in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
-                return int(d)
-        except (OSError, ValueError, IndexError):
-            continue
-    raise RuntimeError(f"rank {rank} of launcher {launcher.pid} not found")
 
 
 def ranks_cmd(n: int, *cmd: str) -> list[str]:
@@ -261,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         b2 = replica("b", gate)  # a warm standby: its ranks have paid their imports
         b.wait(lambda e: e.get("step", 0) >= args.kill_at, f"b's step {args.kill_at}")
         t_kill = time.time()
-        os.kill(rank_pid(b.p, 1), signal.SIGKILL)
+        os.kill(rank_pids(b.p.pid)[1], signal.SIGKILL)
         after = a.wait(
             lambda e: e["event"] == "step" and e["participants"] == 1 and e["t"] > t_kill,
             "a's first commit without b",

@@ -33,6 +33,8 @@ from ftjob import (
     write_job,
 )
 
+from phalanx.launch.ranks import rank_pids
+
 STEPS = 30
 LONG = 60
 BATCH = TRAIN["global_batch_size"]
@@ -50,26 +52,6 @@ They let the test hold the survivor (SIGSTOP) while the failed replica comes
 back, which takes seconds on a loaded 2-core machine: the survivor is not taken
 for dead meanwhile, and the returning replica's quorum waits for it instead of
 starting alone from an old step."""
-
-
-def ranks_of(launcher: Replica) -> dict[int, int]:
-    """The launcher's rank processes: {RANK: pid}, read from /proc."""
-    out: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid != launcher.popen.pid:
-                continue
-            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        for kv in env:
-            if kv.startswith(b"RANK="):
-                out[int(kv[5:])] = int(d)
-    return out
 
 
 @contextlib.contextmanager
@@ -171,7 +153,7 @@ def test_a_rank_killed_mid_step_fails_its_replica_which_comes_back_and_heals(
     # longer on a loaded 2-core machine than the survivor needs to finish the job.
     b2 = job.start_replica("b", ranks=2, spare=True)
     b.wait_step(8)
-    os.kill(ranks_of(b)[1], signal.SIGKILL)
+    os.kill(rank_pids(b.popen.pid)[1], signal.SIGKILL)
     # The other rank fails on its own (its next collective inside the replica) or is
     # stopped by the launcher, which exits with a failing status either way.
     assert b.popen.wait(timeout=60) != 0

@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
@@ -63,6 +64,26 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str
         "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The ranks a running launcher started: ``{RANK: pid}``, read from ``/proc``
+    (for tools and tests that signal one rank)."""
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(d)
+    return out
 
 
 def exit_status(code: int) -> int:

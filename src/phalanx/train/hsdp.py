@@ -357,7 +357,7 @@ class HSDPManager(Manager):
         ranks hold different steps after a partial heal), every rank votes no
         and the leader reports the failure; the lowest step is taken by all,
         so that the next quorum heals the whole replica."""
-        failure = self._error or getattr(self.client, "failure", None)
+        failure = self._failure()
         not_ok, failed, neg_low, high = self.ranks.max(
             [float(not self._ok), float(failure is not None), -float(self.step), float(self.step)]
         )
@@ -381,17 +381,14 @@ class HSDPManager(Manager):
                 self._ok, self._error = False, f"another rank of this replica failed in {what}"
                 self._configured = None
                 self.comm.abort()
+
+    def _failure(self) -> str | None:
+        """This rank's failure in the step so far (its own, or one its
+        :class:`RankClient` kept to relay), taken: a kept one is relayed once."""
+        failure = self._error or getattr(self.client, "failure", None)
         if isinstance(self.client, RankClient):
             self.client.failure = None
-
-    def _report_peers(self, reason: str) -> None:
-        q = self.quorum
-        me = self.client.replica_id
-        peers = [r for r in (q.replica_ids if q else []) if r != me]
-        try:
-            self.client.report_failure(peers, reason=reason, failed_commit=True)
-        except Exception as report_error:
-            self.log.error("failure report not delivered: %s", report_error)
+        return failure
 
     # -- data: the replica's share, split over its ranks -------------------
 
@@ -419,7 +416,7 @@ class HSDPManager(Manager):
     def allreduce_grads(self, loss_sum: float = 0.0) -> float:
         total = super().allreduce_grads(loss_sum)
         ok = self._ok and self.grads.vote_ok
-        failure = self._error or getattr(self.client, "failure", None)
+        failure = self._failure()
         votes, failed, loss = self.ranks.sum(
             [float(ok), float(failure is not None), total if ok else 0.0]
         )
@@ -430,8 +427,6 @@ class HSDPManager(Manager):
             if self._ok and failed:
                 self._configured = None
                 self.comm.abort()
-            if isinstance(self.client, RankClient):
-                self.client.failure = None
             return float("nan")
         return loss
 

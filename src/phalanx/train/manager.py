@@ -384,14 +384,18 @@ class Manager:
 
     def _fail(self, e: Exception) -> None:
         self._ok, self._error = False, str(e)
+        self._configured = None
+        self.comm.abort()
+        self._report_peers(str(e))
+
+    def _report_peers(self, reason: str) -> None:
+        """Report every other participant of the quorum as a suspect (``failed_commit``)."""
         q = self.quorum
         me = self.client.replica_id
         peers = [r for r in (q.replica_ids if q else []) if r != me]
-        self.log.warning("collective failed, reporting %d peer(s): %s", len(peers), str(e)[:200])
-        self._configured = None
-        self.comm.abort()
+        self.log.warning("collective failed, reporting %d peer(s): %s", len(peers), reason[:200])
         try:
-            self.client.report_failure(peers, reason=str(e)[:500], failed_commit=True)
+            self.client.report_failure(peers, reason=reason[:500], failed_commit=True)
         except Exception as report_error:  # the retry will surface a dead controller
             self.log.error("failure report not delivered: %s", report_error)
 
