@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from ftjob import (
     TRAIN,
@@ -33,6 +34,7 @@ from ftjob import (
     write_job,
 )
 
+from phalanx.checkpoint import CheckpointStore
 from phalanx.launch.ranks import rank_pids
 
 STEPS = 30
@@ -200,3 +202,66 @@ def test_a_replica_stopped_whole_is_left_behind_and_rejoins(
     assert back["participants"] == 2
     finals = [a.finish(), b.finish()]
     check([a, b], finals, reference, steps=LONG)
+
+
+def post(job: FTJob, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    url = (job.state_dir / "url").read_text().strip()
+    token = (job.state_dir / "token").read_text().strip()
+    r = httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_a_new_layout_takes_over_through_the_checkpoint_resharded(
+    tmp_path: Path, jobs: list[FTJob], reference: dict[int, Any]
+) -> None:
+    """Replicas of 2 ranks save checkpoints. A replica of 1 rank is refused while
+    they live (one line, exit 78; they go on). The operator drains them: the last to
+    leave saves its step. A replica of 3 ranks then loads that checkpoint, resharded
+    (DCP), and finishes the job: one lineage, exactly-once data, and the final state
+    of a failure-free unsharded run."""
+    root = tmp_path / "ckpt"
+    opts = ("--checkpoint.url", f"file://{root}", "--checkpoint.every_steps", "5")
+    job = make(
+        tmp_path,
+        "resize",
+        jobs,
+        ranks=2,
+        train={**PACE, "steps": LONG},
+        timeouts=HELD_TIMEOUTS,
+        policy=HELD_POLICY,
+    )
+    a, b = job.start_replica("a", *opts, ranks=2), job.start_replica("b", *opts, ranks=2)
+    ids = [a.wait_step(3)["replica"], b.wait_step(3)["replica"]]
+
+    with held(a), held(b):  # (the refused replica starts in seconds; the job waits)
+        c = job.start_replica("c", *opts, "--replica.ranks", "1")
+        assert c.popen.wait(WAIT_S) == 78
+    said = [x for x in c.stderr_tail().splitlines() if "refused" in x]
+    assert len(said) == 1 and "spans 1 ranks but role 'policy''s live replicas span 2" in said[0]
+    assert "Traceback" not in c.stderr_tail()
+
+    for rid in ids:
+        post(job, "/v1/replicas/drain", {"replica_id": rid})
+    left = [r.wait_event(lambda e: e["event"] == "done", "drained") for r in (a, b)]
+    assert all(d.get("drained") for d in left), left
+    assert a.popen.wait(WAIT_S) == 0 and b.popen.wait(WAIT_S) == 0
+    last = max(d["step"] for d in left)
+    assert last < LONG, "drained too late for the new layout to train any step"
+    store = CheckpointStore(f"file://{root}")
+    assert store.latest() == last
+    assert store.manifest(last).layout["ranks"] == 2
+
+    d = job.start_replica("d", *opts, "--replica.ranks", "3", ranks=3)
+    final = d.finish()
+    start = d.wait_event(lambda e: e["event"] == "start", "start")
+    assert start["resumed_from"] == last and start["ranks"] == 3
+    lines = {s: by for s, by in step_lines([a, b]).items() if s <= last}
+    for s, by in step_lines([d]).items():
+        assert s > last, f"the new layout committed step {s} again (checkpoint {last})"
+        lines[s] = by
+    check_steps(lines, LONG, BATCH)
+    check_samples(lines, DATASET, SEED, BATCH)
+    worst = assert_close(final, reference[LONG], ATOL)
+    print(f"largest difference from the failure-free run: {worst:.3g}")
+    assert store.latest() == LONG and store.manifest(LONG).layout["ranks"] == 3

@@ -129,6 +129,23 @@ def test_reused_incarnation_refused(state):
         state.register("rollout", "a", "x", now=1, wall=1)
 
 
+def test_a_replica_of_another_size_than_the_live_ones_is_refused(state):
+    a = state.register("policy", "a", "x", now=0, wall=0, ranks=2)[0].replica_id
+    with pytest.raises(Conflict) as e:
+        state.register("policy", "b", "x", now=1, wall=1, ranks=3)
+    assert e.value.field == "ranks"
+    assert "spans 3 ranks but role 'policy''s live replicas span 2" in str(e.value)
+    assert "[replica] ranks = 2" in str(e.value)
+    assert [m.replica_id for m in state.membership.alive("policy")] == [a]  # untouched
+    # A new incarnation of the same name replaces the old one: its size may change.
+    state.register("policy", "a", "y", now=2, wall=2, ranks=3)
+    # With no live replica of the old size left, the new size is the job's.
+    state.register("policy", "b", "x", now=3, wall=3, ranks=3)
+    assert {m.ranks for m in state.membership.alive("policy")} == {3}
+    # Another role's replicas are sized on their own.
+    state.register("rollout", "r", "x", now=4, wall=4, ranks=1)
+
+
 def test_register_unknown_role(state):
     with pytest.raises(StateError, match="role must be one of") as e:
         state.register("critic", "a", "x", now=0, wall=0)

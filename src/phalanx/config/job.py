@@ -371,12 +371,6 @@ class JobConfig(_Section):
                 "Replicas of several ranks run the FT data-parallel job only, for now; set "
                 "[replica] ranks = 1."
             )
-        if self.replica.ranks > 1 and self.checkpoint.url:
-            raise ValueError(
-                f"checkpoint.url must be empty with replica.ranks > 1 (got ranks="
-                f"{self.replica.ranks}): sharded replicas do not save checkpoints yet. "
-                "Leave checkpoint.url empty or set [replica] ranks = 1."
-            )
         if self.diloco is not None:
             if self.rl is not None:
                 raise ValueError(

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.client import ControllerClient, ControllerError
+from phalanx.client import ControllerClient, ControllerError, Rejected
 from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs import task
+from phalanx.jobs.base import JobError
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.orders import Orders
@@ -84,6 +85,18 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def register(client: ControllerClient) -> None:
+    """Register ``client``; a replica whose layout the controller refuses (it spans
+    another number of ranks than the role's live replicas) cannot run: JobError,
+    in the controller's one line."""
+    try:
+        client.register()
+    except Rejected as e:
+        if e.status == 409 and any(f.field == "ranks" for f in e.body.fields):
+            raise JobError(f"the controller refused this replica: {e.body.error}") from e
+        raise
+
+
 def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer | None:
     """The job's checkpointer, or None when ``checkpoint.url`` is empty. Each
     commit is reported to the controller and printed as a ``checkpoint`` event."""
@@ -125,7 +138,7 @@ def resume(ckpt: Checkpointer, manager: Manager) -> int | None:
     r = ckpt.load({"model": manager.model.state_dict()})
     if r is None:
         return None
-    manager.load_state_dict(r.state)
+    manager.load_checkpoint(r.state)
     log.info("resumed from checkpoint step %d (%s) in %.2f s", r.step, r.url, r.seconds)
     return r.step
 
@@ -136,12 +149,13 @@ def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, fin
         return
     extra = {"config": cfg.model_dump(mode="json"), "job_id": cfg.job.id}
     # Every replica of the quorum holds the whole state: one process (rank 0) writes
-    # it, and the layout says how many replicas trained the step.
-    ckpt.layout = {"kind": "ft-ddp", "replicas": manager.world_size}
+    # it (with its ranks, when it spans several), and the layout says how many
+    # replicas trained the step.
+    ckpt.layout = manager.checkpoint_layout()
     if final or not cfg.checkpoint.async_save:
-        ckpt.save(manager.step, manager.state_dict(), extra)
+        ckpt.save(manager.step, manager.checkpoint_state(), extra)
     else:
-        ckpt.save_async(manager.step, manager.state_dict(), extra)
+        ckpt.save_async(manager.step, manager.checkpoint_state(), extra)
 
 
 @dataclass
@@ -173,7 +187,7 @@ def setup_replica(
     torch.set_num_threads(tc.threads)
     store, address = serve_store()
     client = ControllerClient(controller, "policy", name, address=address)
-    client.register()
+    register(client)
     job_step = client.status().role_step("policy")
     total = cfg.job_steps
     if job_step >= total:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,15 @@ from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs import task
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import emit, emit_step, keep_freed_memory
+from phalanx.jobs.common import (
+    emit,
+    emit_step,
+    keep_freed_memory,
+    make_checkpointer,
+    register,
+    resume,
+    save_checkpoint,
+)
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.hsdp import (
     HSDPManager,
@@ -45,6 +53,9 @@ from phalanx.train.hsdp import (
 )
 from phalanx.train.manager import JobFinished
 from phalanx.train.orders import Orders
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint import Checkpointer
 
 log = logging.getLogger("phalanx.train")
 
@@ -91,13 +102,19 @@ def _start(cfg: JobConfig, controller: str, name: str, ranks: ReplicaRanks) -> t
     Returns (client, store, job_step)."""
     if not ranks.leader:
         msg = ranks.broadcast_json()
+        if "refused" in msg:
+            raise JobError(msg["refused"])
         follower = RankClient("policy", name, ranks.rank)
         follower.replica_id = msg["replica_id"]
         follower.who.replica_id = msg["replica_id"]
         return follower, None, int(msg["job_step"])
     store, address = serve_store()
     leader = ControllerClient(controller, "policy", name, address=address, ranks=ranks.size)
-    leader.register()
+    try:
+        register(leader)
+    except JobError as e:  # refused: every rank says so and stops
+        ranks.broadcast_json({"refused": str(e)})
+        raise
     job_step = leader.status().role_step("policy")
     ranks.broadcast_json({"replica_id": leader.replica_id, "job_step": job_step})
     return leader, store, job_step
@@ -145,14 +162,25 @@ def run(args: ReplicaArgs) -> int:
     )
     manager.total_steps = total
     compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
-    orders = Orders(client) if ranks.leader else None
+    # Every rank makes the checkpointer (its group is a collective) and loads its
+    # shards of the latest checkpoint, saved by replicas of any size.
+    ckpt = make_checkpointer(cfg, client)
+    resumed = resume(ckpt, manager) if ckpt is not None and cfg.checkpoint.resume else None
+    run = _Run(cfg, args, manager, compute, Orders(client) if ranks.leader else None, ckpt)
+    run.saved = resumed
     if ranks.leader:
         params = sum(local(p).numel() for p in model.parameters())
         emit(
-            {"event": "start", "replica": client.replica_id, "params": params, "ranks": ranks.size}
+            {
+                "event": "start",
+                "replica": client.replica_id,
+                "params": params,
+                "ranks": ranks.size,
+                "resumed_from": resumed,
+            }
         )
     try:
-        return _loop(cfg, args, manager, compute, orders)
+        return run.loop()
     except LayoutMismatch as e:
         raise JobError(str(e)) from e
     except (ReplicaBroken, dist.DistError, RuntimeError) as e:
@@ -165,6 +193,8 @@ def run(args: ReplicaArgs) -> int:
         log.debug("the failure that stopped the replica", exc_info=True)
         return 1
     finally:
+        if ckpt is not None:
+            ckpt.close()
         manager.close()
         if ranks.leader:
             client.close("finished")
@@ -172,81 +202,112 @@ def run(args: ReplicaArgs) -> int:
         del store
 
 
-def _loop(
-    cfg: JobConfig,
-    args: ReplicaArgs,
-    manager: HSDPManager,
-    compute: Any,
-    orders: Orders | None,
-) -> int:
-    ranks, client, tc = manager.ranks, manager.client, cfg.train
-    sampler = manager.sampler
-    assert sampler is not None
-    while manager.step < tc.steps:
-        try:
-            r = manager.train_step(compute)
-        except QuorumTimeout as e:
-            log.warning("%s; asking again", e)
-            continue
-        except JobFinished as e:
-            log.info("%s; nothing left to do", e)
-            if ranks.leader:
-                emit(
-                    {
-                        "event": "done",
-                        "replica": client.replica_id,
-                        "step": manager.step,
-                        "heals": manager.heals,
-                        "finished_elsewhere": True,
-                    }
-                )
-            return 0
-        if not r.committed:
-            if ranks.leader:
-                emit(
-                    {
-                        "event": "retry",
-                        "replica": client.replica_id,
-                        "step": r.step,
-                        "error": (r.error or "")[:200],
-                    }
-                )
-            continue
-        drain = False
+class _Run:
+    """The step loop of one rank, with the checkpoints its replica saves when it is
+    the quorum's rank 0 (every rank of it saves its shards)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        args: ReplicaArgs,
+        manager: HSDPManager,
+        compute: Any,
+        orders: Orders | None,
+        ckpt: Checkpointer | None,
+    ):
+        self.cfg, self.args, self.manager, self.compute = cfg, args, manager, compute
+        self.orders, self.ckpt = orders, ckpt
+        self.saved: int | None = None
+        """The last step this replica made durable (saved, or resumed from)."""
+
+    def done(self, **extra: Any) -> None:
+        if self.manager.ranks.leader:
+            m = self.manager
+            emit(
+                {
+                    "event": "done",
+                    "replica": m.client.replica_id,
+                    "step": m.step,
+                    "heals": m.heals,
+                    **extra,
+                }
+            )
+
+    def save(self, *, final: bool) -> None:
+        if self.ckpt is None or self.manager.rank != 0 or self.saved == self.manager.step:
+            return
+        if final:
+            self.ckpt.wait()
+        save_checkpoint(self.ckpt, self.cfg, self.manager, final=final)
+        self.saved = self.manager.step
+
+    def loop(self) -> int:
+        manager, tc = self.manager, self.cfg.train
+        ranks, client, sampler = manager.ranks, manager.client, manager.sampler
+        assert sampler is not None
+        while manager.step < tc.steps:
+            try:
+                r = manager.train_step(self.compute)
+            except QuorumTimeout as e:
+                log.warning("%s; asking again", e)
+                continue
+            except JobFinished as e:
+                log.info("%s; nothing left to do", e)
+                self.done(finished_elsewhere=True)
+                return 0
+            if not r.committed:
+                if ranks.leader:
+                    emit(
+                        {
+                            "event": "retry",
+                            "replica": client.replica_id,
+                            "step": r.step,
+                            "error": (r.error or "")[:200],
+                        }
+                    )
+                continue
+            if self.after_commit(r):
+                return 0
+        if self.ckpt is not None:
+            self.ckpt.wait()
+            self.save(final=True)
+        state = gathered_state(manager) if self.args.out is not None else None
+        if ranks.leader and state is not None and self.args.out is not None:
+            _save(Path(self.args.out), state, manager)
+        self.done()
+        return 0
+
+    def after_commit(self, r: Any) -> bool:
+        """Print the step, take in operator commands (rank 0 reads them and tells
+        the others), save when due; True when the replica leaves (drained). A
+        drained replica that is the quorum's rank 0 saves its step first, so that
+        the job's last step is durable when its last replica leaves (the way to a
+        new layout: drain, then start replicas of another size)."""
+        manager, cfg = self.manager, self.cfg
+        ranks, client, sampler = manager.ranks, manager.client, manager.sampler
+        assert sampler is not None
+        every = cfg.checkpoint.every_steps
+        scheduled = self.ckpt is not None and bool(every) and r.step % every == 0
+        news = None
         if ranks.leader:
-            assert orders is not None
+            assert self.orders is not None
             client.report_progress(loss=r.loss)
-            samples = manager.replica_indices if tc.log_samples else None
+            samples = manager.replica_indices if cfg.train.log_samples else None
             heal = {"heal": manager.last_heal} if r.healed else {}
             emit_step(client.replica_id, r, sampler.cursor, samples, ranks=ranks.size, **heal)
-            orders.poll(r.step)
-            drain = orders.drain
-        if ranks.broadcast_json({"drain": drain} if ranks.leader else None)["drain"]:
-            if ranks.leader:
-                log.info("drained at step %d: leaving the job", manager.step)
-                emit(
-                    {
-                        "event": "done",
-                        "replica": client.replica_id,
-                        "step": manager.step,
-                        "heals": manager.heals,
-                        "drained": True,
-                    }
-                )
-            return 0
-    state = gathered_state(manager) if args.out is not None else None
-    if ranks.leader:
-        if state is not None and args.out is not None:
-            _save(Path(args.out), state, manager)
-        emit(
-            {
-                "event": "done",
-                "replica": client.replica_id,
-                "step": manager.step,
-                "heals": manager.heals,
-            }
-        )
-    return 0
+            self.orders.poll(r.step)
+            ordered = not scheduled and self.orders.checkpoint_due(r.step)
+            news = {"drain": self.orders.drain, "save": scheduled or ordered}
+        news = ranks.broadcast_json(news)
+        if news["save"]:
+            self.save(final=False)
+        if not news["drain"]:
+            return False
+        self.save(final=True)
+        if ranks.leader:
+            log.info("drained at step %d: leaving the job", manager.step)
+        self.done(drained=True)
+        return True
 
 
 def _save(path: Path, state: dict[str, torch.Tensor], manager: HSDPManager) -> None:

@@ -34,6 +34,9 @@ class GradBuffer:
             self.flats.append(flat)
         self.meta = torch.zeros(2, dtype=torch.float64)
         self.vote_ok = False
+        self.local = True
+        """The buffers hold this replica's own gradients (zeroed or accumulated
+        since), not a sum or a partial sum of an all-reduce."""
         self.bind()
 
     @property
@@ -50,6 +53,7 @@ class GradBuffer:
         self.bind()
         for f in self.flats:
             f.zero_()
+        self.local = True
 
     def allreduce(
         self, comm: Communicator, world_size: int, loss_sum: float, vote: bool = True
@@ -62,6 +66,7 @@ class GradBuffer:
         self.meta[0] = 1.0 if vote else 0.0
         self.meta[1] = loss_sum
         self.vote_ok = False
+        self.local = False  # summed in place, even if the all-reduce fails midway
         comm.allreduce([*self.buckets, self.meta], "sum")
         self.vote_ok = round(self.meta[0].item()) == world_size
         return float(self.meta[1])

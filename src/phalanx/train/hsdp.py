@@ -42,11 +42,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from phalanx.comm.base import Communicator
 from phalanx.log import Who
 from phalanx.protocol.membership import Quorum
 from phalanx.train.batch import split
 from phalanx.train.manager import Compute, Manager
+from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
 
 CONTROL_BYTES = 16 << 10
 """The first broadcast of a quorum carries this many bytes; a longer one costs a second."""
@@ -168,81 +168,6 @@ class RankClient:
         self.failure = reason
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_tree(x: Any) -> Any:
-    """A state tree with every DTensor replaced by this rank's shard."""
-    if isinstance(x, torch.Tensor):
-        return local(x)
-    if isinstance(x, dict):
-        return {k: local_tree(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return type(x)(local_tree(v) for v in x)
-    return x
-
-
-class ShardedGrads:
-    """This rank's gradient shards, summed over its cross-replica group in
-    flat buckets together with the commit vote and the loss (as
-    :class:`~phalanx.train.grads.GradBuffer` does for whole gradients). FSDP2
-    owns ``.grad``: the shards are copied into the buckets and back."""
-
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.bucket_bytes = bucket_bytes
-        self.flats: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        for p in self.params:
-            key = (p.dtype, local(p).device)
-            n = self.flats[key].numel() if key in self.flats else 0
-            self.flats[key] = torch.zeros(n + local(p).numel(), dtype=p.dtype, device=key[1])
-        self.meta = torch.zeros(2, dtype=torch.float64)
-        self.vote_ok = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.flats.values())
-
-    def zero(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def allreduce(
-        self, comm: Communicator, world_size: int, loss_sum: float, vote: bool = True
-    ) -> float:
-        if self.meta.device != comm.device:
-            self.meta = torch.zeros(2, dtype=torch.float64, device=comm.device)
-        offsets = dict.fromkeys(self.flats, 0)
-        views = []
-        for p in self.params:
-            shard = local(p)
-            key = (p.dtype, shard.device)
-            flat, off = self.flats[key], offsets[key]
-            view = flat[off : off + shard.numel()].view_as(shard)
-            offsets[key] = off + shard.numel()
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(local(p.grad))
-            views.append(view)
-        buckets = []
-        for flat in self.flats.values():
-            per = max(1, self.bucket_bytes // flat.element_size())
-            buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
-        self.meta[0] = 1.0 if vote else 0.0
-        self.meta[1] = loss_sum
-        self.vote_ok = False
-        comm.allreduce([*buckets, self.meta], "sum")
-        for p, view in zip(self.params, views, strict=True):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            local(p.grad).copy_(view)
-        self.vote_ok = round(self.meta[0].item()) == world_size
-        return float(self.meta[1])
-
-
 class HSDPManager(Manager):
     """The FT manager of one rank of a replica of several ranks (module doc).
 
@@ -264,6 +189,33 @@ class HSDPManager(Manager):
 
     def state_dict(self) -> dict[str, Any]:
         return local_tree(super().state_dict())
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return Manager.state_dict(self)
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        return {**super().checkpoint_layout(), "ranks": self.ranks.size}
+
+    def load_checkpoint(self, sd: dict[str, Any]) -> None:
+        """A checkpoint saved by a replica of any size: the model's DTensors were
+        filled in place (resharded by DCP); the optimizer's state comes whole and
+        each rank keeps its shard."""
+        mine = self.model.state_dict()
+        model = {
+            k: local(v) if isinstance(v, DTensor) else shard_like(v, mine[k])
+            for k, v in sd["model"].items()
+        }
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {
+            pid: {
+                k: shard_like(v, params[int(pid)]) if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in st.items()
+            }
+            for pid, st in sd["optimizer"]["state"].items()
+        }
+        self.load_state_dict(
+            {**sd, "model": model, "optimizer": {**sd["optimizer"], "state": state}}
+        )
 
     def _load_model(self, sd: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -371,6 +323,7 @@ class HSDPManager(Manager):
                 low,
             )
             self.step = low
+            self._held = None  # (on every rank alike: their next computes pair up)
             self.client.who.step = low
             if self.ranks.leader:
                 self.client.report_progress(step=low)
@@ -393,20 +346,21 @@ class HSDPManager(Manager):
     # -- data: the replica's share, split over its ranks -------------------
 
     def compute(self, fn: Compute, rank: int, world_size: int) -> float:
-        """This rank's part of the replica's share, in as many micro-batches as
-        every other rank of the replica runs (FSDP's collectives pair up);
-        ranks with fewer samples run empty ones. Returns the summed loss."""
-        if self.sampler is None:
-            raise RuntimeError("compute() needs the manager's sampler: build it with one.")
-        off, count = split(self.global_batch_size, world_size, rank)
-        share = self.sampler.positions(self.sampler.cursor + off, count)
-        sub_off, sub_count = split(count, self.ranks.size, self.ranks.rank)
-        mine = share[sub_off : sub_off + sub_count]
-        self.replica_indices, self.last_indices = share, mine
-        most = -(-count // self.ranks.size)
-        n_micro = max(1, -(-most // self.micro_batch_size))
+        total = super().compute(fn, rank, world_size)
+        self.replica_indices = self.last_indices  # the replica's share, all ranks'
+        return total
+
+    def _run(self, fn: Compute, indices: list[int]) -> float:
+        """This rank's part of ``indices`` (some of the replica's share), in as many
+        micro-batches as every other rank of the replica runs (FSDP's collectives
+        pair up); ranks with fewer samples run empty ones. Returns the summed loss."""
+        if not indices:
+            return 0.0
+        sub_off, sub_count = split(len(indices), self.ranks.size, self.ranks.rank)
+        mine = indices[sub_off : sub_off + sub_count]
+        most = -(-len(indices) // self.ranks.size)
         total = 0.0
-        for i in range(n_micro):
+        for i in range(-(-most // self.micro_batch_size)):
             mb = mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
             total += float(fn(mb, 1.0 / self.global_batch_size))
         return total
@@ -420,7 +374,10 @@ class HSDPManager(Manager):
         votes, failed, loss = self.ranks.sum(
             [float(ok), float(failure is not None), total if ok else 0.0]
         )
-        if round(votes) != self.ranks.size:
+        if round(votes) == self.ranks.size:
+            assert isinstance(self.grads, ShardedGrads)
+            self.grads.publish()
+        else:
             self.grads.vote_ok = False
             if self.ranks.leader and failed and self._ok:
                 self._report_peers("a rank of this replica failed in the gradient all-reduce")

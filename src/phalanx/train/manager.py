@@ -6,7 +6,8 @@ One :class:`Manager` per replica. A step goes::
     start_quorum()          ask the controller, in the background
     (speculative compute)   forward/backward on the share the last quorum implies
     wait_quorum()           rebuild the process group if quorum_id changed; heal
-    (recompute if needed)   only when the quorum changed this replica's share
+    (compute what is new)   only the samples the quorum's share adds to what the
+                            gradients already hold (nothing if the guess was right)
     allreduce_grads()       bucketed sum; loss was pre-scaled by 1/global_batch
     should_commit()         every participant succeeded -> step the optimizer
 
@@ -24,14 +25,11 @@ and heals, so the replicas never diverge.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from phalanx.client import ControllerClient
@@ -40,51 +38,11 @@ from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.membership import Quorum
+from phalanx.train.base import Compute, Held, JobFinished, StepResult
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
 from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
-
-Compute = Callable[[list[int], float], float]
-"""``compute(sample_indices, loss_scale) -> summed loss``: forward and backward on
-the samples, with the summed loss multiplied by ``loss_scale`` before backward."""
-
-
-@dataclass
-class StepResult:
-    committed: bool
-    step: int
-    """The committed step count after this call."""
-    loss: float | None
-    """Mean loss over the global batch (only when committed)."""
-    participants: int
-    quorum_id: int
-    healed: bool = False
-    error: str | None = None
-
-
-class JobFinished(RuntimeError):
-    """The job committed its last step while this replica waited to join."""
-
-
-def rng_state() -> dict[str, Any]:
-    st: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: dict[str, Any]) -> None:
-    # set_rng_state needs a tensor that owns its storage (a view into a
-    # received buffer crashes it), hence the clone.
-    torch.set_rng_state(st["torch"].clone())
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.clone() for t in st["cuda"]])
+from phalanx.train.rng import rng_state, set_rng_state
 
 
 class Manager:
@@ -129,6 +87,7 @@ class Manager:
         self.last_heal: dict[str, Any] = {}
         self.last_indices: list[int] = []
         """Sample indices of this replica's share in the last compute."""
+        self._held: Held | None = None
         self.total_steps: int | None = None
         """The job's last step, if the loop sets it: a quorum formed after the job
         reached it raises :class:`JobFinished` instead of training alone."""
@@ -155,6 +114,7 @@ class Manager:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._held = None
         self._load_model(sd)
         self.step = int(sd["step"])
         if self.sampler is not None:
@@ -165,6 +125,22 @@ class Manager:
                 self.extra[k][1](v)
         self.client.report_progress(step=self.step)
         self.client.who.step = self.step
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The state a checkpoint saves: :meth:`state_dict`, with any sharded tensor
+        as the DTensor it is (the checkpoint records each shard's place, so a replica
+        of any size loads it)."""
+        return self.state_dict()
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """How the job is laid out at this step, as a checkpoint's manifest records it
+        (informational: any layout loads any other)."""
+        return {"kind": "ft-ddp", "replicas": self.world_size}
+
+    def load_checkpoint(self, sd: dict[str, Any]) -> None:
+        """Load a checkpoint's state (:meth:`Checkpointer.load`'s, the model loaded
+        into this manager's own tensors, the rest whole)."""
+        self.load_state_dict(sd)
 
     def _load_model(self, sd: dict[str, Any]) -> None:
         """Model and optimizer of a state from :meth:`state_dict` (a heal's or a checkpoint's)."""
@@ -303,14 +279,34 @@ class Manager:
         return self.sampler.positions(self.sampler.cursor + off, count)
 
     def compute(self, fn: Compute, rank: int, world_size: int) -> float:
-        """Run ``fn`` over this replica's share as micro-batches; returns the summed loss."""
+        """Accumulate the gradients of this replica's share, as ``(rank,
+        world_size)`` gives it, in micro-batches; returns the share's summed loss.
+        What the gradients already hold of it for this step (computed ahead of the
+        quorum, or in an attempt whose exchange failed) is not computed again; if
+        they hold anything else, they are zeroed first."""
         if self.sampler is None:
             raise RuntimeError("compute() needs the manager's sampler: build it with one.")
         off, count = split(self.global_batch_size, world_size, rank)
-        idx = self.sampler.positions(self.sampler.cursor + off, count)
-        self.last_indices = idx
+        share = self.sampler.positions(self.sampler.cursor + off, count)
+        held = self._held
+        if (
+            held is None
+            or held.step != self.step
+            or not self.grads.local
+            or not set(held.indices) <= set(share)
+        ):
+            self.grads.zero()
+            held = self._held = Held(self.step, [], 0.0)
+        have = set(held.indices)
+        held.loss += self._run(fn, [i for i in share if i not in have])
+        held.indices = share
+        self.last_indices = share
+        return held.loss
+
+    def _run(self, fn: Compute, indices: list[int]) -> float:
+        """``fn`` over ``indices`` in micro-batches; the summed loss."""
         total = 0.0
-        for mb in micro_batches(idx, self.micro_batch_size):
+        for mb in micro_batches(indices, self.micro_batch_size):
             total += float(fn(mb, 1.0 / self.global_batch_size))
         return total
 
@@ -409,12 +405,12 @@ class Manager:
         ``committed=False`` and the caller calls it again for the same batch."""
         self.start_quorum()
         guess = self.predicted_share()
-        self.grads.zero()
         loss = self.compute(fn, *guess) if guess is not None else None
         q = self.wait_quorum()
         healed = self.client.replica_id in q.heal
+        if healed:
+            self._held = None  # the model changed under the gradients
         if self._ok and (guess != (self.rank, self.world_size) or healed):
-            self.grads.zero()
             loss = self.compute(fn, self.rank, self.world_size)
         total = self.allreduce_grads(loss or 0.0)
         committed = self.should_commit()

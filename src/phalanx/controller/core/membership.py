@@ -90,6 +90,19 @@ class Membership:
         if rid in self.members:
             raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
         old = self._by_name.get((role, name))
+        other = sorted({self.members[r].ranks for r in rs.member_ids if r != old} - {ranks})
+        if other:
+            # Shard r of a replica all-reduces with shard r of its peers: replicas of
+            # another size cannot share a step. The job changes its layout through a
+            # checkpoint: drain the live replicas (the last saves its step), then
+            # start the new ones, which load it resharded.
+            raise Conflict(
+                f"this replica spans {ranks} ranks but role {role!r}'s live replicas span "
+                f"{other[0]}: start it with [replica] ranks = {other[0]}, or drain them "
+                "first (with checkpoint.url set, the new layout resumes from their last "
+                "checkpoint, resharded)",
+                field="ranks",
+            )
         m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall)
         m.last_seen = now
         return m, old

@@ -1,0 +1,117 @@
+"""This rank's part of a sharded replica's state (:mod:`phalanx.train.hsdp`):
+its DTensors' local shards, the gradient buckets it all-reduces with its
+counterparts in the other replicas, and the sharding of full tensors (a
+checkpoint's, saved by a replica of any size) into this rank's shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from phalanx.comm.base import Communicator
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_tree(x: Any) -> Any:
+    """A state tree with every DTensor replaced by this rank's shard."""
+    if isinstance(x, torch.Tensor):
+        return local(x)
+    if isinstance(x, dict):
+        return {k: local_tree(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(local_tree(v) for v in x)
+    return x
+
+
+class ShardedGrads:
+    """This rank's gradient shards, summed over its cross-replica group in
+    flat buckets together with the commit vote and the loss (as
+    :class:`~phalanx.train.grads.GradBuffer` does for whole gradients). FSDP2
+    owns ``.grad``: the shards are copied into the buckets and back."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bucket_bytes = bucket_bytes
+        self.flats: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        for p in self.params:
+            key = (p.dtype, local(p).device)
+            n = self.flats[key].numel() if key in self.flats else 0
+            self.flats[key] = torch.zeros(n + local(p).numel(), dtype=p.dtype, device=key[1])
+        self.meta = torch.zeros(2, dtype=torch.float64)
+        self.vote_ok = False
+        self.local = True
+        """``.grad`` holds this rank's own shards (the sums go to ``.grad`` only at
+        :meth:`publish`, once the whole replica voted yes): a failed exchange
+        leaves the step's gradients whole, for the retry to build on."""
+        self._views: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats.values())
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.local = True
+
+    def allreduce(
+        self, comm: Communicator, world_size: int, loss_sum: float, vote: bool = True
+    ) -> float:
+        if self.meta.device != comm.device:
+            self.meta = torch.zeros(2, dtype=torch.float64, device=comm.device)
+        offsets = dict.fromkeys(self.flats, 0)
+        views = []
+        for p in self.params:
+            shard = local(p)
+            key = (p.dtype, shard.device)
+            flat, off = self.flats[key], offsets[key]
+            view = flat[off : off + shard.numel()].view_as(shard)
+            offsets[key] = off + shard.numel()
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(local(p.grad))
+            views.append(view)
+        buckets = []
+        for flat in self.flats.values():
+            per = max(1, self.bucket_bytes // flat.element_size())
+            buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
+        self.meta[0] = 1.0 if vote else 0.0
+        self.meta[1] = loss_sum
+        self.vote_ok = False
+        comm.allreduce([*buckets, self.meta], "sum")
+        self._views = views
+        self.vote_ok = round(self.meta[0].item()) == world_size
+        return float(self.meta[1])
+
+    def publish(self) -> None:
+        """Put the summed gradients of the last all-reduce into ``.grad`` (for the
+        optimizer step)."""
+        for p, view in zip(self.params, self._views, strict=True):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local(p.grad).copy_(view)
+        self.local = False
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` (a whole tensor, the same on every rank) laid
+    out as ``like`` (a DTensor); ``full`` itself when ``like`` is not sharded. No
+    communication: each rank cuts its own part."""
+    if not isinstance(like, DTensor):
+        return full
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(
+            f"a whole tensor of shape {tuple(full.shape)} cannot be sharded like a parameter "
+            f"of shape {tuple(like.shape)}: the state is from another model"
+        )
+    part = distribute_tensor(
+        full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
+    return part.to_local()
