@@ -17,15 +17,24 @@ thread per process. Every figure comes from the same invocation:
   no controller, no quorum, no cross-replica all-reduce.
 - ``stall_s``: at step ``--kill-at`` of replica ``b``, its rank 1 gets a real
   SIGKILL; from the kill to the survivor ``a``'s next commit (a step it
-  commits without ``b``).
+  commits without ``b``). ``stall_detect_s``: from the kill to ``a``'s
+  ``retry`` line (it knows the step failed); ``stall_recover_s``: from there to
+  the commit (new quorum and groups, the samples its share gained, the
+  all-reduce: the failed attempt's gradients are kept, not computed again).
 - ``heal_gbps``: ``b`` is then restarted: a warm standby (a launcher and 2
   ranks started at the beginning, imports paid, waiting for a file) is let go;
   rank 0's heal of its shard (model, AdamW state, step, sampler, RNG) from
-  ``a``'s rank 0: bytes received / seconds (``Manager.last_heal``).
+  ``a``'s rank 0: bytes received / seconds of the transfer, from the healer's
+  first bytes to its last (``Manager.last_heal``: ``transfer_s``).
+  ``heal_wait_s``: before that, the wait for the healer to send (it learns of
+  the heal with its quorum, after its speculative compute); ``heal_s``: the
+  whole heal, waiting and loading included.
   ``gloo_broadcast_gbps``: a plain gloo broadcast of as many bytes between 2
   fresh processes, median of 5. ``heal_ratio`` is the first over the second.
   GB/s means 1e9 bytes per second.
-- torchft: not run here (see docs/benchmarks.md).
+- ``torchft_step_s``, ``torchft_stall_s``, ``step_ratio_vs_torchft``:
+  torchft 0.2.0's HSDP on the same model, batch and 2 x 2 ranks, its own
+  kill at the same step (``bench/hsdp_torchft.py`` says how).
 
 Timeouts: collective 2 s, heartbeat 4 s (the examples' values).
 """
@@ -254,12 +263,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "a's first commit without b",
         )
         out["stall_s"] = after["t"] - t_kill
+        # Where the stall goes: until the survivor knows the step failed (its retry
+        # line), then the new quorum, the samples its share gained, the all-reduce.
+        retry = next(e for e in a.events if e["event"] == "retry" and e["t"] > t_kill)
+        out["stall_detect_s"] = retry["t"] - t_kill
+        out["stall_recover_s"] = after["t"] - retry["t"]
         b.p.wait()
         gate.touch()
         healed = b2.wait(lambda e: e["event"] == "step" and e.get("healed"), "b's heal")
         heal = healed["heal"]
         out["heal_bytes"], out["heal_s"] = heal["bytes"], heal["seconds"]
-        out["heal_gbps"] = heal["bytes"] / heal["seconds"] / 1e9
+        out["heal_wait_s"], out["heal_transfer_s"] = heal["wait_s"], heal["transfer_s"]
+        out["heal_gbps"] = heal["bytes"] / heal["transfer_s"] / 1e9
         a.wait(lambda e: e["event"] == "done", "a's end")
         out["hsdp_step_s"] = median_gap(a.events, 5, args.kill_at)
         out["step_ratio_vs_fsdp"] = out["hsdp_step_s"] / out["fsdp_step_s"]
@@ -274,7 +289,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
     out["gloo_broadcast_gbps"] = out["heal_bytes"] / statistics.median(times) / 1e9
     out["heal_ratio"] = out["heal_gbps"] / out["gloo_broadcast_gbps"]
-    out["torchft"] = "not run: see docs/benchmarks.md"
+    try:
+        import hsdp_torchft
+    except ImportError as e:  # torchft is in the bench extra; say why it is missing
+        out["torchft"] = f"not run: {e}"
+        return out
+    out.update(hsdp_torchft.run(work, cfg, me, args.steps, args.kill_at, Lines))
+    out["step_ratio_vs_torchft"] = out["hsdp_step_s"] / out["torchft_step_s"]
     return out
 
 
@@ -287,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--fsdp-worker", nargs=2, metavar=("CONFIG", "STEPS"), help=argparse.SUPPRESS)
     p.add_argument("--bcast-worker", nargs=2, metavar=("BYTES", "ROUNDS"), help=argparse.SUPPRESS)
+    p.add_argument("--torchft-worker", nargs=2, metavar=("CONFIG", "STEPS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.torchft_worker:
+        import hsdp_torchft
+
+        return hsdp_torchft.worker(args.torchft_worker[0], int(args.torchft_worker[1]))
     if args.fsdp_worker:
         return fsdp_worker(args.fsdp_worker[0], int(args.fsdp_worker[1]))
     if args.bcast_worker:

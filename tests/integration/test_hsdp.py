@@ -227,15 +227,16 @@ def test_a_new_layout_takes_over_through_the_checkpoint_resharded(
         "resize",
         jobs,
         ranks=2,
-        train={**PACE, "steps": LONG},
+        train=PACE,
         timeouts=HELD_TIMEOUTS,
         policy=HELD_POLICY,
     )
     a, b = job.start_replica("a", *opts, ranks=2), job.start_replica("b", *opts, ranks=2)
+    c = job.start_replica("c", *opts, "--replica.ranks", "1", spare=True)  # (warm)
     ids = [a.wait_step(3)["replica"], b.wait_step(3)["replica"]]
 
-    with held(a), held(b):  # (the refused replica starts in seconds; the job waits)
-        c = job.start_replica("c", *opts, "--replica.ranks", "1")
+    with held(a), held(b):  # still members, but the steps wait for the refusal
+        c.release()
         assert c.popen.wait(WAIT_S) == 78
     said = [x for x in c.stderr_tail().splitlines() if "refused" in x]
     assert len(said) == 1 and "spans 1 ranks but role 'policy''s live replicas span 2" in said[0]
@@ -247,21 +248,21 @@ def test_a_new_layout_takes_over_through_the_checkpoint_resharded(
     assert all(d.get("drained") for d in left), left
     assert a.popen.wait(WAIT_S) == 0 and b.popen.wait(WAIT_S) == 0
     last = max(d["step"] for d in left)
-    assert last < LONG, "drained too late for the new layout to train any step"
+    assert last < STEPS, "drained too late for the new layout to train any step"
     store = CheckpointStore(f"file://{root}")
     assert store.latest() == last
     assert store.manifest(last).layout["ranks"] == 2
 
     d = job.start_replica("d", *opts, "--replica.ranks", "3", ranks=3)
-    final = d.finish()
+    final = d.finish(timeout=3 * WAIT_S)  # a cold start of 3 ranks, then the job's rest
     start = d.wait_event(lambda e: e["event"] == "start", "start")
     assert start["resumed_from"] == last and start["ranks"] == 3
     lines = {s: by for s, by in step_lines([a, b]).items() if s <= last}
     for s, by in step_lines([d]).items():
         assert s > last, f"the new layout committed step {s} again (checkpoint {last})"
         lines[s] = by
-    check_steps(lines, LONG, BATCH)
+    check_steps(lines, STEPS, BATCH)
     check_samples(lines, DATASET, SEED, BATCH)
-    worst = assert_close(final, reference[LONG], ATOL)
+    worst = assert_close(final, reference[STEPS], ATOL)
     print(f"largest difference from the failure-free run: {worst:.3g}")
-    assert store.latest() == LONG and store.manifest(LONG).layout["ranks"] == 3
+    assert store.latest() == STEPS and store.manifest(STEPS).layout["ranks"] == 3

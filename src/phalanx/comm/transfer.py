@@ -23,6 +23,7 @@ come back as tuples.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -292,15 +293,23 @@ def _receive_buffer(
 
 
 def recv_state(
-    comm: Communicator, src: int, tag: int = 0, scratch: torch.Tensor | None = None
+    comm: Communicator,
+    src: int,
+    tag: int = 0,
+    scratch: torch.Tensor | None = None,
+    times: dict[str, float] | None = None,
 ) -> Any:
     """Receive a state tree sent by :func:`send_state`. Its tensors are views into
     one buffer: the start of ``scratch`` (a flat uint8 tensor, e.g. from
     :func:`faulted_buffer`) when it is long enough, else new memory. Every buffer
-    lives on the communicator's device, and so do the received tensors."""
+    lives on the communicator's device, and so do the received tensors.
+    ``times``, if given, gets ``started`` (the sender's first bytes arrived) and
+    ``received`` (the last), as ``time.perf_counter()`` values."""
     dev = comm.device
     preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=dev)
     comm.recv(preamble, src, tag)
+    if times is not None:
+        times["started"] = time.perf_counter()
     preamble = preamble.cpu()
     hlen, blen = (int(x) for x in preamble[:16].view(torch.int64))
     head = preamble[16 : 16 + hlen].numpy().tobytes()
@@ -316,4 +325,6 @@ def recv_state(
             raise ValueError("state buffer is shorter than its header says: transfer truncated")
         parts += [buf[i : min(i + CHUNK_BYTES, end)] for i in range(start, end, CHUNK_BYTES)]
     comm.recv_many(parts, src, tag)
+    if times is not None:
+        times["received"] = time.perf_counter()
     return _unpack(meta, buf)

@@ -311,6 +311,7 @@ def emit_retry(s: ReplicaSetup, step: int, error: str | None) -> None:
             "replica": s.client.replica_id,
             "step": step,
             "error": (error or "")[:200],
+            "t": time.time(),
         }
     )
 

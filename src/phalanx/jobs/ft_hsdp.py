@@ -18,6 +18,7 @@ it compares with a run of replicas of any other size.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -263,6 +264,7 @@ class _Run:
                             "replica": client.replica_id,
                             "step": r.step,
                             "error": (r.error or "")[:200],
+                            "t": time.time(),
                         }
                     )
                 continue

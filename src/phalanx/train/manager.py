@@ -243,7 +243,8 @@ class Manager:
             t0 = time.perf_counter()
             src = ranks[q.heal[me]]
             scratch = self._heal_buffer.take()
-            sd = recv_state(self.comm, src, tag=1, scratch=scratch)
+            times: dict[str, float] = {}
+            sd = recv_state(self.comm, src, tag=1, scratch=scratch, times=times)
             self.load_state_dict(sd)
             dt = time.perf_counter() - t0
             warm = received_into(sd, scratch)
@@ -255,6 +256,10 @@ class Manager:
                 "step": self.step,
                 "warm": warm,
                 "bytes": buffer_bytes(sd),
+                # Of ``seconds``: waiting for the healer to send (it learns of the heal
+                # with its quorum), the transfer itself, and loading what came.
+                "wait_s": times["started"] - t0,
+                "transfer_s": times["received"] - times["started"],
             }
             self.client.report_heal(q.heal[me], self.step, round(dt, 4), q.quorum_id)
             self.log.info(
