@@ -265,9 +265,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["stall_s"] = after["t"] - t_kill
         # Where the stall goes: until the survivor knows the step failed (its retry
         # line), then the new quorum, the samples its share gained, the all-reduce.
-        retry = next(e for e in a.events if e["event"] == "retry" and e["t"] > t_kill)
-        out["stall_detect_s"] = retry["t"] - t_kill
-        out["stall_recover_s"] = after["t"] - retry["t"]
+        # (No retry line: the kill landed between two steps and no attempt failed.)
+        retry = next((e for e in a.events if e["event"] == "retry" and e["t"] > t_kill), None)
+        failed_at = retry["t"] if retry is not None and retry["t"] < after["t"] else t_kill
+        out["stall_detect_s"] = failed_at - t_kill
+        out["stall_recover_s"] = after["t"] - failed_at
         b.p.wait()
         gate.touch()
         healed = b2.wait(lambda e: e["event"] == "step" and e.get("healed"), "b's heal")

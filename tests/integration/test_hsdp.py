@@ -1,6 +1,7 @@
 """Replicas of several ranks (HSDP) end to end: a real controller, replicas of 2
 ranks each started by ``phalanx.launch.ranks``, FSDP2 over gloo inside each
-replica, real SIGKILL of one rank and SIGSTOP of a whole replica.
+replica, real SIGKILL of one rank and SIGSTOP of a whole replica, and a change
+of layout (2 ranks per replica to 3) through a checkpoint.
 
 Each scenario keeps the FT invariants of ``test_ft_ddp.py`` (every step
 committed once, agreed on, exactly-once data over the replicas' shares) and

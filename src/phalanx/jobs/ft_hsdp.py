@@ -10,9 +10,12 @@ line carries the whole replica's share of the batch); every rank trains its
 part of the replica's share.
 
 At each committed step rank 0 also tells the other ranks whether the
-replica leaves now (a drain ordered by the operator), so that every rank
-stops at the same step. The final state (``--out``) is gathered whole, so
-it compares with a run of replicas of any other size.
+replica leaves now (a drain ordered by the operator) and whether a
+checkpoint is due, so that every rank acts at the same step. Checkpoints
+(``checkpoint.url``) hold every rank's shards and load into a replica of any
+size (:meth:`~phalanx.train.hsdp.HSDPManager.load_checkpoint`). The final
+state (``--out``) is gathered whole, so it compares with a run of replicas
+of any other size.
 """
 
 from __future__ import annotations
