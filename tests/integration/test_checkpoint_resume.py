@@ -145,3 +145,44 @@ def test_no_usable_checkpoint_stops_the_job_in_one_line(tmp_path: Path):
     # Said once as it happened (then in the summary): not once per replica or restart.
     notes = [x for x in p.stdout.splitlines() if "s  policy-" in x and "cannot run:" in x]
     assert len(notes) == 1, p.stdout
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, Any], Path]:
+    """``phalanx run examples/ft_hsdp.toml`` with 2 replicas and ``args``: its summary
+    and run dir."""
+    example = Path(__file__).parents[2] / "examples" / "ft_hsdp.toml"
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "phalanx.cli", "run", str(example), "--plain", "--json"]
+    cmd += ["--run-dir", str(run_dir), "--roles.policy.n_init_replicas", "2", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), run_dir
+
+
+def test_phalanx_run_saves_the_last_step_of_sharded_replicas_and_another_layout_resumes(
+    tmp_path: Path,
+) -> None:
+    """Replicas of 2 ranks end the job with its last step durable (the launcher lets
+    the quorum's first replica finish its save), and unsharded replicas resume from
+    that checkpoint to the numbers of an uninterrupted unsharded run."""
+    from safetensors.torch import load_file
+
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    first, _ = _run(tmp_path, "sharded", "--checkpoint.url", ckpt, "--train.steps", "12")
+    assert first["steps"] == 12
+    store = CheckpointStore(ckpt)
+    assert store.latest() == 12 and store.manifest(12).layout["ranks"] == 2
+    args = ("--replica.ranks", "1", "--train.steps", "16")
+    resumed, rdir = _run(tmp_path, "resumed", "--checkpoint.url", ckpt, *args)
+    reference, ref_dir = _run(tmp_path, "reference", *args)
+    lines = (rdir / "policy-0.log").read_text().splitlines()
+    starts = [json.loads(x) for x in lines if x.startswith('{"event": "start"')]
+    assert starts and starts[-1]["resumed_from"] == 12, lines[-20:]
+    # float32: the sharded steps summed in another order than the unsharded ones.
+    assert resumed["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+    got = load_file(rdir / "final" / "policy-0.safetensors")
+    ref = load_file(ref_dir / "final" / "policy-0.safetensors")
+    assert [k for k in ref if k.startswith("model.")]
+    for k in ref:
+        if k.startswith("model."):
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)

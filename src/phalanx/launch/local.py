@@ -295,9 +295,15 @@ class LocalJob:
             alive = [r for r in self.replicas.values() if r.running]
             if not self.rl:
                 # FT: the job is over once one replica trained all steps; a replica
-                # still starting (chaos restart) has nothing left to train.
-                stop_all([r.proc for r in alive if not r.done])
-            elif (
+                # with no commit since its start (a chaos restart still starting) has
+                # nothing left to train. One training beside the others is finishing
+                # the last step (its step line may not be read yet; the quorum's first
+                # replica saves the final checkpoint, each writes its final state): it
+                # gets finish_grace_s, as in RL.
+                idle = [r for r in alive if not r.done and not r.progress]
+                stop_all([r.proc for r in idle])
+                alive = [r for r in alive if r not in idle]
+            if (
                 alive
                 and self.finished_at is not None
                 and now - self.finished_at > self.finish_grace_s
