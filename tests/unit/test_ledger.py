@@ -1806,3 +1806,41 @@ def test_a_journal_written_before_the_payload_log_moves_its_payloads_out(journal
     changed = {k: rec for tbl, k, rec in new.drain() if tbl == "rollouts"}
     assert set(changed) == set(ids_)
     assert all(rec["ref"] == k and "completions" not in rec for k, rec in changed.items())
+
+
+def test_a_source_that_dies_after_every_receiver_had_the_weights_completed_the_sync():
+    """The policy leader sent version 4 and died before reporting it (CI found a late
+    joiner then waiting forever: the controller still believed version 2 was the last
+    synced, while the peers held 4)."""
+    st = relaying()
+    train(st, 2, version=2, now=2)
+    train(st, 3, version=2, now=2)  # version 4 wanted: the leader sends it to R1 and R2
+    seq = st.ledger.weights.sync.seq
+    st.sync_done(R1, seq, 4, True, now=3, wall=3)
+    st.sync_done(R2, seq, 4, True, now=3, wall=3)
+    st.deregister(P, "crashed", now=3, wall=3)  # before its own report
+    assert st.ledger.weights.sync is None and st.ledger.weights.synced_version == 4
+    assert "sync_failed" not in kinds(st)
+    r3 = join(st, "rollout", "r3", now=3, relays=True)
+    order = lease(st, r3, version=-1, now=3)["sync"]
+    assert order["members"][1:] == [r3] and order["members"][0] in (R1, R2)
+
+
+def test_a_joiner_gets_the_newest_version_a_peer_holds_when_the_policy_is_down():
+    """The same, with the leader evicted before the receivers reported: the sync failed,
+    but the peers hold version 4 and say so when they ask again; a joiner gets 4."""
+    st = relaying()
+    train(st, 2, version=2, now=2)
+    train(st, 3, version=2, now=2)
+    st.deregister(P, "crashed", now=3, wall=3)
+    assert st.ledger.weights.synced_version == 2
+    declare(st, R1, 4, now=3)  # it had received version 4 before the source died
+    declare(st, R2, 2, now=3)  # (this one had not): R1 relays 4 to it
+    order = st.ledger.weights.sync
+    assert order is not None and order.members == [R1, R2] and order.source_role == "rollout"
+    st.sync_done(R1, order.seq, 4, True, now=4, wall=4)
+    st.sync_done(R2, order.seq, 4, True, now=4, wall=4)
+    r3 = join(st, "rollout", "r3", now=4, relays=True)
+    order = lease(st, r3, version=-1, now=4)["sync"]
+    assert order["members"][1:] == [r3] and order["members"][0] in (R1, R2)
+    assert st.ledger.weights.synced_version == 4

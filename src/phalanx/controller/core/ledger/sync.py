@@ -132,9 +132,15 @@ class WeightSync:
             self.source_busy = None  # that source is gone
         if finished or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
-        # With no policy leader (it is down, or restarting), nothing newer than the last
-        # completed sync can be sent: a joiner may still get that from a rollout peer.
-        target = max(self.want_version, self.synced_version) if leader else self.synced_version
+        # With no policy leader (it is down, or restarting), nothing newer than what a
+        # rollout peer holds and can relay may be sent: a joiner may still get that. (A
+        # peer may hold a newer version than the last completed sync: one whose source
+        # died before it reported, after the peer had it.)
+        if leader:
+            target = max(self.want_version, self.synced_version)
+        else:
+            held = [self.versions.get(r, 0) for r in rollouts if r in (relays or {})]
+            target = max([self.synced_version, *held])
         # Only replicas between two generation batches (holding no lease) take part:
         # a broadcast waits for its slowest member, and one replica busy generating
         # must not hold back the weights of all the others (nor the policy, which
@@ -217,7 +223,12 @@ class WeightSync:
     def drop_member(self, replica_id: str, wall: float) -> None:
         """A replica left: an in-flight sync that counts on it is abandoned."""
         self.versions.pop(replica_id, None)
-        if self.sync is not None and replica_id in self.sync.members:
+        s = self.sync
+        if s is not None and replica_id == s.members[0] and set(s.members[1:]) <= set(s.done):
+            # The source left after every receiver had the weights (only its own
+            # report was missing): the sync did its work.
+            self._completed(s, wall)
+        elif s is not None and replica_id in s.members:
             self.fail(f"member {replica_id} gone", wall)
 
     def done(
@@ -239,7 +250,13 @@ class WeightSync:
             self.versions[replica_id] = version
         if len(s.done) < len(s.members):
             return False
-        v = min(s.done.values())
+        self._completed(s, wall)
+        return True
+
+    def _completed(self, s: Sync, wall: float) -> None:
+        v = min(
+            (v for rid, v in s.done.items() if rid != s.members[0]), default=self.synced_version
+        )
         self.synced_version = max(self.synced_version, v)
         self.log.event(
             "sync_done",
@@ -252,7 +269,6 @@ class WeightSync:
         )
         self.sync = None
         self.save()
-        return True
 
     def order_for(self, replica_id: str) -> SyncOrder | None:
         """The in-flight sync order, if ``replica_id`` must take part and has not yet."""
