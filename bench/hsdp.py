@@ -174,16 +174,16 @@ def fsdp_worker(config: str, steps: int) -> int:
 
     from phalanx.config import load_config
     from phalanx.jobs import task
-    from phalanx.jobs.ft_hsdp import shard_model
     from phalanx.jobs.mlp import build_optimizer
     from phalanx.train.batch import micro_batches, split
     from phalanx.train.hsdp import ReplicaRanks
+    from phalanx.train.shards import shard_model
 
     cfg = load_config(config)
     tc = cfg.train
     torch.set_num_threads(1)
     ranks = ReplicaRanks(120.0)
-    model = shard_model(task.build_model(tc, cfg.job.seed), ranks)
+    model = shard_model(task.build_model(tc, cfg.job.seed), ranks.mesh)
     opt = build_optimizer(tc, model)
     compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
     for step in range(1, steps + 1):

@@ -199,15 +199,20 @@ phalanx.cli ARGS`` would. It touches neither the network nor the controller
 before it is released."""
 
 
-GATED_SPARE = (
-    "import os, runpy, sys, time, torch, torch._dynamo, phalanx.jobs.ft_hsdp\n"
-    "gate = sys.argv.pop(1)\n"
-    "while not os.path.exists(gate):\n"
-    "    time.sleep(0.02)\n"
-    "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)\n"
-)
-""":data:`SPARE` for each rank of a replica of several ranks: the ranks share their
-launcher's stdin, so they wait for a file (``argv[1]``, named per replica) instead."""
+def gated_spare(loop: str) -> str:
+    """:data:`SPARE` for each rank of a replica of several ranks (``loop``: the job
+    module it imports ahead): the ranks share their launcher's stdin, so they wait
+    for a file (``argv[1]``, named per replica) instead."""
+    return (
+        f"import os, runpy, sys, time, torch, torch._dynamo, {loop}\n"
+        "gate = sys.argv.pop(1)\n"
+        "while not os.path.exists(gate):\n"
+        "    time.sleep(0.02)\n"
+        "runpy.run_module('phalanx.cli', run_name='__main__', alter_sys=True)\n"
+    )
+
+
+GATED_SPARE = gated_spare("phalanx.jobs.ft_hsdp")
 
 
 class Replica(Proc):

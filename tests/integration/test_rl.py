@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ftjob import gated_spare
 from procs import (
     FAST_TIMEOUTS,
     PROGRESS_S,
@@ -92,18 +93,29 @@ class RLReplica:
         name: str,
         *extra: str,
         spare: bool = False,
+        ranks: int = 1,
     ):
         self.name, self.role = name, role
         head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
+        self.gate: Path | None = None
+        if ranks > 1:  # the replica's ranks, started and failed together
+            if spare:  # (the ranks share the launcher's stdin: a file releases them)
+                self.gate = procs.workdir / f"{role}-{name}-{id(self)}.go"
+                head = ["-c", gated_spare("phalanx.jobs.rl_policy"), str(self.gate)]
+            launcher = ["-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--"]
+            head = [*launcher, sys.executable, *head]
         args = [sys.executable, *head, "replica", "--role", role, "--name", name]
         args += ["--controller", str(ctl.state_dir), "--config", str(config)]
         if role == "policy":
             args += ["--state", str(procs.workdir / "policy-state")]
-        stdin = subprocess.PIPE if spare else subprocess.DEVNULL
+        stdin = subprocess.PIPE if spare and self.gate is None else subprocess.DEVNULL
         self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}", stdin=stdin)
 
     def release(self) -> None:
         """Start a warm spare's replica (see :data:`SPARE`)."""
+        if self.gate is not None:
+            self.gate.touch()
+            return
         assert self.proc.stdin is not None, f"{self.role} {self.name} is not a spare"
         self.proc.stdin.write(b"go\n")
         self.proc.stdin.close()

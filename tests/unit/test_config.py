@@ -345,13 +345,18 @@ def test_every_example_parses():
     ("overrides", "message"),
     [
         (["replica.ranks=0"], "replica.ranks"),
-        (["replica.ranks=2", "diloco.sync_every=2"], "replica.ranks must be 1 in an RL or DiLoCo"),
+        (["replica.ranks=2", "diloco.sync_every=2"], "replica.ranks must be 1 in a DiLoCo job"),
         (["train.d_model=30", "train.n_heads=4"], "train.d_model must divide by train.n_heads"),
     ],
 )
 def test_sharded_replicas_refuse_what_they_cannot_do_yet(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides=overrides)
+
+
+def test_an_rl_job_may_have_sharded_policy_replicas():
+    cfg = load_config(EXAMPLES / "sort_grpo.toml", overrides=["replica.ranks=2"])
+    assert cfg.replica.ranks == 2 and cfg.rl is not None
 
 
 def test_the_hsdp_example_has_replicas_of_two_ranks_and_a_transformer():

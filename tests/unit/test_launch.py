@@ -19,6 +19,8 @@ from phalanx.launch.local import LocalJob, Replica
 from phalanx.launch.options import Chaos, launch_counts, parse_scale
 from phalanx.protocol.status import BatchRecord, Status
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
 
 def rl_cfg(**roles: dict[str, Any]) -> JobConfig:
     return JobConfig.model_validate(
@@ -395,3 +397,19 @@ def test_a_replica_of_several_ranks_is_started_through_the_ranks_launcher(tmp_pa
     assert cmd[6:9] == [sys.executable, "-m", "phalanx.cli"] and "replica" in cmd
     one = LocalJob(None, load_config(), tmp_path, [], 1)
     assert one.replica_cmd(one.replicas["policy-0"])[1:3] == ["-m", "phalanx.cli"]
+
+
+def test_only_the_policy_replicas_of_an_rl_job_span_several_ranks(tmp_path: Path):
+    from phalanx.config import load_config
+    from phalanx.launch.local import LocalJob
+
+    over = ["replica.ranks=2"]
+    cfg = load_config(EXAMPLES / "sort_grpo.toml", overrides=over)
+    job = LocalJob(
+        str(EXAMPLES / "sort_grpo.toml"), cfg, tmp_path, over, {"policy": 1, "rollout": 1}
+    )
+    policy = job.replica_cmd(job.replicas["policy-0"])
+    assert policy[1:6] == ["-m", "phalanx.launch.ranks", "--nproc", "2", "--"]
+    assert "--state" in policy  # the sharded policy saves its shards there
+    rollout = job.replica_cmd(job.replicas["rollout-0"])
+    assert rollout[1:3] == ["-m", "phalanx.cli"] and "phalanx.launch.ranks" not in rollout

@@ -329,7 +329,9 @@ class ReplicaSection(_Section):
 
     ranks: int = Field(1, ge=1, le=1024)
     """Ranks per replica: the model is sharded over them with FSDP2 (HSDP: fault
-    tolerance across replicas, sharding inside). Every replica of a job has the same."""
+    tolerance across replicas, sharding inside). Every replica of a job has the same.
+    In an RL job it applies to the policy replicas; a rollout replica is one process
+    (its engine's own parallelism is ``rl.engine``'s)."""
 
 
 def _default_roles() -> dict[str, RoleSection]:
@@ -365,11 +367,11 @@ class JobConfig(_Section):
                 f"roles must be exactly {list(ROLE_NAMES)} for an RL job (one with an [rl] "
                 f"section): got {sorted(self.roles)}. Add [roles.policy] and [roles.rollout]."
             )
-        if self.replica.ranks > 1 and (self.rl is not None or self.diloco is not None):
+        if self.replica.ranks > 1 and self.diloco is not None:
             raise ValueError(
-                f"replica.ranks must be 1 in an RL or DiLoCo job: got {self.replica.ranks}. "
-                "Replicas of several ranks run the FT data-parallel job only, for now; set "
-                "[replica] ranks = 1."
+                f"replica.ranks must be 1 in a DiLoCo job: got {self.replica.ranks}. "
+                "Replicas of several ranks run the FT data-parallel job and the RL policy "
+                "only, for now; set [replica] ranks = 1."
             )
         if self.diloco is not None:
             if self.rl is not None:

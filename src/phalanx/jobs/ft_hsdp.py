@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
-from phalanx.client import ControllerClient, QuorumTimeout
-from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.client import QuorumTimeout
+from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs import task
@@ -41,48 +39,26 @@ from phalanx.jobs.common import (
     emit_step,
     keep_freed_memory,
     make_checkpointer,
-    register,
     resume,
     save_checkpoint,
 )
 from phalanx.jobs.mlp import build_optimizer
+from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.train.hsdp import (
     HSDPManager,
     LayoutMismatch,
-    RankClient,
     ReplicaBroken,
     ReplicaRanks,
-    env_ranks,
     local,
 )
 from phalanx.train.manager import JobFinished
 from phalanx.train.orders import Orders
+from phalanx.train.shards import shard_model
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
 
 log = logging.getLogger("phalanx.train")
-
-
-def shard_model(model: torch.nn.Module, ranks: ReplicaRanks) -> torch.nn.Module:
-    """FSDP2 over the replica's ranks: each transformer block (or, in a model
-    without blocks, each layer with parameters) is its own unit, then the root.
-    Gradients are summed over the ranks, not averaged (the loss is already scaled
-    by 1 / global batch), with plain sums (gloo has no pre-multiplied sum)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        units = list(blocks)
-    else:
-        units = [
-            m for m in model.modules() if m is not model and any(True for _ in m.parameters(False))
-        ]
-    # The units' outputs are views (reshapes, splits) that nothing changes in place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    for m in [*units, model]:
-        fully_shard(m, mesh=ranks.mesh)
-        m.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # (each unit's own)
-        m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    return model
 
 
 def gathered_state(manager: HSDPManager) -> dict[str, torch.Tensor]:
@@ -101,47 +77,22 @@ def gathered_state(manager: HSDPManager) -> dict[str, torch.Tensor]:
     return out
 
 
-def _start(cfg: JobConfig, controller: str, name: str, ranks: ReplicaRanks) -> tuple[Any, Any, int]:
-    """Rank 0 registers and says on every rank whether the job is already finished.
-    Returns (client, store, job_step)."""
-    if not ranks.leader:
-        msg = ranks.broadcast_json()
-        if "refused" in msg:
-            raise JobError(msg["refused"])
-        follower = RankClient("policy", name, ranks.rank)
-        follower.replica_id = msg["replica_id"]
-        follower.who.replica_id = msg["replica_id"]
-        return follower, None, int(msg["job_step"])
-    store, address = serve_store()
-    leader = ControllerClient(controller, "policy", name, address=address, ranks=ranks.size)
-    try:
-        register(leader)
-    except JobError as e:  # refused: every rank says so and stops
-        ranks.broadcast_json({"refused": str(e)})
-        raise
-    job_step = leader.status().role_step("policy")
-    ranks.broadcast_json({"replica_id": leader.replica_id, "job_step": job_step})
-    return leader, store, job_step
-
-
 def run(args: ReplicaArgs) -> int:
     cfg, tc = args.cfg, args.cfg.train
     keep_freed_memory()
     torch.set_num_threads(tc.threads)
     t = cfg.timeouts
-    _, world = env_ranks()
-    if world != cfg.replica.ranks:
-        raise JobError(
-            f"this replica was started with {world} ranks (WORLD_SIZE) but the job's "
-            f"[replica] ranks is {cfg.replica.ranks}: start it through `phalanx run`, or "
-            f"`python -m phalanx.launch.ranks --nproc {cfg.replica.ranks} -- ...`"
-        )
-    if torch.cuda.is_available() and torch.cuda.device_count() % world:
-        raise JobError(
-            f"[replica] ranks must divide this host's {torch.cuda.device_count()} GPUs: got {world}"
-        )
-    ranks = ReplicaRanks(t.quorum_s + t.heartbeat_s + 4 * t.collective_s + 10.0)
-    client, store, job_step = _start(cfg, str(args.controller), args.name, ranks)
+    ranks = replica_ranks(cfg)
+    if not isinstance(ranks, ReplicaRanks):
+        raise JobError("ft_hsdp runs replicas of several ranks: [replica] ranks must be > 1")
+    client, store, facts = register_ranks(
+        str(args.controller),
+        "policy",
+        args.name,
+        ranks,
+        lambda c: {"job_step": c.status().role_step("policy")},
+    )
+    job_step = int(facts["job_step"])
     total = cfg.job_steps
     if job_step >= total:
         if ranks.leader:
@@ -151,7 +102,7 @@ def run(args: ReplicaArgs) -> int:
         return 0
     if ranks.leader:
         client.start_heartbeat()
-    model = shard_model(task.build_model(tc, cfg.job.seed), ranks)
+    model = shard_model(task.build_model(tc, cfg.job.seed), ranks.mesh)
     manager = HSDPManager(
         client,
         ranks,
@@ -188,14 +139,7 @@ def run(args: ReplicaArgs) -> int:
     except LayoutMismatch as e:
         raise JobError(str(e)) from e
     except (ReplicaBroken, dist.DistError, RuntimeError) as e:
-        # A rank of this replica is gone (a collective inside the replica raised,
-        # gloo's as a plain RuntimeError): the replica stops as a whole, and its
-        # launcher restarts it; it then heals from a peer replica. The traceback
-        # is kept for --log-level debug.
-        first = (str(e).splitlines() or [type(e).__name__])[0][:300]
-        log.error("rank %d: %s; the replica stops", ranks.rank, first)
-        log.debug("the failure that stopped the replica", exc_info=True)
-        return 1
+        return replica_stopped(ranks.rank, e)
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -30,6 +30,14 @@ so the newest checkpoint is never behind it. A restarted replica resumes from
 it (any layout: the checkpoint reshards on load) or heals from a live peer. A
 lone policy replica that is killed loses no acknowledged step.
 
+A policy replica may span several ranks (``[replica] ranks = N``): the model
+is sharded over them with FSDP2, and the FT manager all-reduces each shard
+across replicas (:mod:`phalanx.train.hsdp`). Only its rank 0 talks to the
+controller; what the others must do alike (the step's rows, a save of their
+shards, their part in gathering the weights a sync sends, leaving) reaches
+them through :mod:`phalanx.jobs.policy_ranks`. A failing rank fails the whole
+replica, which resumes from the sharded checkpoint or heals shard by shard.
+
 An operator's ``drain`` (:mod:`phalanx.train.orders`) is honoured at an ack
 point: the replica sends the ack of its last save, finishes any weight send
 it leads, prints ``done`` with ``drained``, and deregisters; the other policy
@@ -45,24 +53,29 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx.client import ControllerClient, QuorumTimeout
-from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.config.rl import RLConfig
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume
+from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_weights
+from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.log import ReplicaLogger
-from phalanx.protocol.rl import Batch, BatchAckReply, SyncOrder
+from phalanx.protocol.rl import Batch
 from phalanx.rl.durable import DurableAcks, policy_checkpointer
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
+from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
+from phalanx.train.shards import shard_model
 from phalanx.train.snapshot import save_state
-from phalanx.transport.base import RolloutStore, SyncResult, WeightChannel
+from phalanx.transport.base import RolloutStore
 from phalanx.transport.factory import rollout_store, weight_channel
 
 log = logging.getLogger("phalanx.jobs.rl_policy")
@@ -106,115 +119,119 @@ def payloads_of(
     return rows, lost
 
 
-class Leader:
-    """Publishes the committed weights when a sync order names this replica as its
-    source (the quorum's rank 0, the policy leader), at the step boundary; the
-    channel sends them in the background and the outcome goes to the controller."""
-
-    def __init__(self, client: ControllerClient, weights: WeightChannel):
-        self.client, self.weights = client, weights
-        self.published = 0
-        self.rlog = ReplicaLogger(log, client.who)
-
-    def report(self, res: SyncResult) -> None:
-        emit(
-            {
-                "event": "sync",
-                "role": "policy",
-                "replica": self.client.replica_id,
-                "seq": res.seq,
-                "version": res.version,
-                "ms": round(1e3 * res.seconds, 3),
-                "bytes": res.nbytes,
-                "members": res.members,
-                "ok": res.ok,
-                "error": res.error[:200],
-            }
-        )
-        try:
-            self.client.sync_done(res.seq, res.version, res.ok, res.error)
-        except Exception as e:  # the controller times the sync out if this is lost
-            self.rlog.warning("sync report not delivered: %s", e)
-
-    def serve(self, order: SyncOrder | None, step: int, model: torch.nn.Module) -> None:
-        if order is None or order.seq <= self.published or order.rank != 0:
-            return
-        self.published = order.seq
-        self.weights.publish(step, model.state_dict(), order, self.report)
+def _finished(client: ControllerClient) -> dict[str, Any]:
+    status = client.status()
+    return {"finished": status.rl is not None and status.rl.finished}
 
 
 def run(args: ReplicaArgs) -> int:
-    """Train the job's policy with GRPO as one replica, until the ledger says the job
-    is finished or the replica is drained."""
-    cfg, state, out = args.cfg, args.state, args.out
+    """Train the job's policy with GRPO as one replica (one rank of it, when it spans
+    several), until the ledger says the job is finished or the replica is drained."""
+    cfg = args.cfg
     if cfg.rl is None:
         raise JobError("a policy replica needs a job config with an [rl] section: got none.")
-    rl, g = cfg.rl, cfg.rl.grpo
+    g = cfg.rl.grpo
     keep_freed_memory()
     if g.threads:
         torch.set_num_threads(g.threads)
     torch.manual_seed(cfg.job.seed)
-    store, address = serve_store()
-    client = ControllerClient(str(args.controller), "policy", args.name, address=address)
-    client.register()
-    status = client.status()
-    if status.rl is not None and status.rl.finished:
-        emit({"event": "done", "role": "policy", "replica": client.replica_id, "step": 0})
-        client.close("job already finished")
-        return 0
-    client.start_heartbeat()
-    rlog = ReplicaLogger(log, client.who)
     device = torch.device(g.device)
+    if device.type == "cuda" and cfg.replica.ranks > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    ranks = replica_ranks(cfg, device)
+    try:
+        return _run(args, ranks, device)
+    except (ReplicaBroken, dist.DistError) as e:
+        return replica_stopped(ranks.rank, e)
+    except RuntimeError as e:  # gloo's collectives raise plain RuntimeErrors
+        if ranks.size == 1:
+            raise
+        return replica_stopped(ranks.rank, e)
+    finally:
+        ranks.close()
+
+
+def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
+    cfg, state, out = args.cfg, args.state, args.out
+    assert cfg.rl is not None
+    rl, g = cfg.rl, cfg.rl.grpo
+    lead = ranks.leader
+    client, store, facts = register_ranks(
+        str(args.controller), "policy", args.name, ranks, _finished
+    )
+    finished = bool(facts["finished"])
+    if finished:
+        if lead:
+            emit({"event": "done", "role": "policy", "replica": client.replica_id, "step": 0})
+            client.close("job already finished")
+        return 0
+    if lead:
+        client.start_heartbeat()
+    rlog = ReplicaLogger(log, client.who)
     try:
         tok = task_tokenizer(rl.task)
         model = prepare(build_model(rl.model, tok, device).train(), g)
+        ref = build_model(rl.model, tok, device).eval().requires_grad_(False) if g.kl_coef else None
     except (OSError, ValueError) as e:  # the job file's model or tokenizer
-        client.close("failed")
+        if lead:
+            client.close("failed")
         raise JobError(str(e)) from e
-    ref = build_model(rl.model, tok, device).eval().requires_grad_(False) if g.kl_coef else None
+    params = num_params(model)
+    if isinstance(ranks, ReplicaRanks):
+        model = shard_model(model, ranks.mesh)
+        ref = shard_model(ref, ranks.mesh) if ref is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))
     comm = TorchCommunicator(cfg.timeouts.collective_s, device)
-    manager = Manager(
-        client,
-        comm,
-        model,
-        opt,
-        None,
-        global_batch_size=g.prompts_per_step * g.group_size,
-        quorum_timeout_s=cfg.timeouts.quorum_s,
-    )
+    batch_size, quorum_s = g.prompts_per_step * g.group_size, cfg.timeouts.quorum_s
+    if isinstance(ranks, ReplicaRanks):
+        manager: Manager = HSDPManager(
+            client,
+            ranks,
+            comm,
+            model,
+            opt,
+            None,
+            global_batch_size=batch_size,
+            quorum_timeout_s=quorum_s,
+        )
+    else:
+        manager = Manager(
+            client, comm, model, opt, None, global_batch_size=batch_size, quorum_timeout_s=quorum_s
+        )
     manager.register_state("scheduler", sched.state_dict, sched.load_state_dict)
-    ckpt = policy_checkpointer(state)
-    acks = DurableAcks(client, ckpt, {"job_id": cfg.job.id, "kind": "rl-policy"})
+    extra = {"job_id": cfg.job.id, "kind": "rl-policy"}
+    ckpt = policy_checkpointer(state)  # a collective over the replica's ranks
+    acks = DurableAcks(client, ckpt, extra)
     if ckpt is not None:
+        if ranks.size > 1:
+            ckpt.layout = {"kind": "rl-policy", "ranks": ranks.size}
         resumed = resume(ckpt, manager)  # NoUsableCheckpoint: the launcher stops the job
         if resumed is not None:
             acks.durable = resumed
             rlog.info("resumed from %s at step %d", state, resumed)
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
-    weights = weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device)
-    payloads = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
-    leader = Leader(client, weights)
-    metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
-    emit(
-        {
-            "event": "start",
-            "role": "policy",
-            "replica": client.replica_id,
-            "pid": os.getpid(),
-            "params": num_params(model),
-        }
+    weights = (
+        weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
     )
-    orders = Orders(client, kinds=("drain",))
-    finished = drained = False
-
-    def acked_by(replies: list[BatchAckReply]) -> bool:
-        for a in replies:
-            leader.serve(a.sync, manager.step, model)
-        return any(a.finished for a in replies)
-
-    batch: Batch | None = None
+    payloads = rollout_store(rl.transport, job_store_name(cfg.job.id, client)) if lead else None
+    coord = Coordinator(ranks, manager, acks, Publisher(client, weights, lead), ckpt, extra)
+    metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
+    if lead:
+        emit(
+            {
+                "event": "start",
+                "role": "policy",
+                "replica": client.replica_id,
+                "pid": os.getpid(),
+                "params": params,
+                "ranks": ranks.size,
+            }
+        )
+    orders = Orders(client, kinds=("drain",)) if lead else None
+    drained = False
+    batch: Batch | None = None  # (the leader's: the ledger's summary of the rows)
+    index: int | None = None
     rows: Rows = []
     try:
         while not finished and not drained:
@@ -225,51 +242,78 @@ def run(args: ReplicaArgs) -> int:
                 rlog.warning("%s; asking again", e)
                 continue
             healed = client.replica_id in q.heal
-            finished = acked_by(acks.poll()) or finished
+            finished = coord.agree(coord.plan(acks.poll()) if lead else None).finished or finished
             manager.grads.zero()
             t0 = time.perf_counter()
-            if batch is None or batch.index != manager.step // g.inner_epochs:
+            if index is None or index != manager.step // g.inner_epochs:
                 # A batch spans inner_epochs steps: ask only when this step starts a new one.
-                batch = None
-                while batch is None and not finished:
-                    # A save in flight: ask briefly, so that its ack goes soon after it commits.
-                    wait_s = 0.2 if acks.pending else 5.0
-                    r = client.lease_batch(manager.step, wait_s, acks.durable_for_lease)
-                    leader.serve(r.sync, manager.step, model)
-                    batch, finished = r.batch, r.finished or acked_by(acks.poll())
-                if batch is None:
+                index = None
+                while index is None and not finished:
+                    plan = None
+                    if lead:
+                        # A save in flight: ask briefly, so that its ack goes soon after it commits.
+                        wait_s = 0.2 if acks.pending else 5.0
+                        r = client.lease_batch(manager.step, wait_s, acks.durable_for_lease)
+                        plan = coord.plan([r, *acks.poll()])
+                        batch = r.batch
+                        if batch is not None:
+                            plan.batch, (plan.rows, lost) = (
+                                batch.index,
+                                payloads_of(batch, payloads, rl),
+                            )
+                            if lost:
+                                client.lost_payloads(lost)
+                                plan.abstain = f"{len(lost)} payload(s) of batch {batch.index} lost"
+                    plan = coord.agree(plan)
+                    finished = plan.finished or finished
+                    index, rows = plan.batch, plan.rows
+                    if plan.abstain is not None:
+                        manager.abstain(plan.abstain)
+                if index is None:
                     break
-                rows, lost = payloads_of(batch, payloads, rl)
-                if lost:
-                    client.lost_payloads(lost)
-                    manager.abstain(f"{len(lost)} payload(s) of batch {batch.index} lost")
             t1 = time.perf_counter()
             stats = trainer.compute(rows) if manager.error is None else {"loss": 0.0}
             total = manager.allreduce_grads(stats["loss"])
             t2 = time.perf_counter()
             if not manager.should_commit():
-                batch = None  # ask again: the ledger may have frozen it anew (lost payloads)
-                emit(
-                    {
-                        "event": "retry",
-                        "role": "policy",
-                        "replica": client.replica_id,
-                        "step": manager.step,
-                        "error": (manager.error or "")[:200],
-                    }
-                )
+                index = None  # ask again: the ledger may have frozen it anew (lost payloads)
+                if lead:
+                    emit(
+                        {
+                            "event": "retry",
+                            "role": "policy",
+                            "replica": client.replica_id,
+                            "step": manager.step,
+                            "error": (manager.error or "")[:200],
+                        }
+                    )
                 continue
             if g.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
             opt.step()
             sched.step()
+            # The replica's tokens: every rank read its part of the share.
+            stats["train_tokens"] = ranks.sum([stats.get("train_tokens", 0.0)])[0]
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
             if acked:
                 # Committed now; durable once a checkpoint holds the step (DurableAcks):
                 # a restart retrains at most undurable steps, whose batches stay frozen.
-                replies = acks.ack(manager, trainer.metrics(rows, stats, t2 - t1))
-                finished = acked_by(replies) or finished
+                plan = None
+                if lead:
+                    assert orders is not None
+                    plan = coord.plan(acks.ack(manager, trainer.metrics(rows, stats, t2 - t1)))
+                    if not plan.finished:
+                        # Leave only at an ack point: the leader's last save is acknowledged
+                        # on the way out, the others' state is the leader's, so nothing is
+                        # trained twice.
+                        orders.poll(manager.step)
+                        plan.drain = orders.drain
+                plan = coord.agree(plan)
+                finished, drained = plan.finished or finished, plan.drain
             t3 = time.perf_counter()
+            if not lead:
+                continue
+            assert batch is not None
             metrics[batch.index] = (batch.reward, batch.exact_match)
             while len(metrics) > rl.loop.window:
                 metrics.popitem(last=False)
@@ -311,34 +355,39 @@ def run(args: ReplicaArgs) -> int:
                     "t": time.time(),
                 }
             )
-            if acked and not finished:
-                # Leave only at an ack point: the leader's last save is acknowledged on
-                # the way out, the others' state is the leader's, so nothing is trained twice.
-                orders.poll(manager.step)
-                drained = orders.drain
-        finished = acked_by(acks.close()) or finished
-        if weights.pending is not None:
+        finished = coord.close() or finished
+        if weights is not None and weights.pending is not None:
             # A drained leader too: the rollout replicas of its last sync wait for it.
             weights.pending.result(timeout=rl.loop.sync_timeout_s * 2)
         if drained:
             rlog.info("drained at step %d: leaving the job", manager.step)
         elif out is not None:
-            save_state(out, {"model": model.state_dict(), "step": manager.step})
-        emit(
-            {
-                "event": "done",
-                "role": "policy",
-                "replica": client.replica_id,
-                "step": manager.step,
-                "heals": manager.heals,
-                **({"drained": True} if drained else {}),
-            }
-        )
+            whole = full_weights(model, keep=lead)  # (a collective when sharded)
+            if whole is not None:
+                save_state(out, {"model": dict(whole), "step": manager.step})
+        if lead:
+            emit(
+                {
+                    "event": "done",
+                    "role": "policy",
+                    "replica": client.replica_id,
+                    "step": manager.step,
+                    "heals": manager.heals,
+                    **({"drained": True} if drained else {}),
+                }
+            )
     finally:
         if payloads is not None:
             payloads.close()
-        weights.close()
+        if weights is not None:
+            weights.close()
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            except Exception as e:  # its ack was never sent: that step stays undurable
+                rlog.warning("the last checkpoint failed: %s", e)
         manager.close()
-        client.close("drained" if drained else "finished")
+        if lead:
+            client.close("drained" if drained else "finished")
         del store
     return 0

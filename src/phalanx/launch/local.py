@@ -116,7 +116,7 @@ class LocalJob:
                 cmd += ["--state", str(self.run_dir / "policy-state")]
         cmd += self._cfg_args()
         ranks = self.cfg.replica.ranks
-        if ranks > 1:
+        if ranks > 1 and r.role == "policy":
             # The replica's ranks, started together and failed together (its
             # launcher's exit is the replica's); the zygote forks single processes.
             return [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]

@@ -60,6 +60,9 @@ class DurableAcks:
         self.manager: Manager | None = None
         self.durable = 0
         """The newest step known to be in a committed checkpoint (resumed or saved)."""
+        self.started: int | None = None
+        """The step of a save started since :meth:`take_started` was last called (the
+        other ranks of a sharded replica must start theirs: :mod:`phalanx.rl.policy_ranks`)."""
 
     @property
     def pending(self) -> bool:
@@ -105,11 +108,16 @@ class DurableAcks:
             self.behind = False
             if m.step > self.durable:
                 try:
-                    self.ckpt.save_async(m.step, m.state_dict(), self.extra)
-                    self.saving = m.step
+                    self.ckpt.save_async(m.step, m.checkpoint_state(), self.extra)
+                    self.saving = self.started = m.step
                 except Exception as e:  # storage failed: the next ack point saves again
                     log.error("could not start the checkpoint of step %d: %s", m.step, e)
         return replies
+
+    def take_started(self) -> int | None:
+        """The step of the save started since the last call, if any (cleared)."""
+        started, self.started = self.started, None
+        return started
 
     def close(self) -> list[BatchAckReply]:
         """The loop is over: save the last step if no save holds it, wait, and ack."""

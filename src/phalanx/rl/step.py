@@ -70,8 +70,15 @@ def backward_rows(
     pad_id: int,
     num_tokens: int,
     ref: Any = None,
+    passes: int = 0,
+    filler: int | None = None,
 ) -> dict[str, float]:
     """Forward and backward of ``comps[rows]`` with advantages ``adv[rows]``, micro-batched.
+
+    ``passes``: run at least this many micro-batches, the extra ones on row
+    ``filler`` with the loss times zero. The ranks of a sharded replica must run
+    as many forwards and backwards as each other (FSDP's all-gathers and
+    reduce-scatters pair up), whatever their share of the rows.
 
     ``num_tokens`` is the normaliser N: the completion tokens of the whole batch
     (over every replica of the quorum). Gradients accumulate into ``.grad``: the
@@ -82,8 +89,16 @@ def backward_rows(
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "num_tokens": 0.0, "ratio_max": 0.0, "train_tokens": 0.0}
     sums = dict.fromkeys(_WEIGHTED, 0.0)
-    for chunk in micro_batches(rows, g.micro_batch_size):
-        batch = collate([comps[i] for i in chunk], adv[chunk], pad_id, device)
+    chunks: list[list[int] | None] = list(micro_batches(rows, g.micro_batch_size))
+    fill = max(0, passes - len(chunks))
+    if fill and filler is None:
+        raise ValueError("backward_rows: extra passes need a filler row")
+    for chunk in [*chunks, *([None] * fill)]:
+        # A filler pass: the same collectives as a real micro-batch, and no
+        # gradient (the loss times zero), for a rank with fewer rows.
+        real = chunk is not None
+        picked = chunk if chunk is not None else [int(filler or 0)]
+        batch = collate([comps[i] for i in picked], adv[picked], pad_id, device)
         with autocast(g, device):
             ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
             loss, stats = grpo_loss(
@@ -96,7 +111,9 @@ def backward_rows(
                 kl_coef=g.kl_coef,
                 ref_logprobs=ref_lp,
             )
-        loss.backward()
+        (loss if real else loss * 0.0).backward()
+        if not real:
+            continue
         n = stats["num_tokens"]
         out["loss"] += stats["loss"]
         out["num_tokens"] += n

@@ -95,8 +95,27 @@ class PolicyTrainer:
         if not mine:
             return {"loss": 0.0, "train_tokens": 0.0}
         n_tokens = sum(len(c.token_ids) for c in comps)
+        passes, filler = 0, None
+        ranks = getattr(m, "ranks", None)
+        if ranks is not None and ranks.size > 1:
+            # A sharded replica: its share again over its ranks, every rank running
+            # as many micro-batches as the rank with the most rows.
+            most = -(-len(mine) // ranks.size)
+            per = g.micro_batch_size if g.micro_batch_size > 0 else most
+            passes, filler = -(-most // per), mine[0]
+            sub_off, sub_count = split(len(mine), ranks.size, ranks.rank)
+            mine = mine[sub_off : sub_off + sub_count]
         return backward_rows(
-            self.model, comps, adv, mine, g=g, pad_id=self.pad_id, num_tokens=n_tokens, ref=self.ref
+            self.model,
+            comps,
+            adv,
+            mine,
+            g=g,
+            pad_id=self.pad_id,
+            num_tokens=n_tokens,
+            ref=self.ref,
+            passes=passes,
+            filler=filler,
         )
 
     def metrics(self, rows: Rows, stats: dict[str, float], seconds: float) -> BatchMetrics:

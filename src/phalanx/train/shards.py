@@ -5,12 +5,43 @@ checkpoint's, saved by a replica of any size) into this rank's shards."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from phalanx.comm.base import Communicator
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over the replica's ranks (``mesh``): each transformer block is its own
+    unit, then the root. A Hugging Face model names its block classes
+    (``_no_split_modules``); the built-in transformer keeps them in ``blocks``; in
+    any other model each layer with parameters is a unit. Parameters shared
+    between layers (tied embeddings) stay in the root's unit. Gradients are summed
+    over the ranks, not averaged (the loss is already scaled by 1 / global batch),
+    with plain sums (gloo has no pre-multiplied sum)."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = getattr(model, "blocks", None)
+    if names:
+        units = [m for m in model.modules() if type(m).__name__ in names]
+    elif isinstance(blocks, torch.nn.ModuleList):
+        units = list(blocks)
+    else:
+        units = [
+            m for m in model.modules() if m is not model and any(True for _ in m.parameters(False))
+        ]
+    # The units' outputs are views (reshapes, splits) that nothing changes in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for m in [*units, model]:
+        fully_shard(m, mesh=mesh)
+        m.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # (each unit's own)
+        m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    return model
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,33 @@ def fingerprint(weights: Mapping[str, torch.Tensor]) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+class Packed(dict[str, torch.Tensor]):
+    """Named tensors that are views into one flat host buffer, laid out as
+    :func:`pack` lays them out (sorted by name), so that packing them costs no
+    copy. Made from the shapes and dtypes of ``like`` (meta tensors will do) and
+    filled one tensor at a time (:meth:`fill`): a sharded policy gathers its
+    whole tensors straight into it (:func:`phalanx.rl.policy_ranks.full_weights`)."""
+
+    def __init__(self, like: Mapping[str, torch.Tensor]):
+        super().__init__()
+        nbytes = sum(t.numel() * t.element_size() for t in like.values())
+        self.flat = torch.empty(nbytes, dtype=torch.uint8)
+        off = 0
+        for k in sorted(like):
+            t = like[k]
+            n = t.numel() * t.element_size()
+            self[k] = self.flat[off : off + n].view(t.dtype).view(t.shape)
+            off += n
+
+    def fill(self, name: str, t: torch.Tensor) -> None:
+        self[name].copy_(t.detach())
+
+
 def pack(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Every tensor (sorted by name) as one flat uint8 buffer: a copy, safe to send
-    while the source keeps training."""
+    while the source keeps training (a :class:`Packed` snapshot is its own buffer)."""
+    if isinstance(weights, Packed):
+        return weights.flat
     parts = [
         t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in sorted(weights.items())
     ]

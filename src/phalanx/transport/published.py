@@ -28,6 +28,7 @@ from phalanx.transport.base import (
     WeightChannel,
     WeightStore,
 )
+from phalanx.transport.collective import Packed
 
 
 def check_like(
@@ -58,7 +59,12 @@ class StoreWeightChannel(WeightChannel):
     ) -> None:
         if order.rank != 0:
             raise ValueError(f"publish must be called by the mesh's rank 0: got rank {order.rank}.")
-        snap = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+        # A Packed snapshot is already a host copy of its own.
+        snap = (
+            dict(weights)
+            if isinstance(weights, Packed)
+            else {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+        )
         self.pending = self._pool.submit(self._publish, version, snap, order, report)
 
     def _publish(

@@ -1,0 +1,101 @@
+"""What every loop of a replica that may span several ranks does alike: find its
+ranks, register through rank 0, and stop as a whole when a rank is gone
+(:mod:`phalanx.train.hsdp`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx.client import ControllerClient
+from phalanx.comm.torch_pg import serve_store
+from phalanx.config import JobConfig
+from phalanx.jobs.base import JobError
+from phalanx.jobs.common import register
+from phalanx.train.hsdp import RankClient, ReplicaRanks, env_ranks
+
+log = logging.getLogger("phalanx.jobs")
+
+
+class OneRank:
+    """A replica of one process: it is its own leader, and shares with nobody
+    (the interface of :class:`~phalanx.train.hsdp.ReplicaRanks` that a loop uses)."""
+
+    rank, size, leader = 0, 1, True
+
+    def broadcast_json(self, value: Any = None) -> Any:
+        return value
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def close(self) -> None:
+        """Nothing to tear down: there is no replica group."""
+
+
+def replica_ranks(cfg: JobConfig, device: torch.device | None = None) -> OneRank | ReplicaRanks:
+    """This process's replica: one rank, or the N ranks of ``[replica] ranks``
+    (torchrun's environment, as :mod:`phalanx.launch.ranks` sets it)."""
+    _, world = env_ranks()
+    if world != cfg.replica.ranks:
+        raise JobError(
+            f"this replica was started with {world} ranks (WORLD_SIZE) but the job's "
+            f"[replica] ranks is {cfg.replica.ranks}: start it through `phalanx run`, or "
+            f"`python -m phalanx.launch.ranks --nproc {cfg.replica.ranks} -- ...`"
+        )
+    if world == 1:
+        return OneRank()
+    if torch.cuda.is_available() and torch.cuda.device_count() % world:
+        raise JobError(
+            f"[replica] ranks must divide this host's {torch.cuda.device_count()} GPUs: got {world}"
+        )
+    t = cfg.timeouts
+    return ReplicaRanks(t.quorum_s + t.heartbeat_s + 4 * t.collective_s + 10.0, device)
+
+
+def register_ranks(
+    controller: str,
+    role: str,
+    name: str,
+    ranks: OneRank | ReplicaRanks,
+    facts: Callable[[ControllerClient], dict[str, Any]],
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Rank 0 registers the replica (with its number of ranks) and tells every rank
+    the replica's id and ``facts(client)`` (what each rank must know before it
+    starts: e.g. whether the job is already finished). Returns (client, store,
+    facts): the client is a :class:`RankClient` on the other ranks, which never
+    talk to the controller, and the store only rank 0's. A refused registration
+    raises JobError on every rank."""
+    if not ranks.leader:
+        msg = ranks.broadcast_json()
+        if "refused" in msg:
+            raise JobError(msg["refused"])
+        follower = RankClient(role, name, ranks.rank)
+        follower.replica_id = msg["replica_id"]
+        follower.who.replica_id = msg["replica_id"]
+        return follower, None, msg["facts"]
+    store, address = serve_store()
+    client = ControllerClient(controller, role, name, address=address, ranks=ranks.size)
+    try:
+        register(client)
+    except JobError as e:  # refused: every rank says so and stops
+        ranks.broadcast_json({"refused": str(e)})
+        raise
+    known = facts(client)
+    ranks.broadcast_json({"replica_id": client.replica_id, "facts": known})
+    return client, store, known
+
+
+def replica_stopped(rank: int, e: BaseException) -> int:
+    """A rank of this replica is gone (a collective inside the replica raised,
+    gloo's as a plain RuntimeError): this rank stops, and its launcher restarts
+    the whole replica, which then heals from a peer replica or resumes from the
+    checkpoint. One line; the traceback is kept for --log-level debug. Returns
+    the exit status."""
+    first = (str(e).splitlines() or [type(e).__name__])[0][:300]
+    log.error("rank %d: %s; the replica stops", rank, first)
+    log.debug("the failure that stopped the replica", exc_info=True)
+    return 1
