@@ -25,8 +25,11 @@ import procs
 import torch
 from procs import write_job_toml
 
-WAIT_S = 60.0
-"""Generous bound on any single wait; a healthy run hits none of them."""
+WAIT_S = procs.PROGRESS_S
+"""Bound on any single wait; a healthy run hits none of them. A wait ends at its
+event: this only caps a hang, and it must outlast the start of several torch
+processes on a busy 2-core machine (60 s did not: a replica of 2 ranks beside
+another, a warm spare and a CPU hog took longer to commit its third step)."""
 
 TIMEOUTS = {
     "collective_s": 1.0,
