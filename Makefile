@@ -19,6 +19,12 @@ $(STAMP):
 		&& (apt-get install -y -q redis-server >/dev/null 2>&1 \
 		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) \
 		|| echo "redis-server not installed (needs root and apt-get): the Redis transport tests will skip"; }
+	@# The multi-host tests make hosts of network namespaces (iproute2) and cut them apart
+	@# with nftables; they skip without them (or without root).
+	@command -v nft >/dev/null && command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q nftables iproute2 >/dev/null 2>&1 \
+		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables iproute2 >/dev/null 2>&1)) \
+		|| echo "nftables/iproute2 not installed (needs root and apt-get): the multi-host tests will skip"; }
 	@# The dashboard's browser test drives Debian's chromium (no browser download); it skips without one.
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& (apt-get install -y -q chromium >/dev/null 2>&1 \

@@ -11,3 +11,14 @@ on replicas."""
 CONTROLLER = "PHALANX_CONTROLLER"
 """Where a replica finds the controller: its URL, or its state dir (whose ``url``
 file is re-read when the controller moves)."""
+
+ADVERTISE_HOST = "PHALANX_ADVERTISE_HOST"
+"""The address this process gives its peers (its rendezvous store, its process
+groups, the controller's URL): an IP, a host name, or ``iface:NAME`` for the
+first IPv4 address of a network interface. Unset: loopback, which is right on one
+machine. ``--advertise-host`` on ``phalanx controller|replica|agent|run`` sets it
+for the process and everything it starts."""
+
+CA_FILE = "PHALANX_CA_FILE"
+"""A PEM file of the certificate authorities that clients trust for the
+controller's HTTPS (``--ca-file``). Unset: the system's."""

@@ -93,8 +93,22 @@ class Proc:
     (with the arrival time under ``"_at"``); other lines in :attr:`text`. Stdout is
     also copied to ``LABEL.out`` and stderr goes to ``LABEL.err``, for post-mortems."""
 
-    def __init__(self, args: list[str], label: str, workdir: Path, stdin: int = subprocess.DEVNULL):
+    def __init__(
+        self,
+        args: list[str],
+        label: str,
+        workdir: Path,
+        stdin: int = subprocess.DEVNULL,
+        host: Any = None,
+    ):
+        """``host``: a :class:`netns.Host` to run on (its namespace, and its address
+        advertised to peers); None: this machine, over loopback."""
         self.label = label
+        self.host = host
+        env = child_env()
+        if host is not None:
+            args = host.wrap(args)
+            env["PHALANX_ADVERTISE_HOST"] = host.ip
         self.err_path = workdir / f"{label}.err"
         self.out_path = workdir / f"{label}.out"
         with self.err_path.open("wb") as err:
@@ -103,7 +117,7 @@ class Proc:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 stdin=stdin,
-                env=child_env(),
+                env=env,
                 start_new_session=True,
             )
         self.events: list[dict[str, Any]] = []
@@ -222,9 +236,17 @@ class Replica(Proc):
     """A ``phalanx replica`` process (or a warm spare that will become one)."""
 
     def __init__(
-        self, args: list[str], label: str, workdir: Path, name: str, out: Path, spare: bool
+        self,
+        args: list[str],
+        label: str,
+        workdir: Path,
+        name: str,
+        out: Path,
+        spare: bool,
+        host: Any = None,
     ):
-        super().__init__(args, label, workdir, subprocess.PIPE if spare else subprocess.DEVNULL)
+        stdin = subprocess.PIPE if spare else subprocess.DEVNULL
+        super().__init__(args, label, workdir, stdin, host=host)
         self.name = name
         self.out = out
         self.waiting = spare
@@ -273,15 +295,18 @@ class FTJob:
         self._n += 1
         return f"{self._n:02d}-{what}"
 
-    def start_controller(self) -> Proc:
+    def start_controller(self, host: Any = None, bind: str | None = None) -> Proc:
         """Start (or restart, on the same state dir) the controller on port 0 and
-        wait until it announces its URL."""
+        wait until it announces its URL. ``host``: a :class:`netns.Host` to run on;
+        ``bind``: the address to bind (default: loopback, or the host's address)."""
         args = [sys.executable, "-m", "phalanx.cli", "controller", "--config", str(self.config)]
         args += ["--state-dir", str(self.state_dir), "--port", "0"]
-        p = Proc(args, self._label("controller"), self.workdir)
+        if bind or host is not None:
+            args += ["--host", bind or host.ip]
+        p = Proc(args, self._label("controller"), self.workdir, host=host)
         self.procs.append(p)
         p.wait_for(
-            lambda: any(re.search(r" at http://\S+", t) for t in p.text),
+            lambda: any(re.search(r" at https?://\S+", t) for t in p.text),
             "the controller to announce its URL",
         )
         self.controller = p
@@ -298,7 +323,7 @@ class FTJob:
         return r.json()
 
     def start_replica(
-        self, name: str, *overrides: str, spare: bool = False, ranks: int = 1
+        self, name: str, *overrides: str, spare: bool = False, ranks: int = 1, host: Any = None
     ) -> Replica:
         """Start ``python -m phalanx.cli replica --name NAME`` (extra args are dotted
         config overrides); its final state goes to ``LABEL.safetensors``. With
@@ -324,7 +349,13 @@ class FTJob:
                 *rank,
             ]
         r = Replica(
-            [sys.executable, *head, *cli], label, self.workdir, name, out, spare and ranks == 1
+            [sys.executable, *head, *cli],
+            label,
+            self.workdir,
+            name,
+            out,
+            spare and ranks == 1,
+            host=host,
         )
         if spare and ranks > 1:
             r.gate, r.waiting = gate, True

@@ -10,31 +10,33 @@ address; the quorum's rank-0 member's store is the rendezvous point.
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm.base import CommError, Communicator
+from phalanx.net import advertise_host, hostport
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
-def serve_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
-    """Start this replica's rendezvous store on a free port. Returns (store, "host:port")."""
+def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
+    """Start this replica's rendezvous store on a free port. Returns (store,
+    "host:port"), where host is the address peers reach it by (``host``, else
+    :func:`phalanx.net.advertise_host`). The store listens on every interface."""
+    host = host or advertise_host()
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    return store, f"{host}:{store.port}"
-
-
-def local_host() -> str:
-    return socket.gethostbyname("localhost")
+    return store, hostport(host, store.port)
 
 
 class TorchCommunicator(Communicator):
     def __init__(self, timeout_s: float, device: torch.device | None = None):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
+        self.host = advertise_host()
+        """The address this rank's gloo pairs bind and announce to their peers (the
+        host name's address is loopback on many machines: useless to another host)."""
         # Any: the torch stubs lack send/recv/abort on the backend classes.
         self.pg: Any = None
         self.rank, self.world_size = 0, 1
@@ -57,7 +59,10 @@ class TorchCommunicator(Communicator):
                 opts._timeout = self.timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
             else:
-                self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                opts._timeout = self.timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
         except Exception as e:  # rendezvous failed: a peer is gone or the store host died
             self.pg = None
             raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e

@@ -185,6 +185,9 @@ class TrainSection(_Section):
     """Extra time per step (a stand-in for a bigger model, for demos)."""
     log_samples: bool = False
     """Print the sample indices each replica trained on with every committed step (for audits)."""
+    log_state_hash: bool = False
+    """Print a digest of the replica's parameters with every committed step (for audits:
+    replicas that commit a step must hold the same state after it, partitions or not)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TrainSection:

@@ -252,6 +252,18 @@ def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
     )
 
 
+def state_hash(model: torch.nn.Module) -> str:
+    """A digest (CRC32, hex) of this replica's parameters, in name order: replicas
+    holding the same state print the same one."""
+    import zlib
+
+    crc = 0
+    for _, p in sorted(model.state_dict().items()):
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p  # (a collective if sharded)
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
 def emit_step(
     replica_id: str | None, r: Any, cursor: int, samples: list[int] | None, **extra: Any
 ) -> None:

@@ -23,6 +23,7 @@ from phalanx.jobs.common import (
     finish_replica,
     setup_replica,
     start_checkpoints,
+    state_hash,
 )
 from phalanx.train.manager import JobFinished
 
@@ -53,7 +54,8 @@ def run(args: ReplicaArgs) -> int:
             if r.committed:
                 client.report_progress(loss=r.loss)
                 samples = manager.last_indices if tc.log_samples else None
-                emit_step(client.replica_id, r, sampler.cursor, samples)
+                digest = {"state_hash": state_hash(manager.model)} if tc.log_state_hash else {}
+                emit_step(client.replica_id, r, sampler.cursor, samples, **digest)
                 if after_commit(cfg, s, r.step):
                     return 0
             else:

@@ -1,0 +1,102 @@
+"""The addresses a process gives its peers (many hosts: DESIGN.md, defaults and
+scale-out).
+
+Every address a process advertises must be one its peers can reach: the
+rendezvous store of a replica (heals, the weight-sync mesh), the address its
+gloo process groups bind and announce, and the controller's URL. On one
+machine all of that is loopback, the default. Across hosts the operator names
+the address (``--advertise-host`` or :data:`phalanx.env.ADVERTISE_HOST`), as an
+IP, a host name, or ``iface:NAME`` (the first IPv4 address of an interface),
+because only the operator knows which network the peers share. A server bound
+to every interface (``0.0.0.0``) with nothing named advertises the first
+non-loopback IPv4 address of an interface that is up (:func:`routable_host`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+from phalanx import env
+
+LOOPBACK = "127.0.0.1"
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+class AddressError(ValueError):
+    """An advertised address that cannot be used, said in one line."""
+
+
+def interface_ipv4(name: str) -> str:
+    """The first IPv4 address of interface ``name``."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise AddressError(
+            f"network interface {name!r} does not exist on this host: pick one of "
+            f"{sorted(addrs)} for iface:NAME"
+        )
+    for a in addrs[name]:
+        if a.family == socket.AF_INET:
+            return str(a.address)
+    raise AddressError(f"network interface {name!r} has no IPv4 address: pick another")
+
+
+def routable_host() -> str:
+    """The first IPv4 address, other than loopback, of an interface that is up;
+    loopback when there is none (a host alone). Read from the interfaces: nothing
+    is sent."""
+    import psutil
+
+    stats = psutil.net_if_stats()
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if name in stats and not stats[name].isup:
+            continue
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return str(a.address)
+    return LOOPBACK
+
+
+def resolve(spec: str) -> str:
+    """An advertise spec (an IP, a host name, or ``iface:NAME``) as an address."""
+    spec = spec.strip()
+    if spec.startswith("iface:"):
+        return interface_ipv4(spec.removeprefix("iface:"))
+    if spec in WILDCARDS:
+        raise AddressError(
+            f"the advertised address must be one peers can connect to: got {spec!r} (a "
+            "bind-everything address). Name this host's address or iface:NAME."
+        )
+    try:
+        ipaddress.ip_address(spec.strip("[]"))
+        return spec
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(spec, None)
+    except OSError as e:
+        raise AddressError(f"the advertised host {spec!r} does not resolve: {e}") from None
+    return spec
+
+
+def advertise_host() -> str:
+    """The address this process gives its peers: the operator's
+    (:data:`phalanx.env.ADVERTISE_HOST`), else loopback."""
+    spec = os.environ.get(env.ADVERTISE_HOST, "")
+    return resolve(spec) if spec else LOOPBACK
+
+
+def advertise_for_bind(bind: str) -> str:
+    """What a server bound to ``bind`` advertises: the operator's address if named,
+    a wildcard bind's routable address, else the bound address itself."""
+    if os.environ.get(env.ADVERTISE_HOST):
+        return advertise_host()
+    return routable_host() if bind in WILDCARDS else bind
+
+
+def hostport(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
