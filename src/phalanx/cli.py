@@ -11,11 +11,14 @@ from pathlib import Path
 
 
 def _controller(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.cli_net import check_advertised_bind
     from phalanx.config import load_config
     from phalanx.controller import serve
 
+    check_advertised_bind(args)
     cfg = load_config(args.config, overrides)
-    serve(cfg, Path(args.state_dir), host=args.host, port=args.port, fresh=args.fresh)
+    tls = (args.tls_cert, args.tls_key)
+    serve(cfg, Path(args.state_dir), args.host, args.port, args.fresh, *tls)
     return 0
 
 
@@ -23,25 +26,12 @@ ROLES = ("policy", "rollout")
 """Replica roles (as in :data:`phalanx.config.ROLE_NAMES`; not imported, to keep ``--help`` fast)."""
 
 
-def _controller_of(args: argparse.Namespace, command: str) -> str:
-    import os
-
-    from phalanx import env
-
-    controller = args.controller or os.environ.get(env.CONTROLLER)
-    if not controller:
-        raise SystemExit(
-            f"phalanx {command}: --controller must name the controller (URL or state dir): got "
-            f"none. Pass --controller or set ${env.CONTROLLER}."
-        )
-    return str(controller)
-
-
 def _status(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.cli_net import controller_of
     from phalanx.console.poll import fetch_status
     from phalanx.console.view import status_text
 
-    controller = _controller_of(args, "status")
+    controller = controller_of(args, "status")
     if args.watch and not args.json:
         from phalanx.console.status_view import watch
 
@@ -65,6 +55,7 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
+    from phalanx.cli_net import controller_of
     from phalanx.client import Transport
     from phalanx.console.poll import fetch_status
     from phalanx.launch.options import parse_scale
@@ -74,7 +65,7 @@ def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
         want = parse_scale(args.counts)
     except ValueError as e:
         raise SystemExit(f"phalanx scale: {e}") from None
-    controller = _controller_of(args, "scale")
+    controller = controller_of(args, "scale")
     roles = sorted(fetch_status(controller).roles)
     unknown = sorted(set(want) - set(roles))
     if unknown:
@@ -100,6 +91,7 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from phalanx import env
     from phalanx.checkpoint import NoUsableCheckpoint
+    from phalanx.client import CertificateMismatch
     from phalanx.config import load_config
     from phalanx.jobs import EXIT_UNRECOVERABLE, JobError, ReplicaArgs, spec_for
     from phalanx.log import setup
@@ -116,7 +108,7 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     try:
         return spec_for(replica).load()(replica)
-    except (JobError, NoUsableCheckpoint) as e:
+    except (JobError, NoUsableCheckpoint, CertificateMismatch) as e:  # a restart cannot help
         print(f"phalanx replica {replica.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_UNRECOVERABLE
 
@@ -124,6 +116,7 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
+    from phalanx.cli_net import run_controller_host, tls_files
     from phalanx.config import load_config
     from phalanx.launch.local import LocalJob
     from phalanx.launch.options import Chaos, launch_counts
@@ -132,10 +125,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
         from phalanx.launch.decoupled import DecoupledJob
 
-        if args.chaos:
+        if args.chaos or args.tls_cert or args.tls_key:
             raise SystemExit(
-                "phalanx run: --chaos is for jobs with a controller; a decoupled DiLoCo job "
-                "restarts failed slots itself (diloco.max_restarts). Drop --chaos."
+                "phalanx run: --chaos and --tls-cert/--tls-key are for jobs with a controller; "
+                "a decoupled DiLoCo job has none (it restarts failed slots itself: "
+                "diloco.max_restarts). Drop them."
             )
         if args.replicas:
             if not args.replicas.isdigit() or int(args.replicas) < 1:
@@ -156,7 +150,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, *extra]
         cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos, zygote=not args.no_zygote)
+    tls = tls_files(args, "run")
+    host = run_controller_host(args, tls is not None)
+    job = LocalJob(
+        args.config, cfg, run_dir, overrides, counts, chaos, not args.no_zygote, host, tls
+    )
     return job.run(live=not args.plain, as_json=args.json)
 
 
@@ -188,6 +186,8 @@ def _agent(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from phalanx.cli_net import add_advertise_host, add_ca_file, add_controller, add_tls
+
     p = argparse.ArgumentParser(
         prog="phalanx",
         description="Elastic, fault-tolerant training and RL post-training.",
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     c.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     c.add_argument("--state-dir", required=True, help="where the journal, token and URL live")
+    add_tls(c)
+    add_advertise_host(c)
     c.add_argument(
         "--fresh",
         action="store_true",
@@ -218,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one replica. Extra --section.key VALUE arguments override the job config.",
     )
     r.add_argument("--config", help="job TOML file")
-    r.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    add_controller(r)
     r.add_argument("--role", default="policy", choices=ROLES, help="role to join (default policy)")
     r.add_argument("--name", help="stable replica name (default ROLE-PID)")
     r.add_argument("--out", help="write the final model/optimizer state here (safetensors)")
@@ -256,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start each replica as a fresh interpreter instead of forking it from a "
         "process that did the imports once",
     )
+    add_tls(u)
+    add_ca_file(u)
+    add_advertise_host(u)
     u.set_defaults(fn=_run)
 
     s = sub.add_parser(
@@ -264,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a job's roles, replica counts and step; for an RL job also the "
         "prompt/rollout ledger and the latest reward and exact match.",
     )
-    s.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    add_controller(s)
     s.add_argument(
         "--json",
         action="store_true",
@@ -285,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run) starts new ones or stops the highest-numbered surplus ones.",
     )
     k.add_argument("counts", nargs="+", metavar="ROLE=N", help="desired replicas of ROLE")
-    k.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    add_controller(k)
     k.add_argument("--json", action="store_true", help="print the desired counts as JSON")
     k.set_defaults(fn=_scale)
 
@@ -300,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "{local_rank} {world_size} {slot} {restart} {port} {run_dir} {controller} {ckpt}. "
         "One JSON line per event on stdout.",
     )
-    a.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    add_controller(a)
     a.add_argument("--config", help="job TOML; without CMD, the worker is `phalanx replica`")
     a.add_argument("--name", help="stable name of the replica")
     a.add_argument("--nproc", type=int, default=1, help="workers of the replica (default 1)")
@@ -366,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("controller", "replica", "run", "syncer"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from phalanx.cli_net import apply_env
     from phalanx.config import ConfigError
 
+    apply_env(args, args.command)
     try:
         return args.fn(args, extra)
     except ConfigError as e:

@@ -8,6 +8,7 @@
 from phalanx.client.liveness import LIFELINE_HOLD_S
 from phalanx.client.replica import ControllerClient
 from phalanx.client.transport import (
+    CertificateMismatch,
     ControllerError,
     ControllerUnreachable,
     Evicted,
@@ -20,6 +21,7 @@ from phalanx.client.transport import (
 
 __all__ = [
     "LIFELINE_HOLD_S",
+    "CertificateMismatch",
     "ControllerClient",
     "ControllerError",
     "ControllerUnreachable",

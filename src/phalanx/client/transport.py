@@ -14,16 +14,25 @@ and how:
 It raises :class:`ControllerUnreachable` after ``unreachable_timeout_s`` of
 failed attempts, :class:`Evicted` on 410, and :class:`Rejected` for any other
 refusal (4xx, with the fields the controller named).
+
+An ``https://`` controller is verified against the CA file of
+:data:`phalanx.env.CA_FILE` (``--ca-file``), else the system's CAs
+(:func:`verify_context`, which every httpx client of the controller uses). A
+certificate that fails that check raises :class:`CertificateMismatch` at once:
+retrying cannot heal it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -62,6 +71,50 @@ class Evicted(Rejected):
 
 class QuorumTimeout(ControllerError):
     pass
+
+
+class CertificateMismatch(ControllerError):
+    """The controller's TLS certificate failed verification: not signed by a trusted
+    CA, or it does not name the host of the URL. Never retried."""
+
+
+def verify_context() -> ssl.SSLContext:
+    """What every httpx client of the controller verifies ``https://`` with (its
+    ``verify=``): the CA file of :data:`phalanx.env.CA_FILE` when set, else the
+    system's CAs. One context per CA file and process, shared by its clients
+    (contexts are thread-safe, and building one reads the CA files)."""
+    return _context(os.environ.get(env.CA_FILE, ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _context(ca_file: str) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ControllerError(
+            f"--ca-file (${env.CA_FILE}) must be a readable PEM file of CA certificates: "
+            f"got {ca_file!r} ({why}). Pass the CA that signed the controller's certificate."
+        ) from None
+
+
+def certificate_mismatch(url: str, error: BaseException) -> CertificateMismatch | None:
+    """The one-line error for ``error`` when it is (or was caused by) a failed
+    certificate verification of the controller at ``url``, else None."""
+    cause: BaseException | None = error
+    for _ in range(8):  # httpx -> httpcore -> ssl; bounded in case of a cycle
+        if cause is None:
+            return None
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            host = urlsplit(url).hostname or url
+            why = str(cause.verify_message or cause.reason or cause).rstrip(".")
+            return CertificateMismatch(
+                f"controller at {url}: its TLS certificate does not match (certificate verify "
+                f"failed: {why}): check --ca-file (${env.CA_FILE}) and that the certificate "
+                f"names {host}"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def resolve(controller: str) -> tuple[str, Path | None]:
@@ -120,7 +173,11 @@ class Transport:
         self._http = self.http_client()
 
     def http_client(self) -> httpx.Client:
-        return httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=30.0)
+        return httpx.Client(
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=30.0,
+            verify=verify_context(),
+        )
 
     def call(
         self,
@@ -148,6 +205,9 @@ class Transport:
                     return self._handle(r, reply)
                 last_error = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
+                mismatch = certificate_mismatch(self.url, e)
+                if mismatch is not None:
+                    raise mismatch from None
                 last_error = str(e) or type(e).__name__
             if self.closed:
                 raise ControllerUnreachable(f"client closed while calling {path}")

@@ -4,7 +4,8 @@ of one job, in two layers:
 - ``core/``: the pure state machine (no I/O, ids and clocks passed in);
 - around it, ``journal.py`` (SQLite), ``payloads.py`` (the payload log),
   ``collector.py`` (drops from an external rollout store), ``service.py`` (the
-  asyncio glue), ``http/`` (the routes) and ``server.py`` (start one).
+  asyncio glue), ``http/`` (the routes), ``tls.py`` (HTTPS and the advertised
+  URL) and ``server.py`` (start one).
 
 Outside this package, nothing imports it but the ``phalanx controller``
 command (:func:`serve`); replicas and tools speak :mod:`phalanx.protocol`
@@ -26,10 +27,17 @@ __all__ = ["CannotStart", "StateDirLocked", "serve"]
 
 
 def serve(
-    cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0, fresh: bool = False
+    cfg: JobConfig,
+    state_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    fresh: bool = False,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> None:
     """Run a controller in this process until it is stopped (SIGINT/SIGTERM). ``fresh``:
-    a damaged journal is set aside and the job begins again, instead of a refusal."""
+    a damaged journal is set aside and the job begins again, instead of a refusal.
+    ``tls_cert``/``tls_key``: PEM files (both or neither) to serve HTTPS with."""
     from phalanx.controller.server import serve as run
 
-    run(cfg, state_dir, host, port, fresh)
+    run(cfg, state_dir, host, port, fresh, tls_cert, tls_key)

@@ -5,6 +5,10 @@ The state dir (:mod:`phalanx.controller.statedir`) holds everything the controll
 needs to come back after a SIGKILL. Restarted with ``--port 0``, a controller first
 tries the port it had before, so replicas that only know the URL re-attach by
 themselves; if that port is taken it picks a new one and rewrites ``url``.
+
+Given a certificate and key it serves HTTPS, and ``url`` says ``https://``; the
+URL names the address clients should use (:func:`phalanx.controller.tls.url_for`),
+never a wildcard such as ``0.0.0.0``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from phalanx.controller.statedir import (
     prepare,
     write_private,
 )
+from phalanx.controller.tls import check_tls, url_for, warn_if_clear_text
 
 
 def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
@@ -68,9 +73,10 @@ def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
     raise CannotStart(f"controller could not bind {host}:{port}: {err}.")
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, tls: bool = False) -> str:
+    """The URL clients use for the controller listening on ``sock``."""
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return url_for(host, port, tls)
 
 
 def open_collector(cfg: JobConfig) -> Any:
@@ -90,11 +96,21 @@ def open_collector(cfg: JobConfig) -> Any:
 
 
 def serve(
-    cfg: JobConfig, state_dir: Path, host: str = "127.0.0.1", port: int = 0, fresh: bool = False
+    cfg: JobConfig,
+    state_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    fresh: bool = False,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> None:
     """Run a controller in this process until it is stopped (SIGINT/SIGTERM). Files it
     creates are the owner's alone (the process umask is set to 077). ``fresh``: a damaged
-    journal is moved aside and the job begins again (:func:`statedir.check_journal`)."""
+    journal is moved aside and the job begins again (:func:`statedir.check_journal`).
+    ``tls_cert``/``tls_key`` (PEM files, both or neither): serve HTTPS."""
+    if not 0 <= port <= 65535:
+        raise CannotStart(f"--port must be 0..65535 (0: any free port): got {port}.")
+    tls = check_tls(tls_cert, tls_key)
     import uvicorn
 
     from phalanx.controller.http import create_app
@@ -103,8 +119,6 @@ def serve(
     from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
 
-    if not 0 <= port <= 65535:
-        raise CannotStart(f"--port must be 0..65535 (0: any free port): got {port}.")
     os.umask(0o077)
     prepare(state_dir)
     lock = StateDirLock(state_dir)
@@ -116,6 +130,8 @@ def serve(
             print(moved, flush=True)
         sync = cfg.controller.journal_sync
         sock = _bind(host, port, state_dir)
+        url = url_of(sock, tls)
+        warn_if_clear_text(sock.getsockname()[0], tls)
         service = ControllerService(
             cfg,
             Journal(state_dir / JOURNAL, sync),
@@ -127,7 +143,6 @@ def serve(
         # After the journal holds the job: from now on a missing journal is damage.
         write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
         app = create_app(service, token)
-        url = url_of(sock)
         write_private(state_dir / URL_FILE, url + "\n")
         lock.note(f"pid {os.getpid()} url {url}")
         print(
@@ -141,6 +156,8 @@ def serve(
             timeout_graceful_shutdown=1,
             backlog=2048,
             limit_concurrency=cfg.controller.max_connections,
+            ssl_certfile=tls_cert if tls else None,
+            ssl_keyfile=tls_key if tls else None,
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:

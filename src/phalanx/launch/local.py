@@ -61,8 +61,12 @@ class LocalJob:
         replicas: int | dict[str, int],
         chaos: Chaos | None = None,
         zygote: bool = True,
+        controller_host: str | None = None,
+        tls: tuple[str, str] | None = None,
     ):
         self.config_path = config_path
+        # Where the controller binds (None: loopback), and its (certificate, key) for HTTPS.
+        self.controller_host, self.tls = controller_host, tls
         self.cfg = cfg
         self.rl = cfg.rl is not None
         self.run_dir = run_dir
@@ -99,7 +103,11 @@ class LocalJob:
 
     def start_controller(self) -> str:
         self.controller = ControllerProcess(
-            self.run_dir / "controller", self._cfg_args(), self.run_dir / "controller.log"
+            self.run_dir / "controller",
+            self._cfg_args(),
+            self.run_dir / "controller.log",
+            host=self.controller_host,
+            tls=self.tls,
         )
         return self.controller.start()
 

@@ -11,6 +11,8 @@ port of its state dir's ``url`` file when it is free), so that replicas that
 only know the URL find it where it was. A controller that exits
 ``max_failed_starts`` times in a row before it answers (a damaged journal, a
 bad config) is not started again: that is an error to report, not to hide.
+Nor is a controller whose TLS certificate this launcher cannot verify (it
+would never answer): that stops the launcher at once, in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from phalanx.client.transport import ControllerError, certificate_mismatch, verify_context
 from phalanx.launch.procs import spawn, stop_all
 
 MAX_FAILED_STARTS = 3
@@ -44,10 +47,13 @@ class ControllerProcess:
         *,
         host: str | None = None,
         port: int | None = None,
+        tls: tuple[str, str] | None = None,
         max_failed_starts: int = MAX_FAILED_STARTS,
     ):
         self.state_dir, self.args, self.log = state_dir, args, log
         self.host, self.port = host, port
+        self.tls = tls
+        """(certificate, key) PEM files: the controller serves HTTPS."""
         self.max_failed_starts = max_failed_starts
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
@@ -73,6 +79,8 @@ class ControllerProcess:
             cmd += ["--host", self.host]
         if self.port is not None:
             cmd += ["--port", str(self.port)]
+        if self.tls is not None:
+            cmd += ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]]
         return [*cmd, *self.args]
 
     def _spawn(self) -> None:
@@ -110,8 +118,15 @@ class ControllerProcess:
         if self.proc is None or len(note) < 4 or note[1] != str(self.proc.pid):
             return False
         try:
-            httpx.get(f"{note[3]}/healthz", timeout=2.0).raise_for_status()
-        except httpx.HTTPError:
+            verify = verify_context()
+        except ControllerError as e:
+            raise ControllerDown(str(e)) from None
+        try:
+            httpx.get(f"{note[3]}/healthz", timeout=2.0, verify=verify).raise_for_status()
+        except httpx.HTTPError as e:
+            mismatch = certificate_mismatch(note[3], e)
+            if mismatch is not None:
+                raise ControllerDown(str(mismatch)) from None
             return False
         self.url, self._up, self.failed_starts = note[3], True, 0
         return True
