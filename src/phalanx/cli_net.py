@@ -66,7 +66,7 @@ def controller_of(args: argparse.Namespace, command: str) -> str:
 def check_advertised_bind(args: argparse.Namespace) -> None:
     """``phalanx controller``: an advertised address is one its clients connect to, so a
     controller listening on loopback alone cannot advertise another."""
-    from phalanx.controller.tls import is_loopback
+    from phalanx.controller import is_loopback
 
     if args.advertise_host and is_loopback(args.host):
         raise SystemExit(
@@ -82,7 +82,7 @@ def run_controller_host(args: argparse.Namespace, tls: bool) -> str | None:
     (loopback). Warns in one line when that takes the token off this machine in clear."""
     if not args.advertise_host:
         return None
-    from phalanx.controller.tls import warn_if_clear_text
+    from phalanx.controller import warn_if_clear_text
     from phalanx.net import resolve
 
     host = resolve(args.advertise_host)
@@ -93,8 +93,7 @@ def run_controller_host(args: argparse.Namespace, tls: bool) -> str | None:
 def tls_files(args: argparse.Namespace, command: str) -> tuple[str, str] | None:
     """``--tls-cert``/``--tls-key`` as absolute paths, checked (both or neither, readable,
     the key of the certificate); raises SystemExit in one line otherwise."""
-    from phalanx.controller.statedir import CannotStart
-    from phalanx.controller.tls import check_tls
+    from phalanx.controller import CannotStart, check_tls
 
     try:
         if not check_tls(args.tls_cert, args.tls_key):

@@ -100,3 +100,29 @@ def advertise_for_bind(bind: str) -> str:
 def hostport(host: str, port: int) -> str:
     """``host:port``, with an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+PROBE_S = 0.5
+"""How long a reachability probe waits for a TCP connection to a peer's address."""
+
+
+def unreachable(addresses: dict[str, str], timeout_s: float = PROBE_S) -> list[str]:
+    """The keys of ``addresses`` (``host:port`` each) that refuse a TCP connection or
+    do not answer within ``timeout_s``, probed at once. A partitioned peer drops the
+    packets, a dead one refuses; a peer that is alive but stuck still connects (its
+    kernel accepts), so this names only peers the network or death cuts off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def gone(addr: str) -> bool:
+        host, _, port = addr.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return False
+        except (OSError, ValueError):
+            return True
+
+    if not addresses:
+        return []
+    with ThreadPoolExecutor(min(32, len(addresses)), thread_name_prefix="phalanx-probe") as pool:
+        verdicts = dict(zip(addresses, pool.map(gone, addresses.values()), strict=True))
+    return [k for k, v in verdicts.items() if v]

@@ -570,11 +570,68 @@ def test_false_report_does_not_evict_a_live_replica(state):
 
 
 def test_repeated_report_does_not_extend_grace(state):
-    a, b, c = join(state, "a", "b", "c")
+    # Five members: two reports of b are not a majority of its four peers.
+    a, b, c, _, _ = join(state, "a", "b", "c", "d", "e")
     state.report_failure(a, [b], now=1.0, wall=1)
     _, tick = state.report_failure(c, [b], now=1.0 + GRACE_S / 2, wall=1)
     assert tick.probe == []  # already being probed
     assert state.tick(now=1.0 + GRACE_S, wall=0).evicted == [b]
+
+
+def test_a_majority_of_its_peers_evicts_a_suspect_that_still_answers(state):
+    """A partition between a replica and its peers, which the controller can still
+    reach: its probe answers, but two of its two peers reported it."""
+    a, b, c = join(state, "a", "b", "c")
+    _, tick = state.report_failure(a, [c], now=1.0, wall=1)
+    assert tick.probe == [c] and tick.evicted == []
+    state.heartbeat(c, now=1.1, wall=1.1)  # it answers the probe...
+    _, tick = state.report_failure(b, [c], now=1.2, wall=1.2)
+    assert tick.evicted == [c]  # ...but most of its peers cannot reach it
+    ev = next(e for e in state.events if e["kind"] == "evict")
+    assert ev["detector"] == "failure_report" and "2 of its 2 peers" in ev["reason"]
+    assert set(state.members) == {a, b}
+
+
+@pytest.mark.parametrize("order", ["minority_first", "majority_first", "interleaved"])
+def test_the_minority_side_of_a_partition_never_evicts_the_majority(state, order):
+    """c is cut from a and b: a and b report c, c reports both. Whatever the order the
+    reports arrive in, c is the one evicted (reports name only unreachable peers)."""
+    a, b, c = join(state, "a", "b", "c")
+    reports = {
+        "minority_first": [(c, [a, b]), (a, [c]), (b, [c])],
+        "majority_first": [(a, [c]), (b, [c]), (c, [a, b])],
+        "interleaved": [(a, [c]), (c, [a, b]), (b, [c])],
+    }[order]
+    for i, (reporter, suspects) in enumerate(reports):
+        if reporter in state.members:
+            state.report_failure(reporter, suspects, now=1.0 + i / 100, wall=1)
+            for rid in (a, b):  # the majority answers every probe
+                if rid in state.members:
+                    state.heartbeat(rid, now=1.0 + i / 100, wall=1)
+    assert set(state.members) == {a, b}
+
+
+def test_reports_older_than_the_heartbeat_timeout_do_not_count(state):
+    a, b, c = join(state, "a", "b", "c")
+    state.report_failure(a, [c], now=1.0, wall=1)
+    for t in (1.1, 1.0 + HEARTBEAT_S / 2, 1.0 + HEARTBEAT_S - 0.1):
+        for rid in (a, b, c):
+            state.heartbeat(rid, now=t, wall=t)
+    later = 1.0 + HEARTBEAT_S + 0.1
+    _, tick = state.report_failure(b, [c], now=later, wall=later)
+    assert tick.evicted == [] and tick.probe == [c]
+
+
+def test_two_replicas_cut_from_each_other_leave_one_to_go_on(state):
+    """With one peer, one report is never enough: the probe decides. Two replicas that
+    report each other (a partition between them, both answering the controller):
+    the first to report is evicted, and the other goes on."""
+    a, b = join(state, "a", "b")
+    _, tick = state.report_failure(a, [b], now=1.0, wall=1)
+    assert tick.evicted == [] and tick.probe == [b]
+    state.heartbeat(b, now=1.05, wall=1.05)
+    _, tick = state.report_failure(b, [a], now=1.1, wall=1.1)
+    assert tick.evicted == [a] and set(state.members) == {b}
 
 
 def test_reporter_cannot_suspect_itself(state):

@@ -254,11 +254,14 @@ class ControllerMachine(RuleBasedStateMachine):
         named = [s for s in named if s != reporter]
         if ghost:
             named.append(min(self.evicted, default="ghost:0"))
+        known = set(self.state.members)
         unknown, tick = self.state.report_failure(
             reporter, named, now=self.now, wall=self.now, failed_commit=failed_commit
         )
-        assert set(unknown) == {s for s in named if s not in self.state.members}
+        assert set(unknown) == {s for s in named if s not in known}
         assert set(tick.probe) <= set(named)
+        # Only a suspect a majority of its peers reported is evicted at once.
+        assert set(tick.evicted) <= set(named) - set(unknown)
         if failed_commit:
             self.failed_commit[role] = True
         self.settle(tick)

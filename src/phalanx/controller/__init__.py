@@ -19,11 +19,19 @@ from typing import TYPE_CHECKING
 
 from phalanx.controller.lock import StateDirLocked
 from phalanx.controller.statedir import CannotStart
+from phalanx.controller.tls import check_tls, is_loopback, warn_if_clear_text
 
 if TYPE_CHECKING:
     from phalanx.config import JobConfig
 
-__all__ = ["CannotStart", "StateDirLocked", "serve"]
+__all__ = [
+    "CannotStart",
+    "StateDirLocked",
+    "check_tls",
+    "is_loopback",
+    "serve",
+    "warn_if_clear_text",
+]
 
 
 def serve(

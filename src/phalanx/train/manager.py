@@ -37,6 +37,7 @@ from phalanx.comm.base import CommError, Communicator
 from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
+from phalanx.net import unreachable
 from phalanx.protocol.membership import Quorum
 from phalanx.train.base import Compute, Held, JobFinished, StepResult
 from phalanx.train.batch import micro_batches, split
@@ -390,10 +391,15 @@ class Manager:
         self._report_peers(str(e))
 
     def _report_peers(self, reason: str) -> None:
-        """Report every other participant of the quorum as a suspect (``failed_commit``)."""
+        """Report the participants of the quorum that failed (``failed_commit``): those
+        whose address this replica cannot reach (dead, or cut off by a partition), or
+        every other participant when all of them answer (one is stuck: the
+        controller's probe finds which). Precise reports let the controller tell
+        the side of a partition that most peers cannot reach."""
         q = self.quorum
         me = self.client.replica_id
-        peers = [r for r in (q.replica_ids if q else []) if r != me]
+        addrs = {m.replica_id: m.address for m in (q.members if q else ()) if m.replica_id != me}
+        peers = unreachable(addrs) or list(addrs)
         self.log.warning("collective failed, reporting %d peer(s): %s", len(peers), reason[:200])
         try:
             self.client.report_failure(peers, reason=reason[:500], failed_commit=True)

@@ -152,6 +152,30 @@ class Membership:
                 save_role(self.log, rs)
         return m
 
+    def reported(self, replica_id: str, reporter: str, now: float) -> str | None:
+        """Record that ``reporter`` saw ``replica_id`` fail. Returns the reason to
+        evict it at once when a strict majority of its role's other live members
+        (two at least) reported it within ``heartbeat_s``, even if it still answers
+        the controller: its peers cannot reach it, a partition the controller's
+        own probe does not cross. A replica on the minority side of a partition
+        reports the others too (replicas report the peers they cannot reach:
+        ``Manager._report_peers``), but never reaches a majority against any.
+        Two replicas cut from each other report each other: the controller cannot
+        tell which side is at fault, and evicts the first to report, so that the
+        other goes on (a dead or stuck replica reports nobody: the probe finds it)."""
+        m = self.members[replica_id]
+        window = self.cfg.timeouts.heartbeat_s
+        m.reported_by = {r: t for r, t in m.reported_by.items() if now - t < window}
+        m.reported_by[reporter] = now
+        others = self.roles[m.role].member_ids - {replica_id}
+        by = len(others & set(m.reported_by))
+        if len(others) >= 2 and 2 * by > len(others):
+            return f"failure report by {by} of its {len(others)} peers (unreachable by them)"
+        mutual = replica_id in self.members[reporter].reported_by
+        if len(others) == 1 and mutual:
+            return "failure report by its only peer, which it reported too (cut from each other)"
+        return None
+
     def suspect(self, replica_id: str, reason: str, now: float) -> bool:
         """Start the grace of a live, unsuspected member; False if unknown or already."""
         m = self.members.get(replica_id)

@@ -38,6 +38,10 @@ class Member:
     suspect_reason: str = field(default="", compare=False)
     loss: float | None = field(default=None, compare=False)
     inner_step: int | None = field(default=None, compare=False)
+    reported_by: dict[str, float] = field(default_factory=dict, compare=False)
+    """Peers that reported it failing, with when (monotonic): a majority of its role
+    evicts it even if it still answers the controller (a partition between it and
+    its peers, which the controller's own probe cannot see)."""
 
     def record(self) -> dict[str, Any]:
         """The durable fields: those marked ``compare=False`` are liveness and figures."""

@@ -261,12 +261,10 @@ class ControllerState:
     ) -> tuple[list[str], Tick]:
         """A peer saw a collective error. Returns the suspects that are unknown.
 
-        Suspects are not evicted on the report alone (a report may be false,
-        or come from the faulty side of a partition): each one is probed and
-        evicted only if it does not heartbeat within ``suspect_grace_s``.
-        ``failed_commit`` forces a new ``quorum_id`` at the reporter's role's
-        next quorum, so that every participant rebuilds its process group.
-        """
+        Each suspect is probed, and evicted if it does not heartbeat within
+        ``suspect_grace_s`` (a report may be false, or from the faulty side of a
+        partition), or at once if most of its peers reported it (:meth:`Membership.
+        reported`). ``failed_commit`` forces a new ``quorum_id``: all regroup."""
         rep = self.member(reporter, field="reporter")
         if reporter in suspects:
             raise StateError("suspects must not include the reporter itself.", field="suspects")
@@ -275,6 +273,8 @@ class ControllerState:
         for sid in dict.fromkeys(suspects):
             if sid not in self.members:
                 unknown.append(sid)
+            elif (why := self.membership.reported(sid, reporter, now)) is not None:
+                tick.merge(self._evict(sid, why, now, wall))
             elif self.membership.suspect(sid, "failure report", now):
                 tick.probe.append(sid)
         if failed_commit:
