@@ -102,7 +102,7 @@ def hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-PROBE_S = 0.5
+PROBE_S = 0.25
 """How long a reachability probe waits for a TCP connection to a peer's address."""
 
 

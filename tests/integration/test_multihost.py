@@ -15,6 +15,7 @@ Root only (the namespaces); skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,9 @@ def net() -> Iterator[netns.Net]:
 
 @pytest.fixture
 def job(tmp_path: Path, net: netns.Net) -> Iterator[FTJob]:
-    j = FTJob(tmp_path, write_job(tmp_path / "job.toml", train=TRAIN, policy={"n_init_replicas": 2}))
+    j = FTJob(
+        tmp_path, write_job(tmp_path / "job.toml", train=TRAIN, policy={"n_init_replicas": 2})
+    )
     try:
         yield j
     finally:
@@ -88,3 +91,107 @@ def test_the_ft_job_runs_across_hosts(job: FTJob, net: netns.Net) -> None:
     finals = [a.finish(), b.finish()]
     check([a, b], finals, TRAIN["steps"])
     assert any(e["participants"] == 2 for e in a.events if e["event"] == "step")
+
+
+def wait_all(replicas: list[Replica], pred: Any, what: str) -> None:
+    for r in replicas:
+        r.wait_event(lambda e: e["event"] == "step" and pred(e), f"{r.label}: {what}")
+
+
+PARTITIONS = {
+    # kind: (who is cut, from whom) as host names
+    "replica_from_controller": ("r3", ["c"]),
+    "replica_from_peers": ("r3", ["r1", "r2"]),
+    "minority_from_all": ("r3", ["c", "r1", "r2"]),
+    "controller_from_all": ("c", ["r1", "r2", "r3"]),
+}
+HOLD_S = 5.0
+"""How long a partition lasts: past the heartbeat timeout (2 s), so that every
+detector has fired before it heals."""
+
+
+def three_replicas(job: FTJob, net: netns.Net) -> list[Replica]:
+    hosts = net.hosts
+    job.start_controller(host=hosts["c"])
+    reps = [job.start_replica(n, host=hosts[n]) for n in ("r1", "r2", "r3")]
+    wait_all(reps, lambda e: e["participants"] == 3 and e["step"] >= 5, "3 together")
+    return reps
+
+
+def long_job(tmp_path: Path) -> FTJob:
+    """A job that runs until the test stops it (its steps outlast every scenario)."""
+    train = {**TRAIN, "steps": 100_000, "step_delay_s": 0.03}
+    return FTJob(
+        tmp_path, write_job(tmp_path / "job.toml", train=train, policy={"n_init_replicas": 3})
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(PARTITIONS))
+def test_a_partition_heals_without_divergent_commits(
+    kind: str, tmp_path: Path, net: netns.Net
+) -> None:
+    """During the FT job, cut one host off as ``kind`` says for HOLD_S, then heal:
+    the survivors commit without the cut replica (when the controller is not the
+    one cut), and the three commit together again after the heal."""
+    who, others = PARTITIONS[kind]
+    job = long_job(tmp_path)
+    try:
+        reps = three_replicas(job, net)
+        cut_at = time.monotonic()
+        net.cut(net.hosts[who], [net.hosts[o] for o in others])
+        if who != "c":
+            reps[0].wait_event(
+                lambda e: e["event"] == "step" and e["_at"] > cut_at and e["participants"] == 2,
+                "the survivors to commit without r3",
+            )
+        time.sleep(HOLD_S)  # (the partition's length, not a wait for an event)
+        net.heal(net.hosts[who])
+        healed_at = time.monotonic()
+        wait_all(
+            reps,
+            lambda e: e["_at"] > healed_at and e["participants"] == 3,
+            "the three to commit together again",
+        )
+    finally:
+        job.cleanup()
+        for h in net.hosts.values():
+            net.heal(h)
+    check_agreed(reps)
+
+
+def test_packet_loss_on_the_data_plane_loses_no_agreement(tmp_path: Path, net: netns.Net) -> None:
+    """20% of the packets between the replicas dropped for HOLD_S (the controller's
+    traffic untouched): steps are retried or replicas evicted and healed, but every
+    committed step is agreed, and the three train together again afterwards."""
+    job = long_job(tmp_path)
+    r1, r2, r3 = (net.hosts[n] for n in ("r1", "r2", "r3"))
+    try:
+        reps = three_replicas(job, net)
+        for h, peers in ((r1, [r2, r3]), (r2, [r1, r3]), (r3, [r1, r2])):
+            net.loss(h, peers, 20)
+        time.sleep(HOLD_S)
+        for h in (r1, r2, r3):
+            net.heal(h)
+        healed_at = time.monotonic()
+        wait_all(
+            reps,
+            lambda e: e["_at"] > healed_at and e["participants"] == 3,
+            "the three to commit together again",
+        )
+    finally:
+        job.cleanup()
+        for h in net.hosts.values():
+            net.heal(h)
+    check_agreed(reps)
+
+
+def check_agreed(replicas: list[Replica]) -> None:
+    """Every step committed by several replicas holds one state, and no replica's
+    committed steps go back within an incarnation."""
+    for step, by in sorted(steps_of(replicas).items()):
+        assert len(set(by.values())) == 1, f"step {step}: replicas committed different states {by}"
+    for r in replicas:
+        last: dict[str, int] = {}
+        for e in (e for e in r.events if e["event"] == "step"):
+            assert e["step"] > last.get(e["replica"], 0), f"{r.label}: a step went back: {e}"
+            last[e["replica"]] = e["step"]
