@@ -113,6 +113,31 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
 
 
+LOCAL_START_TRIES = 3
+"""A local Ray instance that did not come up is started again this many times: Ray
+waits a fixed 30 s for its raylet to register, which a busy host (every core
+taken) can exceed."""
+
+
+def init_ray(ray: Any, address: str | None, kwargs: dict[str, Any]) -> None:
+    for attempt in range(1, LOCAL_START_TRIES + 1):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except Exception as e:
+            if address is not None or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()  # (stops what this attempt started)
+            if attempt == LOCAL_START_TRIES:
+                raise RuntimeError(
+                    f"a local Ray instance did not start in {LOCAL_START_TRIES} tries (its "
+                    f"raylet must register within Ray's 30 s): {e}. The host is overloaded: "
+                    "free some CPU, or start Ray yourself (`ray start --head`) and pass its "
+                    "address."
+                ) from e
+            log.warning("ray executor: the local Ray instance did not start (%s); again", e)
+
+
 class RayExecutor(ServerlessExecutor):
     """Replicas as Ray actors; see the module doc.
 
@@ -148,7 +173,7 @@ class RayExecutor(ServerlessExecutor):
         if self.owns_connection:
             init_kwargs.setdefault("include_dashboard", False)
             init_kwargs.setdefault("log_to_driver", False)
-            ray.init(address=address, **init_kwargs)
+            init_ray(ray, address, init_kwargs)
         elif address is not None or init_kwargs:
             log.warning(
                 "ray executor: this process is connected to Ray already; using that "
