@@ -112,8 +112,15 @@ class Procs:
         label: str,
         env: dict[str, str] | None = None,
         stdin: int = subprocess.DEVNULL,
+        host: Any = None,
     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        """Start ``args``; ``host``: a :class:`netns.Host` to run it on (its namespace,
+        its address advertised to peers)."""
         self._n += 1
+        env = dict(env or child_env())
+        if host is not None:
+            args = host.wrap(args)
+            env["PHALANX_ADVERTISE_HOST"] = host.ip
         out = self.workdir / f"{label}.{self._n}.out"
         err = self.workdir / f"{label}.{self._n}.err"
         with out.open("wb") as fo, err.open("wb") as fe:
@@ -122,7 +129,7 @@ class Procs:
                 stdout=fo,
                 stderr=fe,
                 stdin=stdin,
-                env=env or child_env(),
+                env=env,
                 start_new_session=True,
             )
         self.started.append(p)
@@ -157,8 +164,11 @@ class Controller:
         config: Path,
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        host: Any = None,
     ):
         self.procs = procs
+        self.host = host
+        """A :class:`netns.Host` to run on (bound to its address), or None: loopback."""
         self.state_dir = state_dir
         self.config = config
         self.args = list(args or [])
@@ -178,7 +188,9 @@ class Controller:
         """Start a controller process on this state dir without waiting for it."""
         args = [sys.executable, "-m", "phalanx.cli", "controller", "--config", str(self.config)]
         args += ["--state-dir", str(self.state_dir), "--port", "0", *self.args]
-        return self.procs.spawn(args, "controller", self.env)
+        if self.host is not None:
+            args += ["--host", self.host.ip]
+        return self.procs.spawn(args, "controller", self.env, host=self.host)
 
     def start(self, timeout: float = 20.0) -> Controller:
         """Start the controller and wait until it listens. Works for a restart too:
@@ -192,7 +204,7 @@ class Controller:
                 raise AssertionError(
                     f"controller exited with {proc.returncode}:\n{err.read_text()}"
                 )
-            m = re.search(r" at (http://\S+)", out.read_text())
+            m = re.search(r" at (https?://\S+)", out.read_text())
             return m.group(1) if m else None
 
         url = wait_for(announced, timeout, "the controller to announce its URL")

@@ -23,6 +23,8 @@ from typing import Any
 import netns
 import pytest
 from ftjob import FTJob, Replica, assert_identical, write_job
+from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -195,3 +197,37 @@ def check_agreed(replicas: list[Replica]) -> None:
         for e in (e for e in r.events if e["event"] == "step"):
             assert e["step"] > last.get(e["replica"], 0), f"{r.label}: a step went back: {e}"
             last[e["replica"]] = e["step"]
+
+
+def test_the_rl_job_runs_across_hosts_through_partitions(
+    tmp_path: Path, procs: Procs, net: netns.Net
+) -> None:
+    """The RL job with its controller on c, its policy on r1 and rollout replicas on
+    r2 and r3 (weights synced across hosts). A rollout replica is cut from every
+    other host for HOLD_S (its leases expire and go to r2), then the policy is cut
+    from the controller for HOLD_S (it is evicted, and comes back as a new
+    incarnation). The job finishes, no prompt is trained twice and the ledger
+    balances."""
+    c, r1, r2, r3 = (net.hosts[n] for n in ("c", "r1", "r2", "r3"))
+    sections = job_sections(rollout_init=2, steps=30, target_reward=0.99)
+    config = write_job_toml(tmp_path / "rl.toml", sections)
+    ctl = Controller(procs, tmp_path / "state", config, host=c).start()
+    policy = RLReplica(procs, ctl, config, "policy", "policy-0", host=r1)
+    ra = RLReplica(procs, ctl, config, "rollout", "rollout-a", host=r2)
+    rb = RLReplica(procs, ctl, config, "rollout", "rollout-b", host=r3)
+    try:
+        wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, PROGRESS_S, "policy step 4")
+        assert any(e["ok"] and e["version"] > 0 for e in rb.events("sync")), "no sync to r3"
+        for who, others in ((r3, [c, r1, r2]), (r1, [c])):
+            net.cut(who, others)
+            time.sleep(HOLD_S)  # (the partition's length)
+            net.heal(who)
+            at = rl_status(ctl)["policy_step"]
+            wait_for(lambda a=at: rl_status(ctl)["policy_step"] > a, PROGRESS_S, "progress")
+        st = wait_finished(ctl, [policy, ra, rb], timeout=PROGRESS_S)
+    finally:
+        for h in net.hosts.values():
+            net.heal(h)
+    check_ledger(st, trained_prompts([policy]))
+    kinds = [e["kind"] for e in ctl.status()["events"]]
+    assert "evict" in kinds, "the cut replicas were never evicted"

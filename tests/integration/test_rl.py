@@ -94,6 +94,7 @@ class RLReplica:
         *extra: str,
         spare: bool = False,
         ranks: int = 1,
+        host: Any = None,
     ):
         self.name, self.role = name, role
         head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
@@ -109,7 +110,9 @@ class RLReplica:
         if role == "policy":
             args += ["--state", str(procs.workdir / "policy-state")]
         stdin = subprocess.PIPE if spare and self.gate is None else subprocess.DEVNULL
-        self.proc, self.out, self.err = procs.spawn([*args, *extra], f"{role}-{name}", stdin=stdin)
+        self.proc, self.out, self.err = procs.spawn(
+            [*args, *extra], f"{role}-{name}", stdin=stdin, host=host
+        )
 
     def release(self) -> None:
         """Start a warm spare's replica (see :data:`SPARE`)."""
