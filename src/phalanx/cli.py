@@ -95,6 +95,7 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.config import load_config
     from phalanx.jobs import EXIT_UNRECOVERABLE, JobError, ReplicaArgs, spec_for
     from phalanx.log import setup
+    from phalanx.net import AddressError
 
     setup()
     cfg = load_config(args.config, overrides)
@@ -108,7 +109,12 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     try:
         return spec_for(replica).load()(replica)
-    except (JobError, NoUsableCheckpoint, CertificateMismatch) as e:  # a restart cannot help
+    except (
+        JobError,
+        NoUsableCheckpoint,
+        CertificateMismatch,
+        AddressError,
+    ) as e:  # a restart cannot help
         print(f"phalanx replica {replica.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_UNRECOVERABLE
 

@@ -15,16 +15,18 @@ Root only (the namespaces); skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import netns
 import pytest
 from ftjob import FTJob, Replica, assert_identical, write_job
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+
+from phalanx.testing import netns
 
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -217,7 +219,11 @@ def test_the_rl_job_runs_across_hosts_through_partitions(
     rb = RLReplica(procs, ctl, config, "rollout", "rollout-b", host=r3)
     try:
         wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, PROGRESS_S, "policy step 4")
-        assert any(e["ok"] and e["version"] > 0 for e in rb.events("sync")), "no sync to r3"
+        wait_for(
+            lambda: any(e["ok"] and e["version"] > 0 for e in rb.events("sync")),
+            PROGRESS_S,
+            "weights synced to r3 across hosts",
+        )
         for who, others in ((r3, [c, r1, r2]), (r1, [c])):
             net.cut(who, others)
             time.sleep(HOLD_S)  # (the partition's length)
@@ -231,3 +237,36 @@ def test_the_rl_job_runs_across_hosts_through_partitions(
     check_ledger(st, trained_prompts([policy]))
     kinds = [e["kind"] for e in ctl.status()["events"]]
     assert "evict" in kinds, "the cut replicas were never evicted"
+
+
+def test_an_advertised_address_peers_cannot_reach_is_one_line(
+    tmp_path: Path, net: netns.Net
+) -> None:
+    """A replica that advertises another host's address cannot reach its own store
+    there; one the controller cannot connect to is refused at registration. Each
+    says so in one line naming the address, exits 78 (no restart helps), and the
+    job goes on without it."""
+    c, r1, r2 = (net.hosts[n] for n in ("c", "r1", "r2"))
+    job = FTJob(tmp_path, write_job(tmp_path / "job.toml", train={**TRAIN, "steps": 100_000}))
+    try:
+        job.start_controller(host=c)
+        a = job.start_replica("a", host=r1)
+        a.wait_step(2)
+        wrong = dataclasses.replace(r2, ip=r1.ip)  # on r2, advertising r1's address
+        b = job.start_replica("b", host=wrong)
+        assert b.popen.wait(timeout=PROGRESS_S) == 78
+        err = b.err_path.read_text()
+        assert f"the advertised address '{r1.ip}' must be an address of this host" in err
+        net.block_new(c, [r2])  # the controller cannot connect to r2
+        d = job.start_replica("d", host=r2)
+        assert d.popen.wait(timeout=PROGRESS_S) == 78
+        err = d.err_path.read_text()
+        assert "controller refused this replica" in err and f"{r2.ip}:" in err, err
+        for e in (b.err_path.read_text(), err):
+            assert "Traceback" not in e and len(e.strip().splitlines()) <= 3, e
+        at = a.events[-1]["step"]
+        a.wait_event(lambda e: e["event"] == "step" and e["step"] > at + 2, "a going on")
+    finally:
+        job.cleanup()
+        for h in net.hosts.values():
+            net.heal(h)

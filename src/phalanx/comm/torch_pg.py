@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.base import CommError, Communicator
-from phalanx.net import advertise_host, hostport
+from phalanx.net import LOOPBACK, AddressError, advertise_host, hostport, unreachable
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -26,8 +26,17 @@ def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
     "host:port"), where host is the address peers reach it by (``host``, else
     :func:`phalanx.net.advertise_host`). The store listens on every interface."""
     host = host or advertise_host()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    return store, hostport(host, store.port)
+    # The store's own client connects over loopback (the server listens on every
+    # interface); peers use the advertised address, checked here first.
+    store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    address = hostport(host, store.port)
+    if unreachable({"self": address}, timeout_s=2.0):
+        raise AddressError(
+            f"the advertised address {host!r} must be an address of this host: this "
+            f"replica cannot reach its own store at {address}. Set --advertise-host (or "
+            f"$PHALANX_ADVERTISE_HOST) to this host's address, or iface:NAME."
+        )
+    return store, address
 
 
 class TorchCommunicator(Communicator):

@@ -34,7 +34,7 @@ from phalanx.controller.statedir import (
     prepare,
     write_private,
 )
-from phalanx.controller.tls import check_tls, url_for, warn_if_clear_text
+from phalanx.controller.tls import check_tls, is_loopback, url_for, warn_if_clear_text
 
 
 def _bind(host: str, port: int, state_dir: Path) -> socket.socket:
@@ -139,6 +139,7 @@ def serve(
             time.monotonic,
             time.time,
             collector=open_collector(cfg),
+            check_addresses=not is_loopback(host),
         )
         # After the journal holds the job: from now on a missing journal is damage.
         write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")

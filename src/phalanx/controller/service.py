@@ -43,8 +43,13 @@ class ControllerService:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         collector: Collector | None = None,
+        check_addresses: bool = False,
     ):
         self.cfg = cfg
+        self.check_addresses = check_addresses
+        """Connect to each registering replica's address first (a controller that
+        serves beyond loopback, so replicas on other hosts: a typo in an advertised
+        address is refused at once, in one line)."""
         self.journal = journal
         self.payloads = payloads
         self.clock = clock

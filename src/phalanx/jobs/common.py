@@ -87,12 +87,12 @@ def keep_freed_memory() -> bool:
 
 def register(client: ControllerClient) -> None:
     """Register ``client``; a replica whose layout the controller refuses (it spans
-    another number of ranks than the role's live replicas) cannot run: JobError,
-    in the controller's one line."""
+    another number of ranks than the role's live replicas), or whose advertised
+    address it cannot connect to, cannot run: JobError, in the controller's one line."""
     try:
         client.register()
     except Rejected as e:
-        if e.status == 409 and any(f.field == "ranks" for f in e.body.fields):
+        if e.status in (409, 422) and any(f.field in ("ranks", "address") for f in e.body.fields):
             raise JobError(f"the controller refused this replica: {e.body.error}") from e
         raise
 

@@ -50,7 +50,7 @@ from phalanx.client import ControllerClient
 from phalanx.comm.base import CommError
 from phalanx.comm.torch_pg import serve_store
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
+from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, register
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.base import Scalar
 from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
@@ -148,7 +148,7 @@ def run(args: ReplicaArgs) -> int:
     client = ControllerClient(
         str(args.controller), "rollout", args.name, address=address, capabilities=caps
     )
-    client.register()
+    register(client)
     client.start_heartbeat()
     rlog = ReplicaLogger(log, client.who)
     # Completions are keyed by prompt (make_rollouts), so which replica draws a

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 from starlette.responses import Response
 
+from phalanx.controller.core.base import StateError
 from phalanx.controller.http.base import REPLY_CACHE, Api, Route, encode
 from phalanx.protocol.base import OkReply, Reply
 from phalanx.protocol.membership import (
@@ -23,11 +25,40 @@ from phalanx.protocol.membership import (
     ReportReq,
 )
 
+REACH_S = 2.0
+"""How long the controller tries to connect to a registering replica's address."""
+
+
+async def check_reachable(address: str) -> None:
+    """Refuse a replica whose advertised address (its rendezvous store, which its
+    peers connect to for heals and weight syncs) the controller cannot connect to:
+    one line naming it, at registration, instead of a collective that hangs later.
+    (A replica that serves no store advertises '' and is not checked.)"""
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), REACH_S
+        )
+    except (OSError, ValueError, TimeoutError) as e:
+        why = "no answer" if isinstance(e, TimeoutError) else (str(e) or type(e).__name__)
+        raise StateError(
+            f"address {address!r} must be reachable by the controller and the replica's "
+            f"peers: connecting to it failed ({why}). Set --advertise-host (or "
+            f"$PHALANX_ADVERTISE_HOST) to an address of the replica's host that they can reach.",
+            field="address",
+            status=422,
+        ) from None
+    writer.close()
+
 
 async def register(api: Api, req: RegisterReq) -> RegisterReply:
     """Register a new incarnation of a replica (a live older one of the same name is
     evicted). The reply carries the timeouts the replica must keep."""
     st = api.state
+    if api.service.check_addresses:
+        await check_reachable(req.address)
     member = api.service.apply(
         st.register,
         req.role,

@@ -137,6 +137,26 @@ class Net:
             h.nft("add", "rule", "inet", TABLE, "in", "ip", "saddr", o.ip, "drop")
             h.cut_from.add(o.ip)
 
+    def block_new(self, h: Host, others: list[Host]) -> None:
+        """Drop the connections ``h`` opens to ``others`` (a firewall one way):
+        connections they open to ``h`` still work."""
+        self._table(h)
+        for o in others:
+            h.nft(
+                "add",
+                "rule",
+                "inet",
+                TABLE,
+                "out",
+                "ip",
+                "daddr",
+                o.ip,
+                "ct",
+                "state",
+                "new",
+                "drop",
+            )
+
     def loss(self, h: Host, others: list[Host], percent: int) -> None:
         """Drop ``percent``% of the packets between ``h`` and ``others``, at random."""
         self._table(h)
