@@ -7,7 +7,8 @@ replay.
   the controller's ledger records the refs. The default is the controller's
   own payload log (no store object: the payloads ride in the submissions).
 - :class:`RolloutQueue` carries rollouts from producers to consumers:
-  at-least-once with acknowledgement, deduplicated by rollout id. Backends:
+  delivered at-least-once, consumed (acked) exactly once, deduplicated by
+  rollout id. Backends:
   a queue held by the controller (``controller_queue.py``), Redis Streams
   (``redis_queue.py``), a storage spool (``spool.py``). For tools,
   benchmarks and off-policy consumers; the RL job does not use it.
@@ -117,7 +118,8 @@ class Delivery:
     receipt: str
     """The backend's handle of this delivery (a stream entry id, a lease marker)."""
     attempt: int
-    """1 on the first delivery; more once a lease expired or was given back (nack)."""
+    """1 on the first delivery; more once a lease expired or was given back (nack).
+    Two deliveries of a rollout never share an attempt."""
     deadline: float
     """Wall-clock time (``time.time()``) after which another consumer may take it."""
 
@@ -125,13 +127,25 @@ class Delivery:
 class RolloutQueue(ABC):
     """Rollouts from producers (rollout replicas) to consumers (policy replicas).
 
-    At-least-once with acknowledgement: a leased rollout that is not acked
-    (nor nacked, nor discarded) before its deadline is delivered again, to any
-    consumer, so a consumer that dies loses nothing. Deduplicated by rollout id
-    (``rollout["rollout_id"]``): once an id is acked or discarded it is never
-    delivered again, and a second put of an id is dropped. A consumer that
-    records what it consumes by id (the controller's ledger does) therefore
-    consumes each rollout exactly once. Ordering is not guaranteed.
+    Delivered at-least-once: a leased rollout that is not acked (nor nacked,
+    nor discarded) before its deadline is delivered again, to any consumer,
+    so a consumer that dies loses nothing; and so a consumer slower than its
+    lease (a loaded machine) shares the rollout with the next one, each under
+    its own attempt. Consumed exactly once: of all the acks and discards of a
+    rollout, by whichever consumers, whatever the timing, the first to reach
+    the backend settles it and is counted (its call's return includes it);
+    every other counts nothing, including a late ack from a consumer whose
+    lease expired. A consumer that keeps (trains on, records) only what its
+    ack counted consumes each rollout exactly once; so does one that records
+    what it consumes by id (the controller's ledger does). Deduplicated by
+    rollout id (``rollout["rollout_id"]``): once an id is acked or discarded
+    it is never delivered again, and a second put of an id is dropped.
+    Ordering is not guaranteed.
+
+    The first settle wins, rather than the current lease holder's: the late
+    consumer has done the work by the time it acks, and refusing it would
+    only have the rollout consumed again by the new holder (or by nobody, if
+    that one dies).
 
     Every method may be called from any process, concurrently; ``ack``,
     ``nack`` and ``discard`` are idempotent and take the deliveries ``lease``
@@ -156,15 +170,22 @@ class RolloutQueue(ABC):
 
     @abstractmethod
     def ack(self, deliveries: Sequence[Delivery]) -> int:
-        """Consumer: these rollouts are consumed. Returns how many were not acked before."""
+        """Consumer: these rollouts are consumed. Returns how many this call settled:
+        the ones not acked or discarded before, by this consumer or another. A
+        delivery not counted was consumed by another consumer first (its lease had
+        expired): ack one delivery at a time to learn which. A request the client
+        sent again because its reply was lost still counts what its first send
+        settled (spool, Redis; the controller's client cannot tell, and answers 0)."""
 
     @abstractmethod
     def nack(self, deliveries: Sequence[Delivery]) -> int:
-        """Consumer: give these back at once (no waiting for the deadline)."""
+        """Consumer: give these back at once (no waiting for the deadline), if still
+        held under that attempt: a stale nack leaves a rollout's new holder alone."""
 
     @abstractmethod
     def discard(self, deliveries: Sequence[Delivery], reason: str) -> int:
-        """Consumer: drop these for good, counted under ``reason`` (``stale``...)."""
+        """Consumer: drop these for good, counted under ``reason`` (``stale``...).
+        Returns how many this call settled, as :meth:`ack` does."""
 
     @abstractmethod
     def pending(self) -> int:

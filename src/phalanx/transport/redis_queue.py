@@ -3,8 +3,10 @@
 One stream per job, one consumer group per consuming role (``policy``),
 one consumer per replica. Keys, under ``phalanx:<name>:rollouts``:
 
-- ``:stream``: the entries, each ``{id, data (JSON), crc (crc32 of data)}``;
-- ``:ids``: hash rollout id -> ``q`` (queued), ``a`` (acked), ``d`` (discarded):
+- ``:stream``: the entries, each ``{id, data (JSON), crc (crc32 of data)}``,
+  and ``n`` (the deliveries before) on an entry a nack put back;
+- ``:ids``: hash rollout id -> ``q`` (queued), ``a <nonce>`` (acked),
+  ``d <nonce>`` (discarded; the nonce of the settle call that counted it):
   the deduplication index. A put of a known id is dropped; an entry whose id
   is already acked is skipped on delivery;
 - ``:counts``: hash of counters (put, duplicates, acked, corrupt, discarded:*);
@@ -22,14 +24,23 @@ idle past the claimer's own lease. The group reads the
 stream from its start, so a consumer that starts late misses nothing (unlike
 pub/sub). An entry leaves the stream only once acked (``XACK`` then ``XDEL``,
 in one script): trimming never drops an unacknowledged rollout. The id index
-is kept for the life of the job (a few bytes per rollout) so that a late
-duplicate is still recognised.
+is kept for the life of the job (a few dozen bytes per rollout) so that a
+late duplicate is still recognised.
+
+An id is consumed once: the first ack or discard of it, by any consumer, sets
+its state and counts; a later one (a consumer whose lease expired and whose
+entry was taken over) counts nothing. The state keeps the counting call's
+nonce, so that the same call resent by redis-py after its reply was lost
+(a timeout, a dropped connection) still learns that it counted. A nack gives
+an entry back only if this consumer still holds it under that attempt: a
+stale nack leaves its new holder alone.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -87,39 +98,62 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], due, ARGV[i]) end
 return #ARGV - 1
 """
 
-# ARGV: group, state ('a' or 'd:<reason>'), then (entry id, rollout id) pairs.
-# Counts only the first ack/discard of an id; always removes the entry.
+# ARGV: group, state ('a' or 'd:<reason>'), the call's nonce, then (entry id, rollout
+# id) pairs. Counts only the first ack/discard of an id (and the same call sent again:
+# redis-py resends a command whose reply was lost, and the id then holds its nonce);
+# always removes the entry.
 SETTLE = """
 local n = 0
-for i = 3, #ARGV, 2 do
+local mark = string.sub(ARGV[2], 1, 1) .. ' ' .. ARGV[3]
+for i = 4, #ARGV, 2 do
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
   redis.call('ZREM', KEYS[5], ARGV[i])
   local cur = redis.call('HGET', KEYS[2], ARGV[i + 1])
   if cur == 'q' or cur == false then
-    redis.call('HSET', KEYS[2], ARGV[i + 1], string.sub(ARGV[2], 1, 1))
+    redis.call('HSET', KEYS[2], ARGV[i + 1], mark)
     if ARGV[2] == 'a' then
       redis.call('HINCRBY', KEYS[3], 'acked', 1)
     else
       redis.call('HINCRBY', KEYS[3], 'discarded:' .. string.sub(ARGV[2], 3), 1)
     end
     n = n + 1
+  elseif cur == mark then
+    n = n + 1
   end
 end
 return n
 """
 
-# ARGV: group, then entry ids. A still-pending entry goes back to the stream's
-# tail as a fresh entry (consumer groups cannot un-deliver one).
+# ARGV: group, consumer, then (entry id, attempt) pairs. An entry still pending with
+# this consumer under that attempt goes back to the stream's tail as a fresh entry
+# (consumer groups cannot un-deliver one) that records the attempts made so far
+# (field n); a stale nack (the lease expired and another consumer took the entry
+# over) changes nothing.
 NACK = """
 local n = 0
-for i = 2, #ARGV do
+for i = 3, #ARGV, 2 do
   local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-  redis.call('ZREM', KEYS[5], ARGV[i])
-  if #e > 0 and redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
-    n = n + 1
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #e > 0 and #p > 0 and p[1][2] == ARGV[2] then
+    local fields, prior = {}, 0
+    for j = 1, #e[1][2], 2 do
+      if e[1][2][j] == 'n' then
+        prior = tonumber(e[1][2][j + 1])
+      else
+        table.insert(fields, e[1][2][j])
+        table.insert(fields, e[1][2][j + 1])
+      end
+    end
+    if prior + p[1][4] == tonumber(ARGV[i + 1]) then
+      redis.call('ZREM', KEYS[5], ARGV[i])
+      redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+      redis.call('XDEL', KEYS[1], ARGV[i])
+      table.insert(fields, 'n')
+      table.insert(fields, ARGV[i + 1])
+      redis.call('XADD', KEYS[1], '*', unpack(fields))
+      n = n + 1
+    end
   end
 end
 return n
@@ -155,6 +189,19 @@ def connect(url: str) -> Any:
 
 def crc(data: bytes) -> str:
     return str(zlib.crc32(data))
+
+
+def nonce() -> str:
+    """Marks the ids one settle call settles (SETTLE: that call, resent, counts them)."""
+    return uuid.uuid4().hex[:12]
+
+
+def prior_attempts(fields: dict[bytes, bytes]) -> int:
+    """Deliveries of an entry's rollout before the entry was re-added by a nack."""
+    try:
+        return max(0, int(fields.get(b"n", b"0")))
+    except ValueError:
+        return 0
 
 
 class RedisRolloutQueue(RolloutQueue):
@@ -253,23 +300,25 @@ class RedisRolloutQueue(RolloutQueue):
         out: list[Delivery] = []
         done: list[tuple[bytes, str]] = []
         states = self._call(self.r.hmget, self.ids, [f.get(b"id", b"") for _, f, _ in got])
-        for (eid, fields, attempt), state in zip(got, states, strict=True):
-            if state in (b"a", b"d"):
+        for (eid, fields, times), state in zip(got, states, strict=True):
+            if state is not None and state[:1] in (b"a", b"d"):
                 done.append((eid, fields[b"id"].decode()))  # acked by a late consumer: drop
                 continue
             d = self._decode(eid, fields)
             if d is not None:
+                attempt = prior_attempts(fields) + times
                 out.append(Delivery(d.rollout_id, d.rollout, d.receipt, attempt, d.deadline))
         if done:
             flat = [x for pair in done for x in pair]
-            self._call(self._settle, keys=self._keys, args=[self.group, "a", *flat])
+            self._call(self._settle, keys=self._keys, args=[self.group, "a", nonce(), *flat])
         return out
 
     def _settle_all(self, deliveries: Sequence[Delivery], state: str) -> int:
         if not deliveries:
             return 0
         flat = [x for d in deliveries for x in (d.receipt, d.rollout_id)]
-        return int(self._call(self._settle, keys=self._keys, args=[self.group, state, *flat]))
+        args = [self.group, state, nonce(), *flat]
+        return int(self._call(self._settle, keys=self._keys, args=args))
 
     def ack(self, deliveries: Sequence[Delivery]) -> int:
         return self._settle_all(deliveries, "a")
@@ -280,7 +329,7 @@ class RedisRolloutQueue(RolloutQueue):
     def nack(self, deliveries: Sequence[Delivery]) -> int:
         if not deliveries:
             return 0
-        args = [self.group, *(d.receipt for d in deliveries)]
+        args = [self.group, self.consumer, *(x for d in deliveries for x in (d.receipt, d.attempt))]
         return int(self._call(self._nack, keys=self._keys, args=args))
 
     def pending(self) -> int:

@@ -25,6 +25,22 @@ the race with a concurrent ack), and a second record of the same id is
 skipped. Deadlines are wall-clock times: consumers' clocks must roughly agree
 (to well within ``lease_s``).
 
+The ack marker is the one place a rollout is consumed: of the consumers that
+settle an id (its holder, and one whose lease expired before it acked), the
+one that creates the marker counts it, every other is told 0. Each marker
+holds a token of the call that created it, so that a create whose request
+landed but whose reply was lost (s3fs and botocore retry after a read timeout
+or a dropped connection, and the retry finds the object) is known to be this
+call's own by reading the token back, not mistaken for another consumer's.
+
+All of this needs a store whose create-if-absent is atomic: POSIX
+``O_EXCL`` (``file://``), S3's ``If-None-Match: *`` (AWS since 2024; a write
+that races another gets 409 ``ConditionalRequestConflict``, and is sent
+again), GCS's generation match. moto's server is not: it checks for the key
+and then writes it, in threads with no lock between, so two concurrent
+creates can both succeed there (two consumers then hold one attempt, and may
+both count an ack).
+
 Segments whose records are all acked are deleted, unless ``keep_segments``
 keeps them for off-policy reuse (:meth:`SpoolRolloutQueue.records`). Ack
 markers stay for the life of the spool, to recognise late duplicates.
@@ -32,6 +48,7 @@ markers stay for the life of the spool, to recognise late duplicates.
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
 import time
@@ -47,6 +64,8 @@ from phalanx.transport.base import Delivery, RolloutQueue, TransportError
 
 MAGIC = b"PXR1"
 HEADER = struct.Struct("<4sII")
+CONFLICT_TRIES = 6
+"""Sends of an exclusive create that S3 answered with a conflict (backoff 0.05 s, doubling)."""
 
 
 def encode(rollout: Mapping[str, Any]) -> bytes:
@@ -83,6 +102,19 @@ def decode(blob: bytes) -> tuple[list[tuple[int, dict[str, Any]]], list[tuple[in
 
 def _key(name: str) -> str:
     return quote(name, safe=".-_")
+
+
+def _conflict(e: OSError) -> bool:
+    """Whether the store refused a write for a concurrent one, so that sending it again
+    settles it: S3's 409 ``ConditionalRequestConflict`` (s3fs raises OSError EIO, the
+    botocore error as its cause), or a busy store (EBUSY: s3fs's 409, SlowDown)."""
+    response = getattr(e.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return (
+        e.errno == errno.EBUSY
+        or code == "ConditionalRequestConflict"
+        or "ConditionalRequestConflict" in str(e)
+    )
 
 
 class SpoolRolloutQueue(RolloutQueue):
@@ -125,24 +157,44 @@ class SpoolRolloutQueue(RolloutQueue):
             raise TransportError(f"spool {self.url}: cannot list {sub}: {e}") from e
         return [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
 
-    def _create(self, path: str, data: bytes = b"") -> bool:
-        """Create ``path`` only if absent (True), atomically where the filesystem can."""
+    def _create(self, path: str, data: bytes | None = None) -> bool:
+        """Create ``path`` only if absent; True if this call created it (atomically
+        where the filesystem can). Without ``data`` the marker holds a fresh token of
+        this call: if the store says the path exists, the token read back tells
+        whether this call's own earlier request made it (its reply lost, the client
+        retried) or another consumer did."""
         # Never empty: s3fs commits an empty file with a plain PUT (its touch), without
         # If-None-Match, so an empty "exclusive" create would overwrite a marker that
         # another consumer made (two consumers would hold one attempt).
-        data = data or b"-"
+        body = data if data is not None else f"{self.consumer} {uuid.uuid4().hex}".encode()
+        tries = 0
+        while True:
+            try:
+                with self.fs.open(path, "xb") as f:
+                    f.write(body)
+                return True
+            except FileExistsError:
+                return data is None and self._read(path) == body
+            except (ValueError, NotImplementedError):
+                # No exclusive create on this filesystem: best effort (check, then write).
+                if self._exists_now(path):
+                    return False
+                self.fs.pipe_file(path, body)
+                return True
+            except OSError as e:
+                tries += 1
+                if not _conflict(e) or tries >= CONFLICT_TRIES:
+                    raise TransportError(f"spool {self.url}: cannot create {path}: {e}") from e
+                time.sleep(0.05 * 2 ** (tries - 1))
+
+    def _read(self, path: str) -> bytes | None:
+        """The bytes of ``path``, or None if it is gone (a collected lease marker)."""
         try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
-            return True
-        except FileExistsError:
-            return False
-        except (ValueError, NotImplementedError):
-            # No exclusive create on this filesystem: best effort (check, then write).
-            if self._exists_now(path):
-                return False
-            self.fs.pipe_file(path, data)
-            return True
+            return bytes(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise TransportError(f"spool {self.url}: cannot read {path}: {e}") from e
 
     def _exists_now(self, path: str) -> bool:
         """Whether ``path`` exists now, asking the store itself: s3fs answers ``exists``
@@ -260,7 +312,8 @@ class SpoolRolloutQueue(RolloutQueue):
         n = 0
         for d in deliveries:
             key = _key(d.rollout_id)
-            if self._create(f"{self.root}/acks/{key}", (reason or "").encode()):
+            # The reason is recorded under discards/; the marker holds this call's token.
+            if self._create(f"{self.root}/acks/{key}"):
                 n += 1
                 if reason is not None:
                     self.fs.makedirs(f"{self.root}/discards/{_key(reason)}", exist_ok=True)
