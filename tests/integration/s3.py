@@ -86,7 +86,14 @@ def serve_s3(bucket: str = BUCKET) -> Iterator[S3Root]:
             env.pop(k, None)
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("moto_server.py")),
+                    "-H",
+                    "127.0.0.1",
+                    "-p",
+                    "0",
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
