@@ -26,7 +26,8 @@ Figures per kind:
 - ``divergent_commits``: steps that two replicas committed with different
   parameters (over every step of the run).
 - ``collective_timeout_s``: the job's collective timeout, for the goal
-  (stall <= collective timeout + 0.5 s).
+  (stall <= collective timeout + 0.5 s); ``--collective-s`` sets it (and the
+  heartbeat timeout to 1 s more).
 
 Root only: the namespaces, the veth pairs and the nftables rules are made here
 and removed at the end, even after a failure. Traffic goes only to addresses
@@ -65,10 +66,10 @@ KINDS = {
 WAIT_S = 240.0
 
 
-def job_toml(path: Path) -> Path:
+def job_toml(path: Path, timeouts: dict[str, float]) -> Path:
     sections: dict[str, dict[str, Any]] = {
         "job": {"id": "partitions", "seed": 7},
-        "timeouts": TIMEOUTS,
+        "timeouts": timeouts,
         "controller": {"tick_s": 0.02},
         "roles.policy": {"min_replicas": 1, "n_init_replicas": 3, "join_timeout_s": 0.5},
         "train": {
@@ -95,9 +96,9 @@ def job_toml(path: Path) -> Path:
 class Run:
     """One job: a controller and three replicas on the namespace hosts."""
 
-    def __init__(self, net: netns.Net, work: Path):
+    def __init__(self, net: netns.Net, work: Path, timeouts: dict[str, float]):
         self.net, self.work = net, work
-        self.config = job_toml(work / "job.toml")
+        self.config = job_toml(work / "job.toml", timeouts)
         self.state = work / "state"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.outs: dict[str, Path] = {}
@@ -168,10 +169,12 @@ def max_or_none(ts: list[float | None]) -> float | None:
     return None if any(t is None for t in ts) else max(t for t in ts if t is not None)
 
 
-def measure(net: netns.Net, kind: str, hold: float, work: Path) -> dict[str, Any]:
+def measure(
+    net: netns.Net, kind: str, hold: float, work: Path, timeouts: dict[str, float]
+) -> dict[str, Any]:
     who, others = KINDS[kind]
     h = net.hosts
-    run = Run(net, work)
+    run = Run(net, work, timeouts)
     try:
         run.start()
         run.wait(
@@ -202,7 +205,7 @@ def measure(net: netns.Net, kind: str, hold: float, work: Path) -> dict[str, Any
             "kind": kind,
             "stall_s": None if stall is None else round(stall, 3),
             "resume_s": round(back - healed, 3),
-            "collective_timeout_s": TIMEOUTS["collective_s"],
+            "collective_timeout_s": timeouts["collective_s"],
             "divergent_commits": run.divergent(),
         }
     finally:
@@ -218,6 +221,12 @@ def main() -> None:
     ap.add_argument("--loss-hold", type=float, default=30.0, help="seconds of packet loss")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
     ap.add_argument("--keep", default="", help="keep each run's logs under this folder")
+    ap.add_argument(
+        "--collective-s",
+        type=float,
+        default=TIMEOUTS["collective_s"],
+        help="collective timeout (the heartbeat timeout is 1 s more)",
+    )
     args = ap.parse_args()
     why = netns.unavailable()
     if why is not None:
@@ -232,8 +241,10 @@ def main() -> None:
             for kind in args.kinds.split(","):
                 hold = args.loss_hold if kind == "loss" else args.hold
                 work = Path(tmp) / kind
-                work.mkdir()
-                r = measure(net, kind, hold, work)
+                work.mkdir(parents=True)
+                c = args.collective_s
+                timeouts = {**TIMEOUTS, "collective_s": c, "heartbeat_s": max(2.0, c + 1)}
+                r = measure(net, kind, hold, work, timeouts)
                 results.append(r)
                 if not args.json:
                     print(

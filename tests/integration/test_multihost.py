@@ -193,7 +193,7 @@ def test_the_rl_job_runs_across_hosts_through_partitions(
     incarnation). The job finishes, no prompt is trained twice and the ledger
     balances."""
     c, r1, r2, r3 = (net.hosts[n] for n in ("c", "r1", "r2", "r3"))
-    sections = job_sections(rollout_init=2, steps=60, target_reward=0.99)
+    sections = job_sections(rollout_init=2, steps=40, target_reward=0.99)
     # Paced (0.1 s per prompt: 0.4 s a lease) so that the job outlasts both cuts
     # however fast the machine trains.
     sections["rl.loop"]["gen_delay_s"] = 0.1

@@ -924,3 +924,47 @@ def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, 
     assert new.checkpoints.records == st.checkpoints.records
     with pytest.raises(UnknownReplica):
         new.record_checkpoint("ghost:1", 9, "x", 0, now=11, wall=11)
+
+
+def test_a_replica_its_peers_cannot_reach_is_benched_then_let_back(state):
+    """c is cut from its peers (not from the controller): evicted by their reports, its
+    new incarnation registers at once but its quorum requests are held for the bench
+    (heartbeat_s), so that the survivors' rounds form without it; then it joins."""
+    a, b, c = join(state, "a", "b", "c")
+    form(state, [a, b, c], now=1.0)
+    state.report_failure(a, [c], now=2.0, wall=2)
+    _, tick = state.report_failure(b, [c], now=2.0, wall=2)
+    assert tick.evicted == [c]
+    assert any(e["kind"] == "benched" and e["seconds"] == HEARTBEAT_S for e in state.events)
+    (c2,) = join(state, "c", now=2.1)
+    assert ask(state, c2, 0, now=2.1) is None  # held: benched
+    q = form(state, [a, b], now=2.2)
+    assert list(q.replica_ids) == [a, b]
+    for rid in (a, b, c2):
+        state.heartbeat(rid, now=2.0 + HEARTBEAT_S / 2, wall=0)
+    q = form(state, [a, b], now=2.0 + HEARTBEAT_S / 2, step=1)  # not waiting for c2
+    role = state.roles["policy"]
+    assert c2 in role.held and c2 not in role.pending
+    later = 2.0 + HEARTBEAT_S + 0.1
+    for rid in (a, b, c2):
+        state.heartbeat(rid, now=later, wall=later)
+    state.tick(now=later, wall=later)
+    assert c2 in role.pending and not role.held  # its bench is over: it asks with the rest
+    ask(state, a, 2, now=later)
+    q = ask(state, b, 2, now=later)
+    assert q is not None and c2 in q.replica_ids and q.heal == {c2: a}
+
+
+def test_a_bench_doubles_when_the_replica_is_cut_off_again_soon(state):
+    a, b, c = join(state, "a", "b", "c")
+    t = 1.0
+    seconds = []
+    for _ in range(3):
+        state.report_failure(a, [c], now=t, wall=t)
+        state.report_failure(b, [c], now=t, wall=t)
+        seconds.append(next(e for e in reversed(state.events) if e["kind"] == "benched")["seconds"])
+        t += seconds[-1] + 0.1  # the bench ends; it comes back and is cut off again
+        for rid in (a, b):
+            state.heartbeat(rid, now=t, wall=t)
+        (c,) = join(state, "c", now=t)
+    assert seconds == [HEARTBEAT_S, 2 * HEARTBEAT_S, 4 * HEARTBEAT_S]

@@ -47,7 +47,11 @@ class Quorums:
         if done is not None:
             return done, None
         rs = self.roles[m.role]
-        rs.add_pending(m.replica_id, Pending(step, request_id, now + timeout_s), now)
+        req = Pending(step, request_id, now + timeout_s)
+        if self.members.benched_until(m, now) is not None:
+            rs.held[m.replica_id] = req  # it joins once its bench ends (try_form)
+            return None, None
+        rs.add_pending(m.replica_id, req, now)
         formed = self.try_form(rs, now, wall)
         return self.answer(m.replica_id, request_id), formed
 
@@ -77,7 +81,8 @@ class Quorums:
         pend = len(rs.pending)
         if pend == 0:
             return False
-        n_alive = len(rs.member_ids)
+        # A benched member (its peers cannot reach it) is not waited for.
+        n_alive = len(rs.member_ids) - self._benched(rs, now)
         first = rs.last_quorum is None
         need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
         if pend < need or 2 * pend <= n_alive:
@@ -101,7 +106,20 @@ class Quorums:
             return False
         return now - since >= rs.cfg.join_timeout_s
 
+    def _benched(self, rs: RoleState, now: float) -> int:
+        if not self.members.benched:
+            return 0
+        ms = self.members.members
+        return sum(1 for r in rs.member_ids if self.members.benched_until(ms[r], now) is not None)
+
     def try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
+        for rid, req in list(rs.held.items()):
+            m = self.members.members.get(rid)
+            if m is None or req.deadline <= now:
+                del rs.held[rid]
+            elif self.members.benched_until(m, now) is None:
+                del rs.held[rid]
+                rs.add_pending(rid, req, now)
         if not self.ready(rs, now):
             return None
         ids = sorted(rs.pending)

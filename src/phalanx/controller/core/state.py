@@ -222,8 +222,7 @@ class ControllerState:
         self.commands.drop_for(replica_id)
         rs = self.roles[m.role]
         rs.drop_pending(replica_id)
-        # When it failed, as well as the controller can tell: the suspicion's start,
-        # else its last heartbeat (for a timeout), else now.
+        # When it failed, as the controller can tell: suspected, else last seen, else now.
         detector = detector_of(reason)
         since = m.suspect_since if m.suspect_since is not None else m.last_seen
         failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
@@ -241,6 +240,7 @@ class ControllerState:
             failed_at=round(failed_at, 3),
             uptime_s=round(wall - m.registered_at, 3),
         )
+        self.membership.bench(m, reason, now, wall)
         tick = Tick(evicted=[replica_id])
         tick.merge(self.rl.evicted(replica_id, wall))
         # One fewer live member can complete a waiting quorum.
