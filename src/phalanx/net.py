@@ -106,11 +106,14 @@ PROBE_S = 0.25
 """How long a reachability probe waits for a TCP connection to a peer's address."""
 
 
-def unreachable(addresses: dict[str, str], timeout_s: float = PROBE_S) -> list[str]:
+def unreachable(
+    addresses: dict[str, str], timeout_s: float = PROBE_S, refused: bool = True
+) -> list[str]:
     """The keys of ``addresses`` (``host:port`` each) that refuse a TCP connection or
     do not answer within ``timeout_s``, probed at once. A partitioned peer drops the
     packets, a dead one refuses; a peer that is alive but stuck still connects (its
-    kernel accepts), so this names only peers the network or death cuts off."""
+    kernel accepts), so this names only peers the network or death cuts off. With
+    ``refused=False``, only the silent ones (a partition, not a death)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def gone(addr: str) -> bool:
@@ -118,11 +121,24 @@ def unreachable(addresses: dict[str, str], timeout_s: float = PROBE_S) -> list[s
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
                 return False
-        except (OSError, ValueError):
+        except TimeoutError:
             return True
+        except (OSError, ValueError):
+            return refused
 
     if not addresses:
         return []
     with ThreadPoolExecutor(min(32, len(addresses)), thread_name_prefix="phalanx-probe") as pool:
         verdicts = dict(zip(addresses, pool.map(gone, addresses.values()), strict=True))
     return [k for k, v in verdicts.items() if v]
+
+
+def wait_for_most(addresses: dict[str, str], deadline: float, what: str) -> None:
+    """Return once most of ``addresses`` answer (or refuse: dead, not cut off), probing
+    every :data:`PROBE_S`; TimeoutError naming ``what`` at ``deadline`` (monotonic)."""
+    import time
+
+    while 2 * len(silent := unreachable(addresses, refused=False)) > len(addresses):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {len(silent)} of {len(addresses)} still do not answer")
+        time.sleep(PROBE_S)

@@ -926,45 +926,40 @@ def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, 
         new.record_checkpoint("ghost:1", 9, "x", 0, now=11, wall=11)
 
 
-def test_a_replica_its_peers_cannot_reach_is_benched_then_let_back(state):
-    """c is cut from its peers (not from the controller): evicted by their reports, its
-    new incarnation registers at once but its quorum requests are held for the bench
-    (heartbeat_s), so that the survivors' rounds form without it; then it joins."""
+def test_at_the_newest_step_only_the_newest_lineage_is_up_to_date(state):
+    """a committed step 5 in quorum 3, which b and c did not follow (its collective
+    finished, theirs timed out); they committed step 5 again in quorum 4. All three
+    at step 5: a is healed from one of them, not taken as up to date."""
     a, b, c = join(state, "a", "b", "c")
-    form(state, [a, b, c], now=1.0)
-    state.report_failure(a, [c], now=2.0, wall=2)
-    _, tick = state.report_failure(b, [c], now=2.0, wall=2)
-    assert tick.evicted == [c]
-    assert any(e["kind"] == "benched" and e["seconds"] == HEARTBEAT_S for e in state.events)
-    (c2,) = join(state, "c", now=2.1)
-    assert ask(state, c2, 0, now=2.1) is None  # held: benched
-    q = form(state, [a, b], now=2.2)
-    assert list(q.replica_ids) == [a, b]
-    for rid in (a, b, c2):
-        state.heartbeat(rid, now=2.0 + HEARTBEAT_S / 2, wall=0)
-    q = form(state, [a, b], now=2.0 + HEARTBEAT_S / 2, step=1)  # not waiting for c2
-    role = state.roles["policy"]
-    assert c2 in role.held and c2 not in role.pending
-    later = 2.0 + HEARTBEAT_S + 0.1
-    for rid in (a, b, c2):
-        state.heartbeat(rid, now=later, wall=later)
-    state.tick(now=later, wall=later)
-    assert c2 in role.pending and not role.held  # its bench is over: it asks with the rest
-    ask(state, a, 2, now=later)
-    q = ask(state, b, 2, now=later)
-    assert q is not None and c2 in q.replica_ids and q.heal == {c2: a}
+    for rid, lineage in ((a, 3), (b, 4)):
+        q, _ = state.request_quorum(rid, 5, f"{rid}-r", 60.0, now=1.0, wall=1, lineage=lineage)
+        assert q is None
+    q, _ = state.request_quorum(c, 5, f"{c}-r", 60.0, now=1.0, wall=1, lineage=4)
+    assert q is not None and q.max_step == 5
+    assert q.heal == {a: b}
+    assert {m.replica_id: m.lineage for m in q.members} == {a: 3, b: 4, c: 4}
 
 
-def test_a_bench_doubles_when_the_replica_is_cut_off_again_soon(state):
+
+def test_a_quorum_waits_for_a_live_member_that_holds_a_newer_step(state):
+    """c committed up to step 10 alone; a and b, back from a failure, ask at step 5.
+    A quorum of a and b would redo steps 6..10 from older state (the job's steps
+    going back): it waits for c, and a and b are healed from it."""
     a, b, c = join(state, "a", "b", "c")
-    t = 1.0
-    seconds = []
-    for _ in range(3):
-        state.report_failure(a, [c], now=t, wall=t)
-        state.report_failure(b, [c], now=t, wall=t)
-        seconds.append(next(e for e in reversed(state.events) if e["kind"] == "benched")["seconds"])
-        t += seconds[-1] + 0.1  # the bench ends; it comes back and is cut off again
-        for rid in (a, b):
-            state.heartbeat(rid, now=t, wall=t)
-        (c,) = join(state, "c", now=t)
-    assert seconds == [HEARTBEAT_S, 2 * HEARTBEAT_S, 4 * HEARTBEAT_S]
+    state.heartbeat(c, now=1.0, wall=1, step=10)
+    ask(state, a, 5, now=1.0)
+    assert ask(state, b, 5, now=1.0) is None
+    late = 1.0 + HEARTBEAT_S / 2
+    for rid in (a, b, c):
+        state.heartbeat(rid, now=late, wall=late)
+    assert state.tick(now=late, wall=late).formed == []  # past join_timeout_s, still waiting
+    q = ask(state, c, 10, now=late)
+    assert q is not None and q.max_step == 10 and set(q.heal) == {a, b}
+
+
+def test_reports_never_evict_the_holder_of_the_newest_step(state):
+    a, b, c = join(state, "a", "b", "c")
+    state.heartbeat(c, now=1.0, wall=1, step=10)
+    state.report_failure(a, [c], now=1.0, wall=1)
+    _, tick = state.report_failure(b, [c], now=1.0, wall=1)
+    assert tick.evicted == [] and c in state.members  # the probe decides

@@ -248,7 +248,7 @@ class ControllerClient:
 
     # -- quorum ----------------------------------------------------------
 
-    def quorum(self, step: int, timeout_s: float | None = None) -> Quorum:
+    def quorum(self, step: int, timeout_s: float | None = None, lineage: int = 0) -> Quorum:
         """Block until this replica is in a quorum of its role for ``step``.
 
         Call it once per step from the replica's rank 0, with the replica's
@@ -271,7 +271,12 @@ class ControllerClient:
 
             def ask(rid: str, wait: float = wait, left: float = left) -> QuorumReply:
                 req = QuorumReq(
-                    replica_id=rid, step=step, request_id=request_id, timeout_s=left, wait_s=wait
+                    replica_id=rid,
+                    step=step,
+                    request_id=request_id,
+                    timeout_s=left,
+                    wait_s=wait,
+                    lineage=lineage,
                 )
                 return self.transport.call("/v1/quorum", req, QuorumReply, timeout=wait + 10)
 

@@ -84,6 +84,11 @@ class QuorumReq(Wire):
     """This replica's committed step."""
     request_id: RequestId
     """One per step: a retried request with the same id gets the same quorum."""
+    lineage: Count = 0
+    """The ``quorum_id`` in which this replica's state was committed last (0: none
+    known). Of the replicas at a quorum's newest step, only those of the newest
+    lineage are up to date: one that committed the step in a quorum the others did
+    not follow (its collective finished where theirs timed out) is healed."""
     timeout_s: float = Field(60.0, gt=0, le=86400)
     wait_s: WaitS = 10.0
 
@@ -96,6 +101,8 @@ class QuorumMember(Wire):
     step: Count
     rank: int = Field(ge=0, le=1_000_000)
     """This replica's rank within the quorum (sorted by replica id)."""
+    lineage: Count = 0
+    """The quorum in which its state was committed last (``QuorumReq.lineage``)."""
 
 
 class Quorum(Wire):

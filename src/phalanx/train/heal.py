@@ -75,6 +75,34 @@ def received_into(tree: Any, scratch: torch.Tensor | None) -> bool:
     return any(t.untyped_storage().data_ptr() == ptr for t in tensors)
 
 
+def heal_record(
+    sd: Any,
+    scratch: torch.Tensor | None,
+    healer: str,
+    step: int,
+    t0: float,
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """What a finished heal reports (``Manager.last_heal``): ``seconds`` from ``t0``
+    (perf_counter) to now, of which ``wait_s`` waiting for the healer to send (it
+    learns of the heal with its quorum) and ``transfer_s`` the transfer itself
+    (``times`` from :func:`~phalanx.comm.transfer.recv_state`); the state's bytes;
+    ``warm``: received into the pre-faulted buffer."""
+    import time
+
+    from phalanx.comm.transfer import buffer_bytes
+
+    return {
+        "seconds": time.perf_counter() - t0,
+        "from": healer,
+        "step": step,
+        "warm": received_into(sd, scratch),
+        "bytes": buffer_bytes(sd),
+        "wait_s": times["started"] - t0,
+        "transfer_s": times["received"] - times["started"],
+    }
+
+
 class PrefaultedBuffer:
     """Fills a buffer in a background thread; :meth:`take` hands it over once."""
 

@@ -32,17 +32,17 @@ from typing import Any
 
 import torch
 
-from phalanx.client import ControllerClient
+from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.base import CommError, Communicator
-from phalanx.comm.transfer import buffer_bytes, recv_state, send_state
+from phalanx.comm.transfer import recv_state, send_state
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
-from phalanx.net import unreachable
+from phalanx.net import unreachable, wait_for_most
 from phalanx.protocol.membership import Quorum
 from phalanx.train.base import Compute, Held, JobFinished, StepResult
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
-from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, received_into
+from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, heal_record
 from phalanx.train.rng import rng_state, set_rng_state
 
 
@@ -72,6 +72,8 @@ class Manager:
         self.quorum_timeout_s = quorum_timeout_s
         self.grads = self._make_grads(model, bucket_bytes)
         self.step = 0
+        self.lineage = 0
+        """The quorum in which the state was committed last (``QuorumReq.lineage``)."""
         self.quorum: Quorum | None = None
         self._configured: tuple[int, ...] | None = None
         self._incarnation = -1
@@ -109,6 +111,7 @@ class Manager:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
+            "lineage": self.lineage,
             "sampler": self.sampler.state_dict() if self.sampler is not None else {},
             "rng": rng_state(),
             "extra": {k: get() for k, (get, _) in self.extra.items()},
@@ -117,7 +120,7 @@ class Manager:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._held = None
         self._load_model(sd)
-        self.step = int(sd["step"])
+        self.step, self.lineage = int(sd["step"]), int(sd.get("lineage", 0))
         if self.sampler is not None:
             self.sampler.load_state_dict(sd["sampler"])
         set_rng_state(sd["rng"])
@@ -154,8 +157,13 @@ class Manager:
         """Ask for this step's quorum in the background (call once per step,
         before the forward pass)."""
         if self._pending is None:
-            step = self.step
-            self._pending = self._pool.submit(self.client.quorum, step, self.quorum_timeout_s)
+            q, peers = self.quorum, {}
+            if q is not None and self.client.incarnations != self._incarnation:
+                # Evicted: rejoin only once most of the last quorum's peers answer (cut
+                # off from them, each rejoin would fail their next step again).
+                me = self.client.replica_id
+                peers = {m.replica_id: m.address for m in q.members if m.replica_id != me}
+            self._pending = self._pool.submit(self._ask, self.step, peers)
             if self.predicted_share() is None:
                 # Joining (or rejoining): a heal may come with this quorum.
                 self._heal_buffer.start(expected_state_bytes(self.state_dict(), self.optimizer))
@@ -225,6 +233,15 @@ class Manager:
             self._heal_buffer.drop()
         return q
 
+    def _ask(self, step: int, peers: dict[str, str]) -> Quorum:
+        timeout = self.quorum_timeout_s or 60.0
+        if peers:
+            try:
+                wait_for_most(peers, time.monotonic() + timeout, "the last quorum's peers")
+            except TimeoutError as e:
+                raise QuorumTimeout(f"not rejoining yet: {e}") from None
+        return self.client.quorum(step, self.quorum_timeout_s, self.lineage)
+
     def _take_quorum(self) -> Quorum:
         """The quorum asked for by :meth:`start_quorum` (waits for it)."""
         assert self._pending is not None
@@ -247,29 +264,17 @@ class Manager:
             times: dict[str, float] = {}
             sd = recv_state(self.comm, src, tag=1, scratch=scratch, times=times)
             self.load_state_dict(sd)
-            dt = time.perf_counter() - t0
-            warm = received_into(sd, scratch)
             self.heals += 1
-            nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-            self.last_heal = {
-                "seconds": dt,
-                "from": q.heal[me],
-                "step": self.step,
-                "warm": warm,
-                "bytes": buffer_bytes(sd),
-                # Of ``seconds``: waiting for the healer to send (it learns of the heal
-                # with its quorum), the transfer itself, and loading what came.
-                "wait_s": times["started"] - t0,
-                "transfer_s": times["received"] - times["started"],
-            }
+            self.last_heal = heal_record(sd, scratch, q.heal[me], self.step, t0, times)
+            dt = self.last_heal["seconds"]
             self.client.report_heal(q.heal[me], self.step, round(dt, 4), q.quorum_id)
             self.log.info(
-                "healed from %s to step %d in %.3f s (%d model bytes, into %s memory)",
+                "healed from %s to step %d in %.3f s (%d bytes, into %s memory)",
                 q.heal[me],
                 self.step,
                 dt,
-                nbytes,
-                "pre-faulted" if warm else "new",
+                self.last_heal["bytes"],
+                "pre-faulted" if self.last_heal["warm"] else "new",
             )
         for lag, healer in sorted(q.heal.items()):
             if healer == me:
@@ -378,6 +383,7 @@ class Manager:
         ok = self._ok and self.grads.vote_ok
         if ok:
             self.step += 1
+            self.lineage = self.quorum.quorum_id if self.quorum is not None else 0
             if self.sampler is not None:
                 self.sampler.commit(self.global_batch_size)
             self.client.report_progress(step=self.step)
@@ -391,11 +397,8 @@ class Manager:
         self._report_peers(str(e))
 
     def _report_peers(self, reason: str) -> None:
-        """Report the participants of the quorum that failed (``failed_commit``): those
-        whose address this replica cannot reach (dead, or cut off by a partition), or
-        every other participant when all of them answer (one is stuck: the
-        controller's probe finds which). Precise reports let the controller tell
-        the side of a partition that most peers cannot reach."""
+        """Report (``failed_commit``) the peers this replica cannot reach (dead, or cut
+        off: the controller then finds a partition's minority), else all of them."""
         q = self.quorum
         me = self.client.replica_id
         addrs = {m.replica_id: m.address for m in (q.members if q else ()) if m.replica_id != me}

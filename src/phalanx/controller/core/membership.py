@@ -18,19 +18,12 @@ from phalanx.config import JobConfig
 from phalanx.controller.core.base import ChangeLog, Conflict, StateError, UnknownReplica
 from phalanx.controller.core.records import Member, RoleState, save_role
 
-MAJORITY_REPORT = "failure report by"
-"""How the reason of an eviction by a majority of peers begins."""
-BENCH_MAX_S = 60.0
-"""The longest a replica its peers cannot reach is kept out of quorums at a time."""
-
 
 class Membership:
     def __init__(self, cfg: JobConfig, log: ChangeLog, roles: dict[str, RoleState]):
         self.cfg, self.log, self.roles = cfg, log, roles
         self.members: dict[str, Member] = {}
         self._by_name: dict[tuple[str, str], str] = {}
-        self.benched: dict[tuple[str, str], tuple[float, float]] = {}
-        """(role, name) -> (until, seconds) of replicas benched (not durable)."""
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
         for rec in tables.get("members", {}).values():
@@ -166,7 +159,9 @@ class Membership:
         the controller: its peers cannot reach it, a partition the controller's
         own probe does not cross. A replica on the minority side of a partition
         reports the others too (replicas report the peers they cannot reach:
-        ``Manager._report_peers``), but never reaches a majority against any.
+        ``Manager._report_peers``), but never reaches a majority against any. A
+        suspect holding a newer step than every reporter is never evicted this way:
+        that would lose committed steps (the probe still evicts it if it is dead).
         Two replicas cut from each other report each other: the controller cannot
         tell which side is at fault, and evicts the first to report, so that the
         other goes on (a dead or stuck replica reports nobody: the probe finds it)."""
@@ -176,35 +171,16 @@ class Membership:
         m.reported_by[reporter] = now
         others = self.roles[m.role].member_ids - {replica_id}
         by = len(others & set(m.reported_by))
+        if m.step > max(
+            (self.members[r].step for r in m.reported_by if r in self.members), default=-1
+        ):
+            return None  # it holds a newer step than its reporters: the probe decides
         if len(others) >= 2 and 2 * by > len(others):
-            return f"{MAJORITY_REPORT} {by} of its {len(others)} peers (unreachable by them)"
+            return f"failure report by {by} of its {len(others)} peers (unreachable by them)"
         mutual = replica_id in self.members[reporter].reported_by
         if len(others) == 1 and mutual:
             return "failure report by its only peer, which it reported too (cut from each other)"
         return None
-
-    def bench(self, m: Member, reason: str, now: float, wall: float) -> None:
-        """Keep evicted replica ``m``'s name out of its role's quorums for a while
-        when most of its peers could not reach it (``reason``: a partition between
-        them); other evictions bench nobody. A new incarnation
-        may register at once (it still reaches the controller), but each time it
-        joined a quorum the survivors' step would fail again. The bench lasts
-        ``heartbeat_s`` at first and doubles (up to :data:`BENCH_MAX_S`) each time
-        the name is evicted so again within twice its last bench after it ended."""
-        if not reason.startswith(MAJORITY_REPORT):
-            return
-        key = (m.role, m.name)
-        seconds = self.cfg.timeouts.heartbeat_s
-        prev = self.benched.get(key)
-        if prev is not None and now - prev[0] < 2 * prev[1]:
-            seconds = min(2 * prev[1], BENCH_MAX_S)
-        self.benched[key] = (now + seconds, seconds)
-        self.log.event("benched", wall, role=m.role, name=m.name, seconds=seconds)
-
-    def benched_until(self, m: Member, now: float) -> float | None:
-        """When ``m``'s bench ends, if it is benched now."""
-        b = self.benched.get((m.role, m.name))
-        return b[0] if b is not None and b[0] > now else None
 
     def suspect(self, replica_id: str, reason: str, now: float) -> bool:
         """Start the grace of a live, unsuspected member; False if unknown or already."""

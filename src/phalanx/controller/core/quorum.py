@@ -38,7 +38,15 @@ class Quorums:
                 self.roles[q.role].set_formed(q)
 
     def request(
-        self, m: Member, step: int, request_id: str, timeout_s: float, *, now: float, wall: float
+        self,
+        m: Member,
+        step: int,
+        request_id: str,
+        timeout_s: float,
+        *,
+        now: float,
+        wall: float,
+        lineage: int = 0,
     ) -> tuple[Quorum | None, Quorum | None]:
         """Ask for ``m`` to take part in its role's next quorum, at ``step`` (its
         committed step). Returns (its quorum if formed now or for the same
@@ -47,10 +55,7 @@ class Quorums:
         if done is not None:
             return done, None
         rs = self.roles[m.role]
-        req = Pending(step, request_id, now + timeout_s)
-        if self.members.benched_until(m, now) is not None:
-            rs.held[m.replica_id] = req  # it joins once its bench ends (try_form)
-            return None, None
+        req = Pending(step, request_id, now + timeout_s, lineage)
         rs.add_pending(m.replica_id, req, now)
         formed = self.try_form(rs, now, wall)
         return self.answer(m.replica_id, request_id), formed
@@ -81,14 +86,15 @@ class Quorums:
         pend = len(rs.pending)
         if pend == 0:
             return False
-        # A benched member (its peers cannot reach it) is not waited for.
-        n_alive = len(rs.member_ids) - self._benched(rs, now)
+        n_alive = len(rs.member_ids)
         first = rs.last_quorum is None
         need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
         if pend < need or 2 * pend <= n_alive:
             return False  # too few, or not a majority of the heartbeating replicas
         if pend == n_alive:
             return True  # everyone who is alive has asked
+        if self._newer_elsewhere(rs, now):
+            return False  # a live member holds a newer step: without it, steps go back
         last = rs.last_quorum
         if last is not None and rs.prev_pending == len(rs.prev_ids):
             return True  # fast path: the previous quorum rejoined in full
@@ -106,20 +112,16 @@ class Quorums:
             return False
         return now - since >= rs.cfg.join_timeout_s
 
-    def _benched(self, rs: RoleState, now: float) -> int:
-        if not self.members.benched:
-            return 0
+    def _newer_elsewhere(self, rs: RoleState, now: float) -> bool:
+        """Whether a live member that has not asked holds a
+        newer committed step than every request: a quorum without it would go on
+        from an older step, and its committed steps would be done again by others.
+        It is waited for; if it is dead, its eviction ends the wait."""
+        newest = max(p.step for p in rs.pending.values())
         ms = self.members.members
-        return sum(1 for r in rs.member_ids if self.members.benched_until(ms[r], now) is not None)
+        return any(ms[r].step > newest for r in rs.member_ids if r not in rs.pending)
 
     def try_form(self, rs: RoleState, now: float, wall: float) -> Quorum | None:
-        for rid, req in list(rs.held.items()):
-            m = self.members.members.get(rid)
-            if m is None or req.deadline <= now:
-                del rs.held[rid]
-            elif self.members.benched_until(m, now) is None:
-                del rs.held[rid]
-                rs.add_pending(rid, req, now)
         if not self.ready(rs, now):
             return None
         ids = sorted(rs.pending)
@@ -130,8 +132,11 @@ class Quorums:
         rs.round += 1
         steps = {rid: rs.pending[rid].step for rid in ids}
         max_step = max(steps.values())
-        fresh = [rid for rid in ids if steps[rid] == max_step]
-        lagging = [rid for rid in ids if steps[rid] < max_step]
+        # At the newest step, the newest lineage is up to date: a replica that
+        # committed that step in a quorum the others did not follow is healed.
+        newest = max(rs.pending[rid].lineage for rid in ids if steps[rid] == max_step)
+        fresh = [rid for rid in ids if (steps[rid], rs.pending[rid].lineage) == (max_step, newest)]
+        lagging = [rid for rid in ids if rid not in fresh]
         heal = {rid: fresh[i % len(fresh)] for i, rid in enumerate(lagging)}
         members = self.members.members
         q = Quorum.model_construct(
@@ -146,6 +151,7 @@ class Quorums:
                     ranks=members[rid].ranks,
                     step=steps[rid],
                     rank=rank,
+                    lineage=rs.pending[rid].lineage,
                 )
                 for rank, rid in enumerate(ids)
             ),

@@ -63,6 +63,7 @@ class Pending:
     step: int
     request_id: str
     deadline: float
+    lineage: int = 0
 
 
 @dataclass
@@ -84,9 +85,6 @@ class RoleState:
     prev_since: float | None = None
     """When the first of the previous quorum's members asked again: the start of the
     round, from which stragglers are timed (``join_timeout_s``)."""
-    held: dict[str, Pending] = field(default_factory=dict)
-    """Quorum requests of benched replicas (:meth:`Membership.bench`), held until the
-    bench ends; they then count as pending (not durable)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Evictions not yet followed by a quorum: the next quorum reports, for each,
     the time from the failure to it (not durable)."""
@@ -109,7 +107,6 @@ class RoleState:
             self.pending_since = now
 
     def drop_pending(self, replica_id: str) -> None:
-        self.held.pop(replica_id, None)
         if self.pending.pop(replica_id, None) is not None and replica_id in self.prev_ids:
             self.prev_pending -= 1
             if self.prev_pending == 0:

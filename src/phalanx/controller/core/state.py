@@ -240,7 +240,6 @@ class ControllerState:
             failed_at=round(failed_at, 3),
             uptime_s=round(wall - m.registered_at, 3),
         )
-        self.membership.bench(m, reason, now, wall)
         tick = Tick(evicted=[replica_id])
         tick.merge(self.rl.evicted(replica_id, wall))
         # One fewer live member can complete a waiting quorum.
@@ -324,13 +323,12 @@ class ControllerState:
         *,
         now: float,
         wall: float,
+        lineage: int = 0,
     ) -> tuple[Quorum | None, Tick]:
-        """Ask to take part in the role's next quorum, at ``step`` (this replica's
-        committed step). Returns the quorum if it formed now (or was formed
-        earlier for the same ``request_id``: retries are idempotent), else None
-        and the caller waits for a :class:`Tick` that names it."""
+        """Ask for the role's next quorum at committed ``step`` (in quorum ``lineage``):
+        the quorum if it formed (retries are idempotent), else None; a Tick names it."""
         m = self.membership.seen(replica_id, now)
-        q, formed = self.quorums.request(m, step, request_id, timeout_s, now=now, wall=wall)
+        q, formed = self.quorums.request(m, step, request_id, timeout_s, now=now, wall=wall, lineage=lineage)  # fmt: skip
         return q, Tick(formed=[formed] if formed is not None else [])
 
     def answer(self, replica_id: str, request_id: str) -> Quorum | None:

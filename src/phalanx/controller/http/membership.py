@@ -134,7 +134,14 @@ async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
     ``pending``: ask again with the same ``request_id``."""
     svc, st = api.service, api.state
     t0 = time.monotonic()
-    q = svc.apply(st.request_quorum, req.replica_id, req.step, req.request_id, req.timeout_s)
+    q = svc.apply(
+        st.request_quorum,
+        req.replica_id,
+        req.step,
+        req.request_id,
+        req.timeout_s,
+        lineage=req.lineage,
+    )
     deadline = t0 + req.wait_s
     while q is None:
         left = deadline - time.monotonic()
