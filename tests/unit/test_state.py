@@ -963,3 +963,22 @@ def test_reports_never_evict_the_holder_of_the_newest_step(state):
     state.report_failure(a, [c], now=1.0, wall=1)
     _, tick = state.report_failure(b, [c], now=1.0, wall=1)
     assert tick.evicted == [] and c in state.members  # the probe decides
+
+
+def test_rounds_do_not_wait_for_a_replica_its_peers_cut_off_until_it_asks(make_state):
+    """c was evicted by its peers as unreachable; its new incarnation registers at once
+    (it still reaches the controller) but asks for a quorum only once it reaches its
+    peers again: a and b's rounds form at once meanwhile (no join_timeout_s wait),
+    and it joins the round it asks in."""
+    st = make_state(join_timeout_s=5)
+    a, b, c = join(st, "a", "b", "c")
+    form(st, [a, b, c], now=0)
+    st.report_failure(a, [c], now=1, wall=1)
+    assert st.report_failure(b, [c], now=1, wall=1)[1].evicted == [c]
+    (c2,) = join(st, "c", now=1.1)
+    q = form(st, [a, b], now=1.2)
+    assert list(q.replica_ids) == [a, b]
+    assert ask(st, c2, 0, now=2) is None
+    ask(st, a, 1, now=2)
+    q = ask(st, b, 1, now=2)
+    assert q is not None and c2 in q.replica_ids and q.heal == {c2: a}

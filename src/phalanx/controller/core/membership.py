@@ -24,6 +24,11 @@ class Membership:
         self.cfg, self.log, self.roles = cfg, log, roles
         self.members: dict[str, Member] = {}
         self._by_name: dict[tuple[str, str], str] = {}
+        self._cut_off: dict[tuple[str, str], float] = {}
+        """(role, name) -> when peers evicted it as unreachable (not durable)."""
+        self.cut_off: set[str] = set()
+        """New incarnations of those: until one asks for a quorum (once it reaches its
+        peers again), rounds do not wait for it (not durable)."""
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
         for rec in tables.get("members", {}).values():
@@ -105,6 +110,9 @@ class Membership:
             )
         m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall)
         m.last_seen = now
+        cut = self._cut_off.pop((role, name), None)
+        if cut is not None and now - cut < self.cfg.timeouts.quorum_s:
+            self.cut_off.add(rid)
         return m, old
 
     def admit(self, m: Member, wall: float) -> None:
@@ -117,6 +125,7 @@ class Membership:
         self.log.put("members", m.replica_id, m.record())
 
     def remove(self, replica_id: str) -> Member:
+        self.cut_off.discard(replica_id)
         m = self.members.pop(replica_id)
         del self._by_name[(m.role, m.name)]
         self.roles[m.role].member_ids.discard(replica_id)
@@ -176,9 +185,11 @@ class Membership:
         ):
             return None  # it holds a newer step than its reporters: the probe decides
         if len(others) >= 2 and 2 * by > len(others):
+            self._cut_off[(m.role, m.name)] = now
             return f"failure report by {by} of its {len(others)} peers (unreachable by them)"
         mutual = replica_id in self.members[reporter].reported_by
         if len(others) == 1 and mutual:
+            self._cut_off[(m.role, m.name)] = now
             return "failure report by its only peer, which it reported too (cut from each other)"
         return None
 

@@ -56,6 +56,7 @@ class Quorums:
             return done, None
         rs = self.roles[m.role]
         req = Pending(step, request_id, now + timeout_s, lineage)
+        self.members.cut_off.discard(m.replica_id)
         rs.add_pending(m.replica_id, req, now)
         formed = self.try_form(rs, now, wall)
         return self.answer(m.replica_id, request_id), formed
@@ -86,7 +87,9 @@ class Quorums:
         pend = len(rs.pending)
         if pend == 0:
             return False
-        n_alive = len(rs.member_ids)
+        # A replica its peers cannot reach is not waited for until it asks.
+        cut = self.members.cut_off
+        n_alive = len(rs.member_ids) - (len(cut & rs.member_ids - rs.pending.keys()) if cut else 0)
         first = rs.last_quorum is None
         need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
         if pend < need or 2 * pend <= n_alive:
