@@ -127,9 +127,17 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.launch.local import LocalJob
     from phalanx.launch.options import Chaos, launch_counts
 
+    if args.launcher == "local" and args.ray_address:
+        raise SystemExit("phalanx run: --ray-address goes with --launcher ray: add it.")
     cfg = load_config(args.config, overrides)
     if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
         from phalanx.launch.decoupled import DecoupledJob
+
+        if args.launcher == "ray":  # the slots' executor (diloco.executor, ray_address)
+            overrides = [*overrides, "--diloco.executor", "ray"]
+            if args.ray_address:
+                overrides += ["--diloco.ray_address", args.ray_address]
+            cfg = load_config(args.config, overrides)
 
         if args.chaos or args.tls_cert or args.tls_key:
             raise SystemExit(
@@ -158,6 +166,22 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
     tls = tls_files(args, "run")
     host = run_controller_host(args, tls is not None)
+    if args.launcher == "ray":
+        from phalanx.launch.ray_job import RayJob, RayOptions
+
+        ray = RayOptions(args.ray_address, args.ray_cpus_per_rank, args.ray_gpus_per_rank)
+        rjob = RayJob(
+            args.config,
+            cfg,
+            run_dir,
+            overrides,
+            counts,
+            chaos,
+            controller_host=host,
+            tls=tls,
+            ray=ray,
+        )
+        return rjob.run(live=not args.plain, as_json=args.json)
     job = LocalJob(
         args.config, cfg, run_dir, overrides, counts, chaos, not args.no_zygote, host, tls
     )
@@ -264,6 +288,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="start each replica as a fresh interpreter instead of forking it from a "
         "process that did the imports once",
     )
+    u.add_argument(
+        "--launcher",
+        choices=["local", "ray"],
+        default="local",
+        help="where replicas run: local processes, or Ray actors (any job kind; the "
+        "controller stays a local process, bound to the address the Ray nodes reach)",
+    )
+    u.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="--launcher ray: the cluster to join (HOST:PORT of its head, auto; default "
+        "$RAY_ADDRESS, else a local instance sized for the replicas)",
+    )
+    u.add_argument(
+        "--ray-cpus-per-rank",
+        type=float,
+        default=1.0,
+        help="--launcher ray: CPUs each rank of a replica asks for (default 1)",
+    )
+    u.add_argument(
+        "--ray-gpus-per-rank",
+        type=float,
+        default=0.0,
+        help="--launcher ray: GPUs each rank of a replica asks for (default 0)",
+    )
     add_tls(u)
     add_ca_file(u)
     add_advertise_host(u)
@@ -330,6 +379,21 @@ def build_parser() -> argparse.ArgumentParser:
         "and start it again on that dir and port when it dies; without a worker command "
         "or --name, run the controller only",
     )
+    a.add_argument(
+        "--controller-host",
+        metavar="HOST",
+        help="with --serve-controller: the address the controller binds (default 127.0.0.1; "
+        "0.0.0.0 for replicas on other hosts, with --advertise-host)",
+    )
+    a.add_argument(
+        "--controller-port",
+        type=int,
+        metavar="PORT",
+        help="with --serve-controller: the port it binds (default a free one, kept across "
+        "its restarts)",
+    )
+    add_tls(a)
+    add_advertise_host(a)
     a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
     a.set_defaults(fn=_agent)
     sy = sub.add_parser(

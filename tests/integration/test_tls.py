@@ -11,7 +11,9 @@ Every certificate names 127.0.0.1 or 10.255.255.1; traffic only ever goes to
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +193,62 @@ def test_wildcard_bind_advertises_a_reachable_url_and_warns_once(tmp_path: Path,
     assert st.returncode == 0, st.stderr
     lines = err.read_text().splitlines()
     assert len(lines) == 1 and "clear text" in lines[0] and "--tls-cert" in lines[0], lines
+
+
+def test_agent_serves_its_controller_over_https_and_restarts_it_on_the_same_url(
+    tmp_path: Path, ca: CA, local_cert: ServerCert, procs: Procs
+):
+    """``phalanx agent --serve-controller`` with the controller's own bind and TLS
+    options: the controller serves HTTPS at the port asked for, and SIGKILLed it is
+    back at the same https URL, which ``phalanx status`` verifies against the CA."""
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "phalanx.cli", "agent", "--serve-controller"]
+    cmd += ["--controller", str(state), "--config", str(EXAMPLE), "--ca-file", str(ca.pem)]
+    cmd += ["--run-dir", str(tmp_path / "agent"), "--controller-host", "127.0.0.1"]
+    cmd += ["--controller-port", "0", *tls_args(local_cert)]
+    agent, out, err = procs.spawn(cmd, "agent", clean_env())
+
+    def event(pred: Any, what: str) -> dict[str, Any]:
+        def seen() -> dict[str, Any] | None:
+            assert agent.poll() is None, f"agent exited {agent.returncode}: {err.read_text()}"
+            for line in out.read_text().splitlines():
+                e = json.loads(line)
+                if pred(e):
+                    return dict(e)
+            return None
+
+        return wait_for(seen, PROGRESS_S, what)
+
+    first = event(lambda e: e["event"] == "controller", "the served controller")
+    url = first["url"]
+    assert re.fullmatch(r"https://127\.0\.0\.1:\d+", url), url
+    st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
+    assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 1, st.stderr
+    os.kill(first["pid"], signal.SIGKILL)
+    event(
+        lambda e: e["event"] == "controller_restart" and f"back at {url}" in e["note"],
+        "the controller back at the same URL",
+    )
+    st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
+    assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 2, st.stderr
+
+
+def test_agent_refuses_controller_options_it_cannot_use(tmp_path: Path, local_cert: ServerCert):
+    """The served controller's options are checked by the agent, each in one line:
+    without ``--serve-controller``, a port out of range, a certificate it cannot read."""
+    base = ["agent", "--controller", str(tmp_path / "state"), "--config", str(EXAMPLE)]
+    line = one_line_error(cli(*base, "--name", "r0", "--controller-port", "7000"))
+    assert line == (
+        "phalanx agent: --controller-port set up the controller the agent serves: pass "
+        "--serve-controller too, or drop them."
+    )
+    line = one_line_error(cli(*base, "--serve-controller", "--controller-port", "70000"))
+    assert line == (
+        "phalanx agent: --controller-port must be a TCP port, 0 to 65535 (0 picks a free "
+        "one): got 70000."
+    )
+    line = one_line_error(
+        cli(*base, "--serve-controller", "--tls-cert", str(tmp_path / "no.pem"), "--tls-key", "k")
+    )
+    assert line.startswith("phalanx agent: --tls-cert must be a readable PEM file: got ")
+    assert not (tmp_path / "state").exists()

@@ -10,18 +10,16 @@ from pathlib import Path
 import pytest
 
 from phalanx import cli, env
+from phalanx.launch.agent_files import RESIZE_FILE, request_resize, take_resize
 from phalanx.launch.agent_options import (
     CKPT,
     REPLICA_NAME,
-    RESIZE_FILE,
     RESTART_COUNT,
     SLOT,
     AgentOptions,
     backoff_delay,
     expand,
     placeholders,
-    request_resize,
-    take_resize,
     worker_env,
 )
 

@@ -44,15 +44,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
+from phalanx.launch.agent_files import PID_FILE, read_pid, take_resize, write_atomic
 from phalanx.launch.agent_options import (
-    PID_FILE,
     AgentOptions,
     backoff_delay,
     latest_step,
     options_from_args,
-    read_pid,
-    take_resize,
-    write_atomic,
 )
 from phalanx.launch.procs import last_line, signal_proc, stop_all
 from phalanx.launch.report import controller_problem, report_exit

@@ -1,14 +1,7 @@
-"""The elastic agent's pure parts: its options, the restart backoff, the workers'
-environment and command placeholders, and the run dir's control files (pid file,
-resize requests). No processes are started here, and nothing heavy is imported:
-``phalanx agent resize`` uses this module alone.
-
-Run dir layout (one agent per run dir)::
-
-    agent.pid          the running agent's pid (removed when it exits)
-    resize.json        a pending operator request {"nproc": N}; the agent takes it on SIGHUP
-    workers.json       the current generation: nproc, master port, each worker's pid and logs
-    gen{G}/rank{R}.out the stdout of rank R in generation G (stderr in .err)
+"""The elastic agent's pure parts: its options (``options_from_args``), the restart
+backoff, the workers' environment and command placeholders. No processes are
+started here, and nothing heavy is imported. The run dir's control files are
+:mod:`phalanx.launch.agent_files`'.
 """
 
 from __future__ import annotations
@@ -16,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from phalanx import env
+from phalanx.launch.agent_files import default_run_dir, resize_main
 
 REPLICA_NAME = "PHALANX_REPLICA_NAME"
 """Set by the agent on every worker: the stable name of the replica it belongs to
@@ -41,10 +34,6 @@ the workers save to and resume from."""
 LATEST_POINTER = "latest"
 """``phalanx.checkpoint.base.LATEST``, repeated here so that the agent does not
 import torch (the checkpoint package does); a unit test keeps the two equal."""
-
-PID_FILE = "agent.pid"
-RESIZE_FILE = "resize.json"
-WORKERS_FILE = "workers.json"
 
 PLACEHOLDERS = (
     "name",
@@ -240,112 +229,45 @@ def latest_step(url: str) -> int | None:
         return None
 
 
-# -- control files ---------------------------------------------------------------
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def read_pid(run_dir: Path) -> int | None:
-    """The pid in ``run_dir``'s pid file if that process is alive, else None."""
-    try:
-        pid = int((run_dir / PID_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid_alive(pid) else None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def request_resize(run_dir: Path, nproc: int) -> int:
-    """Ask the agent running in ``run_dir`` to change its replica's layout to
-    ``nproc`` workers: write :data:`RESIZE_FILE`, then SIGHUP the agent. Returns the
-    agent's pid. Raises ValueError for a bad count or when no agent runs there."""
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1: got {nproc}.")
-    pid = read_pid(run_dir)
-    if pid is None:
-        raise ValueError(
-            f"the run dir must hold a running agent: got {run_dir} with no live pid in "
-            f"{run_dir / PID_FILE}. Pass the --run-dir the agent was started with."
+def served_controller_args(args: Any, serving: bool) -> list[str]:
+    """The served controller's own options (``--controller-host``, ``--controller-port``,
+    ``--tls-cert``/``--tls-key``) as ``phalanx controller`` arguments, checked here so
+    that a bad one is one line of the agent's, not a controller that fails to start.
+    Without ``--serve-controller`` they are refused."""
+    given = [
+        flag
+        for flag, value in (
+            ("--controller-host", getattr(args, "controller_host", None)),
+            ("--controller-port", getattr(args, "controller_port", None)),
+            ("--tls-cert", getattr(args, "tls_cert", None)),
+            ("--tls-key", getattr(args, "tls_key", None)),
         )
-    write_atomic(run_dir / RESIZE_FILE, json.dumps({"nproc": nproc}))
-    os.kill(pid, signal.SIGHUP)
-    return pid
-
-
-def take_resize(run_dir: Path) -> int | None:
-    """Consume a pending resize request: its worker count, or None if there is none.
-    Raises ValueError (the request is still removed) when the file is malformed."""
-    path = run_dir / RESIZE_FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    path.unlink(missing_ok=True)
-    try:
-        n = json.loads(text)["nproc"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(
-            f'{path} must hold {{"nproc": N}}: got {text[:100]!r}. '
-            f"Use `phalanx agent resize --run-dir {run_dir} --nproc N`."
-        ) from None
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"resize nproc must be a whole number >= 1: got {n!r}.")
-    return n
-
-
-# -- CLI -------------------------------------------------------------------------
-
-
-def default_run_dir(name: str) -> Path:
-    return Path("runs") / f"agent-{name}"
-
-
-def resize_main(argv: list[str], run_dir: str | None = None) -> int:
-    """``phalanx agent resize (--run-dir DIR | --name NAME) --nproc N``: send the
-    request and wait until the agent took it."""
-    import argparse
-    import time
-
-    p = argparse.ArgumentParser(
-        prog="phalanx agent resize",
-        description="Ask a running agent to restart its replica with another number of "
-        "workers: they checkpoint, restart with the new WORLD_SIZE, reshard-load, rejoin.",
-    )
-    p.add_argument("--run-dir", default=run_dir, help="the agent's run dir")
-    p.add_argument("--name", help="the agent's replica name (run dir runs/agent-NAME)")
-    p.add_argument("--nproc", type=int, required=True, help="workers of the new layout")
-    p.add_argument("--wait-s", type=float, default=10.0, help="how long to wait for the agent")
-    a = p.parse_args(argv)
-    if not a.run_dir and not a.name:
-        p.error("--run-dir (or --name) must name the agent: got neither.")
-    rd = Path(a.run_dir) if a.run_dir else default_run_dir(a.name)
-    try:
-        pid = request_resize(rd, a.nproc)
-    except ValueError as e:
-        raise SystemExit(f"phalanx agent resize: {e}") from None
-    deadline = time.monotonic() + a.wait_s
-    while (rd / RESIZE_FILE).exists():
-        if time.monotonic() > deadline:
+        if value is not None
+    ]
+    if not given:
+        return []
+    if not serving:
+        raise SystemExit(
+            f"phalanx agent: {', '.join(given)} set up the controller the agent serves: pass "
+            f"--serve-controller too, or drop them."
+        )
+    out: list[str] = []
+    if args.controller_host is not None:
+        out += ["--host", args.controller_host]
+    port = args.controller_port
+    if port is not None:
+        if not 0 <= port <= 65535:
             raise SystemExit(
-                f"phalanx agent resize: the agent (pid {pid}) must take the request within "
-                f"{a.wait_s} s: it has not. See its stderr."
+                f"phalanx agent: --controller-port must be a TCP port, 0 to 65535 (0 picks a "
+                f"free one): got {port}."
             )
-        time.sleep(0.05)
-    print(f"agent pid {pid} took the request: {a.nproc} worker(s)")
-    return 0
+        out += ["--port", str(port)]
+    from phalanx.cli_net import tls_files
+
+    tls = tls_files(args, "agent")
+    if tls is not None:
+        out += ["--tls-cert", tls[0], "--tls-key", tls[1]]
+    return out
 
 
 def options_from_args(args: Any) -> AgentOptions | None:
@@ -366,7 +288,8 @@ def options_from_args(args: Any) -> AgentOptions | None:
     cmd = rest[1:]
     controller = args.controller or os.environ.get(env.CONTROLLER)
     serving = bool(getattr(args, "serve_controller", False))
-    serve = ("--config", args.config) if serving and args.config else None
+    served = served_controller_args(args, serving)
+    serve = ("--config", args.config, *served) if serving and args.config else None
     if serving and not args.config:
         raise SystemExit(
             "phalanx agent: --serve-controller must have the job's --config (the controller "

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.launch.agent_options import (
-    WORKERS_FILE,
-    AgentOptions,
-    expand,
-    placeholders,
-    worker_env,
-    write_atomic,
-)
+from phalanx.launch.agent_files import WORKERS_FILE, write_atomic
+from phalanx.launch.agent_options import AgentOptions, expand, placeholders, worker_env
 
 
 class AgentError(RuntimeError):
