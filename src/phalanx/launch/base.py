@@ -52,6 +52,10 @@ class ReplicaSpec:
     """Environment variables set for this replica on top of the executor's own."""
     cwd: str | None = None
     """Working directory; ``None`` keeps the executor's default (see each executor)."""
+    ranks: int = 1
+    """Processes the replica spans (``[replica] ranks``): more than 1 runs the command
+    under :mod:`phalanx.launch.ranks`, its ranks together on one node, and the
+    executor reserves resources for each of them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
@@ -64,6 +68,8 @@ class ReplicaSpec:
                 f"replica {self.name}: argv must be a list of strings (the phalanx CLI's "
                 f"arguments): got {self.argv!r}."
             )
+        if not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"replica {self.name}: ranks must be an int >= 1: got {self.ranks!r}.")
         bad = {
             k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)
         }

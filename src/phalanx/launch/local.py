@@ -112,8 +112,22 @@ class LocalJob:
         return self.controller.start()
 
     def replica_cmd(self, r: Replica) -> list[str]:
-        cmd = [sys.executable, "-m", "phalanx.cli", "replica", "--role", r.role, "--name", r.name]
-        cmd += ["--controller", str(self.run_dir / "controller")]
+        cmd = [sys.executable, "-m", "phalanx.cli"]
+        cmd += self.replica_argv(r, str(self.run_dir / "controller"))
+        ranks = self.ranks(r)
+        if ranks > 1:
+            # The replica's ranks, started together and failed together (its
+            # launcher's exit is the replica's); the zygote forks single processes.
+            return [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]
+        return cmd
+
+    def ranks(self, r: Replica) -> int:
+        """Processes of replica ``r``: ``[replica] ranks`` for the policy, else 1."""
+        return self.cfg.replica.ranks if r.role == "policy" else 1
+
+    def replica_argv(self, r: Replica, controller: str) -> list[str]:
+        """``phalanx`` CLI arguments of replica ``r`` (one rank's)."""
+        cmd = ["replica", "--role", r.role, "--name", r.name, "--controller", controller]
         if r.role == "policy":
             out = self.run_dir / "final" / f"{r.name}.safetensors"
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,13 +136,7 @@ class LocalJob:
                 # One checkpoint root for every policy replica: the leader saves, and
                 # any replica (re)started later resumes from the newest save.
                 cmd += ["--state", str(self.run_dir / "policy-state")]
-        cmd += self._cfg_args()
-        ranks = self.cfg.replica.ranks
-        if ranks > 1 and r.role == "policy":
-            # The replica's ranks, started together and failed together (its
-            # launcher's exit is the replica's); the zygote forks single processes.
-            return [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]
-        return cmd
+        return cmd + self._cfg_args()
 
     def start_replica(self, r: Replica) -> None:
         cmd, log = self.replica_cmd(r), self.run_dir / f"{r.name}.log"
@@ -145,16 +153,19 @@ class LocalJob:
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(ev, dict):
-                    continue
                 with self.lock:
                     if r.proc is not proc:
                         return
-                    self._on_event(r, ev)
+                    self._take(r, line)
+
+    def _take(self, r: Replica, line: bytes | str) -> None:
+        """One output line of replica ``r``'s current process (lock held)."""
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(ev, dict):
+            self._on_event(r, ev)
 
     def _on_event(self, r: Replica, ev: dict[str, Any]) -> None:
         note = r.apply(ev, quiet_sync_failures=self.finished_at is not None)

@@ -189,8 +189,19 @@ class LocalProcessExecutor(ServerlessExecutor):
                 f.write(f"--- relaunch {attempt} of {spec.name} ---\n".encode())
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         with log.path.open("ab") as f:
+            cmd = [self.python, "-m", "phalanx", *spec.argv]
+            if spec.ranks > 1:
+                cmd = [
+                    self.python,
+                    "-m",
+                    "phalanx.launch.ranks",
+                    "--nproc",
+                    str(spec.ranks),
+                    "--",
+                    *cmd,
+                ]
             proc = subprocess.Popen(
-                [self.python, "-m", "phalanx", *spec.argv],
+                cmd,
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -3,6 +3,7 @@ group) of its own, and signalled and stopped by that group, never by name."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -24,6 +25,18 @@ class Proc(Protocol):
     def poll(self) -> int | None: ...
 
     def wait(self, timeout: float | None = None) -> int: ...
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child, before exec (``preexec_fn``): SIGKILL it when the thread that
+    started it dies (its launcher, a Ray actor's worker that lost its node)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not glibc: a launcher killed alone leaves its child to its timeouts
 
 
 def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
@@ -61,9 +74,14 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def signal_proc(proc: Proc | None, sig: int) -> None:
-    """Send ``sig`` to a live child's process group."""
+    """Send ``sig`` to a live child's process group; a child on another host (a Ray
+    actor's, :class:`phalanx.launch.ray_job.RayProc`) delivers it itself."""
     if proc is not None and proc.poll() is None:
-        signal_group(proc.pid, sig)
+        deliver = getattr(proc, "deliver", None)
+        if deliver is not None:
+            deliver(sig)
+        else:
+            signal_group(proc.pid, sig)
 
 
 def stop_all(procs: list[Proc | None], grace_s: float = 5.0) -> None:

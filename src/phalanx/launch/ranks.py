@@ -28,7 +28,6 @@ whoever supervises this process, and heals from a peer replica.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -39,17 +38,10 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from phalanx.launch.procs import die_with_parent
+
 EXIT_GRACE_S = 30.0
 """How long the other ranks get to exit once rank 0 has exited cleanly."""
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL this rank when its launcher dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not glibc: a launcher killed alone leaves its ranks to their timeouts
 
 
 def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -95,7 +87,7 @@ def run(nproc: int, cmd: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     procs = [
         subprocess.Popen(
-            cmd, env=rank_env(dict(os.environ), r, nproc, store.port), preexec_fn=_die_with_parent
+            cmd, env=rank_env(dict(os.environ), r, nproc, store.port), preexec_fn=die_with_parent
         )
         for r in range(nproc)
     ]

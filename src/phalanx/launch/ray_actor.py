@@ -1,15 +1,33 @@
 """What runs inside a Ray worker for one replica (:class:`ReplicaActor`): the
-replica's program, ``phalanx <argv>``, in that worker process, with its output
-captured line by line for the driver (:mod:`phalanx.launch.ray_executor`)."""
+replica's program, ``phalanx <argv>``, with its output captured line by line
+for the driver (:mod:`phalanx.launch.ray_executor`).
+
+Two ways to run it:
+
+- :meth:`ReplicaActor.run`: in the worker process itself (``runpy``), as
+  decoupled DiLoCo slots do;
+- :meth:`ReplicaActor.spawn`: as a child process of the worker, in a process
+  group of its own, so that the driver can signal it (a scale-down's SIGTERM,
+  which drains an RL replica) and a replica of N ranks runs under
+  :mod:`phalanx.launch.ranks`. The child dies with the worker
+  (``PR_SET_PDEATHSIG``): when Ray kills the actor or its node goes, nothing
+  is left running that the job cannot see.
+"""
 
 from __future__ import annotations
 
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
+from typing import Any
+
+from phalanx import env as phalanx_env
+from phalanx.launch.procs import die_with_parent, signal_group
 
 
 def run_cli(argv: list[str]) -> int:
@@ -55,10 +73,22 @@ class ReplicaActor:
         self._partial = b""
         self._done = False
         self._started_at = time.time()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._signalled: int | None = None
+        """A signal sent before the child started: it gets it as it starts."""
 
-    def ready(self) -> tuple[float, int]:
-        """When the actor started (wall clock), and its worker's pid."""
-        return self._started_at, os.getpid()
+    def ready(self) -> dict[str, Any]:
+        """When the actor started (wall clock), its worker's pid, and its node's IP
+        and id (plain values: they cross to the driver)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "started_at": self._started_at,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+        }
 
     def logs(self, since: int) -> tuple[list[str], int, bool]:
         """Lines from ``since`` on, the next cursor, and whether the run ended with
@@ -85,11 +115,73 @@ class ReplicaActor:
                 self._lines += [ln.decode("utf-8", "replace").rstrip("\r") for ln in complete]
         os.close(fd)
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> int:
-        os.environ.update(env)
+    def _reader(self) -> tuple[int, threading.Thread]:
+        """A pipe whose lines become the replica's log; returns its write end."""
         r, w = os.pipe()
         reader = threading.Thread(target=self._read, args=(r,), daemon=True, name="replica-logs")
         reader.start()
+        return w, reader
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, ranks: int) -> int:
+        """Run ``python -m phalanx <argv>`` as a child (under :mod:`phalanx.launch.ranks`
+        when ``ranks`` > 1) and return its exit code (a Popen returncode: ``-S`` for
+        a signal). Unless the node's environment names one, the child advertises
+        this node's IP (:data:`phalanx.env.ADVERTISE_HOST`), which Ray's nodes
+        reach each other at."""
+        import ray
+
+        cmd = [sys.executable, "-m", "phalanx", *argv]
+        if ranks > 1:
+            cmd = [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        if not os.environ.get(phalanx_env.ADVERTISE_HOST):
+            child_env[phalanx_env.ADVERTISE_HOST] = ray.util.get_node_ip_address()
+        w, reader = self._reader()
+        try:
+            with self._lock:
+                self._child = subprocess.Popen(
+                    cmd,
+                    stdout=w,
+                    stderr=w,
+                    stdin=subprocess.DEVNULL,
+                    cwd=cwd,
+                    env=child_env,
+                    start_new_session=True,  # signal() reaches its whole group
+                    preexec_fn=die_with_parent,  # dies with this thread's process
+                )
+                if self._signalled is not None:
+                    signal_group(self._child.pid, self._signalled)
+        except OSError as e:
+            why = f"replica must start on the actor's node: {cmd[:4]} in cwd {cwd!r}: {e}\n"
+            os.write(w, why.encode())
+            return 1
+        finally:
+            os.close(w)
+        code = self._child.wait()
+        # Ranks or helpers it left in its group go with it (the group id cannot be
+        # reused while any member lives).
+        signal_group(self._child.pid, signal.SIGKILL)
+        reader.join(timeout=5.0)
+        with self._lock:
+            self._done = True
+        return code
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the spawned child's process group (to the child as it
+        starts, when it has not yet); False when it ended."""
+        with self._lock:
+            child = self._child
+            if child is None:
+                self._signalled = sig
+                return True
+        if child.poll() is not None:
+            return False
+        signal_group(child.pid, sig)
+        return True
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> int:
+        os.environ.update(env)
+        w, reader = self._reader()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = os.dup(1), os.dup(2)

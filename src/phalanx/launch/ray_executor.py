@@ -17,11 +17,18 @@ in its worker process, on whichever node Ray places it.
   is ``failed`` with Ray's reason. An actor that ended is killed at once, so that
   its CPUs go back to the pool.
 - **Cancel** is ``ray.kill(actor)``: no SIGTERM, no grace. A replica that must
-  save state on the way out needs another way to be told.
-- **Network.** ``supports_inter_replica_network = False``: Ray actors on
-  different nodes may have no path to each other in serverless setups, and we
-  do not rely on it. Jobs that exchange only through object storage (decoupled
-  DiLoCo) run here.
+  save state on the way out is sent a signal first (:meth:`RayExecutor.signal`,
+  with ``processes=True``).
+- **Processes.** With ``processes=True`` each actor runs its replica as a child
+  process (:meth:`ReplicaActor.spawn`): it can be signalled, a spec of N ranks
+  runs under :mod:`phalanx.launch.ranks` in one actor that holds N times the
+  per-replica resources (its ranks stay on one node), and the child advertises
+  its node's IP. ``phalanx run --launcher ray`` uses this.
+- **Network.** ``supports_inter_replica_network`` is ``processes``: Ray nodes
+  reach each other at their node IPs, which the children advertise. Without it
+  the replica runs in the worker, which may have no path to the others in
+  serverless setups, and we do not rely on it: jobs that exchange only through
+  object storage (decoupled DiLoCo) run there.
 
 The command runs in a thread of the actor, not its main thread: a command that
 installs signal handlers must skip that off the main thread (``phalanx agent``
@@ -39,6 +46,7 @@ node that runs replicas (installed there, or shipped with ``runtime_env``'s
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -89,6 +97,8 @@ class _Run:
     exit_code: int | None = None
     error: str | None = None
     pid: int | None = None
+    node: dict[str, Any] | None = None
+    """The actor's ``ready()``: pid, node IP and node id, once it started."""
     cursor: int = 0
     """Lines of this launch pulled so far (the actor's numbering)."""
     log_ref: Any = None
@@ -148,13 +158,17 @@ class RayExecutor(ServerlessExecutor):
     process is connected to Ray already, that connection is used as it is, and
     :meth:`close` leaves it open; otherwise :meth:`close` disconnects (and so
     stops the local instance it started). Each replica's actor asks for
-    ``num_cpus_per_replica`` CPUs and gets ``runtime_env``; a replica stays
-    ``pending`` while the cluster cannot place it. ``log_dir``, if given, gets a
-    copy of each replica's pulled lines in ``<name>.log``. ``kill_wait_s``
-    bounds how long :meth:`cancel` waits to see a killed actor gone."""
+    ``num_cpus_per_replica`` CPUs and ``num_gpus_per_replica`` GPUs (times the
+    spec's ``ranks``), is placed by ``scheduling_strategy`` (``"SPREAD"``: across
+    nodes, so that a lost node takes as few replicas as it can) and gets
+    ``runtime_env``; a replica stays ``pending`` while the cluster cannot place
+    it. ``processes`` runs each replica as the actor's child process (module doc).
+    ``log_dir``, if given, gets a copy of each replica's pulled lines in
+    ``<name>.log``; ``log_pull_s`` is how often :meth:`poll` pulls them.
+    ``kill_wait_s`` bounds how long :meth:`cancel` waits to see a killed actor
+    gone."""
 
     backend_name = "ray"
-    supports_inter_replica_network = False
 
     def __init__(
         self,
@@ -164,6 +178,10 @@ class RayExecutor(ServerlessExecutor):
         *,
         log_dir: Path | str | None = None,
         kill_wait_s: float = 10.0,
+        processes: bool = False,
+        num_gpus_per_replica: float = 0,
+        scheduling_strategy: str | None = None,
+        log_pull_s: float = LOG_PULL_S,
         **init_kwargs: Any,
     ):
         self._ray = ray = import_ray()
@@ -185,14 +203,18 @@ class RayExecutor(ServerlessExecutor):
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         self.kill_wait_s = kill_wait_s
-        options: dict[str, Any] = {
-            "num_cpus": num_cpus_per_replica,
-            "max_concurrency": 4,  # run + log pulls + ready, concurrently
+        self.processes = self.supports_inter_replica_network = processes
+        self.log_pull_s = log_pull_s
+        self.cpus, self.gpus = num_cpus_per_replica, num_gpus_per_replica
+        self._options: dict[str, Any] = {
+            "max_concurrency": 5,  # run + log pulls + ready + signal, concurrently
             "max_restarts": 0,  # a restart is the launcher's call (relaunch)
         }
         if runtime_env is not None:
-            options["runtime_env"] = runtime_env
-        self._actor_cls = ray.remote(ReplicaActor).options(**options)
+            self._options["runtime_env"] = runtime_env
+        if scheduling_strategy is not None:
+            self._options["scheduling_strategy"] = scheduling_strategy
+        self._actor_cls = ray.remote(ReplicaActor)
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._lines: dict[str, list[str]] = {}
@@ -214,9 +236,16 @@ class RayExecutor(ServerlessExecutor):
                     self._add_lines(s.name, [f"--- relaunch {attempt} of {s.name} ---"])
                 else:
                     self._lines[s.name] = []
-                actor = self._actor_cls.remote()
+                actor = self._actor_cls.options(
+                    **self._options,
+                    num_cpus=self.cpus * s.ranks,
+                    num_gpus=self.gpus * s.ranks,
+                ).remote()
                 ready_ref = actor.ready.remote()
-                run_ref = actor.run.remote(s.argv, s.env, s.cwd)
+                if self.processes:
+                    run_ref = actor.spawn.remote(s.argv, s.env, s.cwd, s.ranks)
+                else:
+                    run_ref = actor.run.remote(s.argv, s.env, s.cwd)
                 self._runs[s.name] = _Run(s, attempt, actor, run_ref, ready_ref)
         return [s.name for s in specs]
 
@@ -237,7 +266,7 @@ class RayExecutor(ServerlessExecutor):
         if run.log_ref is None:
             run.log_ref = run.actor.logs.remote(run.cursor)
             run.pulled_at = time.monotonic()
-        ready, _ = self._ray.wait([run.log_ref], timeout=wait_s)
+        ready, _ = self._ray.wait([run.log_ref], timeout=wait_s, fetch_local=False)
         if not ready:
             return False
         ref, run.log_ref = run.log_ref, None
@@ -269,6 +298,13 @@ class RayExecutor(ServerlessExecutor):
             lines = self._lines[name]
             return lines[since:], len(lines)
 
+    def buffered_logs(self, name: str, since: int = 0) -> tuple[list[str], int]:
+        """As :meth:`stream_logs`, but only the lines already pulled (by :meth:`poll`,
+        every ``log_pull_s``): no remote call, so it never waits."""
+        with self._lock:
+            lines = self._lines[name]
+            return lines[since:], len(lines)
+
     # -- watching -------------------------------------------------------
 
     def _kill(self, run: _Run) -> None:
@@ -282,25 +318,30 @@ class RayExecutor(ServerlessExecutor):
         live = [r for r in self._runs.values() if not r.state.ended]
         if not live:
             return
-        done, _ = ray.wait([r.run_ref for r in live], num_returns=len(live), timeout=0)
+        # fetch_local=False: "finished" is all we ask. Fetching a result from another
+        # node within a zero timeout is cancelled each time, and never completes (a
+        # replica on a worker node stayed pending for its whole run).
+        refs = [r.run_ref for r in live]
+        done, _ = ray.wait(refs, num_returns=len(live), timeout=0, fetch_local=False)
         done_ids = {ref.hex() for ref in done}
         pending = [r.ready_ref for r in live if r.state is ReplicaState.PENDING]
         started_ids: set[str] = set()
         if pending:
-            started, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            started, _ = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=False)
             started_ids = {ref.hex() for ref in started}
         now = time.monotonic()
         for run in live:
             if run.ready_ref.hex() in started_ids:
                 try:
-                    run.started_at, run.pid = ray.get(run.ready_ref)
+                    run.node = ray.get(run.ready_ref)
+                    run.started_at, run.pid = run.node["started_at"], run.node["pid"]
                     run.state = ReplicaState.RUNNING
                 except ray.exceptions.RayError:
                     pass  # never started: the run's ref says why
             if run.run_ref.hex() in done_ids:
                 self._ended(run)
             elif run.state is ReplicaState.RUNNING and (
-                run.log_ref is not None or now - run.pulled_at >= LOG_PULL_S
+                run.log_ref is not None or now - run.pulled_at >= self.log_pull_s
             ):
                 self._pull(run, wait_s=0.0)
 
@@ -334,9 +375,31 @@ class RayExecutor(ServerlessExecutor):
             self._refresh()
             return self._runs[name].pid
 
+    def node(self, name: str) -> dict[str, Any] | None:
+        """Where the latest launch of ``name`` runs: its ``pid``, ``node_ip`` and
+        ``node_id``; None until a poll saw it start."""
+        with self._lock:
+            return self._runs[name].node
+
     def spec(self, name: str) -> ReplicaSpec:
         with self._lock:
             return self._runs[name].spec
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to the latest launch's process group (``processes=True``;
+        one still pending gets it as it starts), and do not wait. SIGKILL kills the
+        actor itself (its child dies with it): it works on an actor that does not
+        answer, and its run ends ``failed``. A replica that ended is not signalled."""
+        if not self.processes:
+            raise ValueError("ray executor must run replicas as processes to signal them.")
+        with self._lock:
+            run = self._runs[name]
+            if run.state.ended or run.killed:
+                return
+            if sig == signal.SIGKILL:
+                self._kill(run)
+            else:
+                run.actor.signal.remote(int(sig))
 
     # -- stopping -------------------------------------------------------
 
