@@ -183,8 +183,8 @@ def measure(
         time.sleep(1.0)  # a few steps of the three together
         cut = time.time()
         if kind == "loss":
-            for a in ("r1", "r2", "r3"):
-                net.loss(h[a], [h[b] for b in ("r1", "r2", "r3") if b != a], 20)
+            for a, b in (("r1", "r2"), ("r1", "r3"), ("r2", "r3")):
+                net.loss(h[a], [h[b]], 20)  # each pair once: 20% each way
         else:
             net.cut(h[who], [h[o] for o in others])
         stall: float | None = None

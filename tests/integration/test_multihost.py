@@ -143,8 +143,8 @@ def test_partitions_one_after_another_lose_no_agreement(tmp_path: Path, net: net
         for kind in [*PARTITIONS, "loss"]:
             cut_at = time.monotonic()
             if kind == "loss":
-                for a in ("r1", "r2", "r3"):
-                    net.loss(h[a], [h[b] for b in ("r1", "r2", "r3") if b != a], 20)
+                for a, b in (("r1", "r2"), ("r1", "r3"), ("r2", "r3")):
+                    net.loss(h[a], [h[b]], 20)  # each pair once: 20% each way
             else:
                 who, others = PARTITIONS[kind]
                 net.cut(h[who], [h[o] for o in others])

@@ -126,7 +126,9 @@ def test_sharded_policy_replicas_lose_a_rank_and_the_replica_comes_back(
     # The rollout replica got every version from a sharded leader, whole.
     syncs = [e for p in (a, b, b2) for e in p.events("sync")]
     assert syncs and all(e["ok"] for e in syncs[-3:]), syncs[-3:]
-    assert len({e["bytes"] for e in syncs}) == 1
+    # (A sync cut short by the kill reports ok = false and no bytes; the next one
+    # sends the version again.)
+    assert len({e["bytes"] for e in syncs if e["ok"]}) == 1, syncs
     versions = [e["version"] for e in roll.events("rollout")]
     assert versions == sorted(versions) and versions[-1] > 0
     fa = load_state(tmp_path / "policy-a-first.safetensors")

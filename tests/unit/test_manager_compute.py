@@ -2,7 +2,8 @@
 the replica's share: the speculative guess, a changed share and a retry after a
 failed exchange compute only the samples the gradients do not already hold
 (:meth:`phalanx.train.manager.Manager.compute`). The manager here is the real
-one; its controller client is never contacted (compute does not talk to it)."""
+one; its controller client is never contacted (compute does not talk to it).
+The last test is the commit's rule about the replica's incarnation."""
 
 from __future__ import annotations
 
@@ -96,3 +97,20 @@ def test_another_share_or_summed_gradients_start_over(setup) -> None:
     m.step += 1  # a committed step: the held gradients are the old model's
     m.compute(fn, 1, 2)
     assert len([i for c in calls for i in c]) == BATCH // 2
+
+
+def test_an_incarnation_evicted_during_the_step_does_not_commit(setup) -> None:
+    """The client registers a new incarnation (from its heartbeat thread) when it
+    learns it was evicted; a step taken by the previous one votes no at the commit,
+    since its peers may already be going on from the same step without it."""
+    m, _, fn = setup
+    m.client.replica_id, m.client.incarnations = "policy-0:a", 1
+    assert m._identity() == ("policy-0:a", 1)
+    m._incarnation = 1  # as wait_quorum records it
+    m.grads.vote_ok = True
+    assert m.should_commit() and m.step == 1 and m.sampler.cursor == BATCH
+    m.grads.vote_ok = True
+    m.client.replica_id, m.client.incarnations = "policy-0:b", 2  # register()
+    assert not m.should_commit()
+    assert m.step == 1 and m.sampler.cursor == BATCH and not m.ok
+    assert m.error == "evicted during the step: its peers may go on without it"

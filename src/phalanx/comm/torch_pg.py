@@ -20,6 +20,13 @@ from phalanx.net import LOOPBACK, AddressError, advertise_host, hostport, unreac
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
+CONNECT_S = 3.5
+"""The least time a new group's connections get to set up (the store client, gloo's
+full mesh), whatever the collective timeout: a lost SYN is sent again after 1 s,
+and again 2 s later, so under packet loss a 1 s setup budget failed every other
+rebuild (and each failure meant another quorum and another rebuild). Collectives
+still time out after the collective timeout: :meth:`TorchCommunicator._wait`."""
+
 
 def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
     """Start this replica's rendezvous store on a free port. Returns (store,
@@ -42,7 +49,11 @@ def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
 class TorchCommunicator(Communicator):
     def __init__(self, timeout_s: float, device: torch.device | None = None):
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.connect_timeout = datetime.timedelta(seconds=max(timeout_s, CONNECT_S))
         self.device = device or torch.device("cpu")
+        self._store: tuple[str, dist.TCPStore] | None = None
+        """The rendezvous store client of the last quorum, kept while the next quorum
+        meets at the same store: no new connection (under packet loss, a SYN lost)."""
         self.host = advertise_host()
         """The address this rank's gloo pairs bind and announce to their peers (the
         host name's address is loopback on many machines: useless to another host)."""
@@ -52,30 +63,40 @@ class TorchCommunicator(Communicator):
 
     def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None:
         self.abort()
-        host, port = store_addr.rsplit(":", 1)
         try:
-            base = dist.TCPStore(
-                host.strip("[]"),
-                int(port),
-                is_master=False,
-                timeout=self.timeout,
-                wait_for_workers=False,
-                use_libuv=True,
-            )
-            store = dist.PrefixStore(prefix, base)
+            store = dist.PrefixStore(prefix, self._store_client(store_addr))
             if self.device.type == "cuda":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
             else:
                 opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = self.timeout
+                opts._timeout = self.connect_timeout  # the full mesh's setup
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
                 self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+                # Collectives: the collective timeout inside gloo too, not only in
+                # _wait: a group whose op timed out is dropped, and dropping it waits
+                # for gloo's own timeout of that op.
+                self.pg.set_timeout(self.timeout)
         except Exception as e:  # rendezvous failed: a peer is gone or the store host died
-            self.pg = None
+            self.pg, self._store = None, None
             raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e
         self.rank, self.world_size = rank, world_size
+
+    def _store_client(self, store_addr: str) -> dist.TCPStore:
+        if self._store is not None and self._store[0] == store_addr:
+            return self._store[1]
+        host, port = store_addr.rsplit(":", 1)
+        client = dist.TCPStore(
+            host.strip("[]"),
+            int(port),
+            is_master=False,
+            timeout=self.connect_timeout,
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+        self._store = (store_addr, client)
+        return client
 
     def _group(self) -> Any:
         if self.pg is None:

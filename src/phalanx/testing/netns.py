@@ -158,7 +158,8 @@ class Net:
             )
 
     def loss(self, h: Host, others: list[Host], percent: int) -> None:
-        """Drop ``percent``% of the packets between ``h`` and ``others``, at random."""
+        """Drop ``percent``% of the packets between ``h`` and ``others``, at random, each
+        way (the rules are ``h``'s: call it once per pair, or a packet meets two)."""
         self._table(h)
         for o in others:
             for chain, way in (("out", "daddr"), ("in", "saddr")):

@@ -16,12 +16,22 @@ optimizer state lives, so the estimate errs by at most one slot.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from phalanx.comm.transfer import ALIGN, aligned, buffer_bytes, faulted_buffer, flatten
+from phalanx.comm.transfer import (
+    ALIGN,
+    aligned,
+    buffer_bytes,
+    faulted_buffer,
+    flatten,
+    recv_state,
+    send_state,
+)
+from phalanx.protocol.membership import Quorum
 
 OPTIMIZER_SLOTS = {
     "Adam": 2,
@@ -88,10 +98,6 @@ def heal_record(
     learns of the heal with its quorum) and ``transfer_s`` the transfer itself
     (``times`` from :func:`~phalanx.comm.transfer.recv_state`); the state's bytes;
     ``warm``: received into the pre-faulted buffer."""
-    import time
-
-    from phalanx.comm.transfer import buffer_bytes
-
     return {
         "seconds": time.perf_counter() - t0,
         "from": healer,
@@ -126,3 +132,32 @@ class PrefaultedBuffer:
     def close(self) -> None:
         self._fut = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def heal_in_quorum(m: Any, q: Quorum, me: str | None) -> None:
+    """The heals of quorum ``q`` that concern ``me`` (a :class:`~phalanx.train.manager.
+    Manager`'s replica, as it took the quorum): receive its own state from its
+    source, and send its state to each replica it heals."""
+    ranks = {rid: i for i, rid in enumerate(q.replica_ids)}
+    if me in q.heal:
+        t0 = time.perf_counter()
+        src = ranks[q.heal[me]]
+        scratch = m._heal_buffer.take()
+        times: dict[str, float] = {}
+        sd = recv_state(m.comm, src, tag=1, scratch=scratch, times=times)
+        m.load_state_dict(sd)
+        m.heals += 1
+        m.last_heal = heal_record(sd, scratch, q.heal[me], m.step, t0, times)
+        dt = m.last_heal["seconds"]
+        m.client.report_heal(q.heal[me], m.step, round(dt, 4), q.quorum_id)
+        m.log.info(
+            "healed from %s to step %d in %.3f s (%d bytes, into %s memory)",
+            q.heal[me],
+            m.step,
+            dt,
+            m.last_heal["bytes"],
+            "pre-faulted" if m.last_heal["warm"] else "new",
+        )
+    for lag, healer in sorted(q.heal.items()):
+        if healer == me:
+            send_state(m.comm, m.state_dict(), ranks[lag], tag=1)

@@ -181,6 +181,8 @@ class HSDPManager(Manager):
         self._replica_at_quorum: str | None = None
         """The replica's id as broadcast with the last quorum: the same on every rank,
         unlike rank 0's live client, which may register again at any moment."""
+        self._incarnation_at_quorum = -1
+        """Rank 0's incarnation count, broadcast with the same quorum."""
 
     def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> Any:
         return ShardedGrads(model, bucket_bytes)
@@ -252,15 +254,12 @@ class HSDPManager(Manager):
                 kind = "timeout" if isinstance(e, QuorumTimeout) else "error"
                 self.ranks.broadcast_json({"raise": kind, "message": str(e)[:2000]})
                 raise
+            inc = self.client.incarnations  # first: see Manager._identity
             rid = self.client.replica_id
             self.ranks.broadcast_json(
-                {
-                    "quorum": q.model_dump_json(),
-                    "replica_id": rid,
-                    "incarnations": self.client.incarnations,
-                }
+                {"quorum": q.model_dump_json(), "replica_id": rid, "incarnations": inc}
             )
-            self._replica_at_quorum = rid
+            self._replica_at_quorum, self._incarnation_at_quorum = rid, inc
             self._check_layout(q)
             return q
         msg = self.ranks.broadcast_json()
@@ -272,6 +271,7 @@ class HSDPManager(Manager):
         self.client.who.replica_id = msg["replica_id"]
         self.client.incarnations = msg["incarnations"]
         self._replica_at_quorum = msg["replica_id"]
+        self._incarnation_at_quorum = msg["incarnations"]
         q = Quorum.model_validate_json(msg["quorum"])
         self._check_layout(q)
         return q
@@ -289,6 +289,15 @@ class HSDPManager(Manager):
 
     def _group_prefix(self, q: Quorum) -> str:
         return f"{super()._group_prefix(q)}/n{self.ranks.size}/s{self.ranks.rank}"
+
+    def _identity(self) -> tuple[str | None, int]:
+        """What rank 0 took the quorum as, alike on every rank (its broadcast)."""
+        return self._replica_at_quorum, self._incarnation_at_quorum
+
+    def _still_this_incarnation(self) -> bool:
+        """Rank 0's check goes into the replica-wide vote (:meth:`allreduce_grads`),
+        so that the ranks commit alike; here every rank keeps that vote."""
+        return True
 
     def wait_quorum(self) -> Quorum:
         q = super().wait_quorum()
@@ -369,7 +378,7 @@ class HSDPManager(Manager):
 
     def allreduce_grads(self, loss_sum: float = 0.0) -> float:
         total = super().allreduce_grads(loss_sum)
-        ok = self._ok and self.grads.vote_ok
+        ok = self._ok and self.grads.vote_ok and super()._still_this_incarnation()
         failure = self._failure()
         votes, failed, loss = self.ranks.sum(
             [float(ok), float(failure is not None), total if ok else 0.0]

@@ -34,7 +34,6 @@ import torch
 
 from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.base import CommError, Communicator
-from phalanx.comm.transfer import recv_state, send_state
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.net import unreachable, wait_for_most
@@ -42,7 +41,7 @@ from phalanx.protocol.membership import Quorum
 from phalanx.train.base import Compute, Held, JobFinished, StepResult
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
-from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, heal_record
+from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, heal_in_quorum
 from phalanx.train.rng import rng_state, set_rng_state
 
 
@@ -185,6 +184,7 @@ class Manager:
         (this replica will vote no), not raised."""
         self.start_quorum()
         q = self._take_quorum()
+        me, inc = self._identity()
         self.quorum = q
         self._ok, self._error, self._abstained = True, None, None
         if self.total_steps is not None and q.job_step >= self.total_steps > q.max_step:
@@ -203,7 +203,6 @@ class Manager:
                 q.max_step,
                 q.max_step,
             )
-        me = self.client.replica_id
         if me not in q.replica_ids:
             # Evicted (e.g. SIGSTOPped past the timeouts) while the request was in
             # flight: the client re-registered, and this quorum was formed for the
@@ -212,7 +211,7 @@ class Manager:
             return q
         self.rank, self.world_size = q.replica_ids.index(me), len(q.members)
         self.client.who.quorum_id = q.quorum_id
-        key = (q.quorum_id, self.client.incarnations)
+        key = (q.quorum_id, inc)
         try:
             if self._configured != key:
                 t0 = time.perf_counter()
@@ -225,13 +224,30 @@ class Manager:
                     self.world_size,
                     1e3 * (time.perf_counter() - t0),
                 )
-            self._incarnation = self.client.incarnations
-            self._heal(q)
+            self._incarnation = inc
+            self._heal(q, me)
         except CommError as e:
             self._fail(e)
         finally:
             self._heal_buffer.drop()
         return q
+
+    def _identity(self) -> tuple[str | None, int]:
+        """(replica id, incarnation count) this replica takes its quorum as, read once:
+        the client registers a new incarnation from another thread when it learns it
+        was evicted, and a step that took its rank from one id and looked itself up
+        in the heal plan under the other skipped its heal (found under packet loss:
+        two replicas trained the same step from different states). The count is
+        read first, so that a registration in between gives the new id (not in the
+        quorum: this replica votes no), never an old id with the new count."""
+        inc = self.client.incarnations
+        return self.client.replica_id, inc
+
+    def _still_this_incarnation(self) -> bool:
+        """Whether the incarnation that took the quorum is still this replica's: one
+        evicted meanwhile must not commit (its peers may already go on without it,
+        from the same step)."""
+        return self.client.incarnations == self._incarnation
 
     def _ask(self, step: int, peers: dict[str, str]) -> Quorum:
         timeout = self.quorum_timeout_s or 60.0
@@ -254,31 +270,9 @@ class Manager:
         """The store prefix of this quorum's process group."""
         return f"{q.role}/q{q.quorum_id}"
 
-    def _heal(self, q: Quorum) -> None:
-        me = self.client.replica_id
-        ranks = {rid: i for i, rid in enumerate(q.replica_ids)}
-        if me in q.heal:
-            t0 = time.perf_counter()
-            src = ranks[q.heal[me]]
-            scratch = self._heal_buffer.take()
-            times: dict[str, float] = {}
-            sd = recv_state(self.comm, src, tag=1, scratch=scratch, times=times)
-            self.load_state_dict(sd)
-            self.heals += 1
-            self.last_heal = heal_record(sd, scratch, q.heal[me], self.step, t0, times)
-            dt = self.last_heal["seconds"]
-            self.client.report_heal(q.heal[me], self.step, round(dt, 4), q.quorum_id)
-            self.log.info(
-                "healed from %s to step %d in %.3f s (%d bytes, into %s memory)",
-                q.heal[me],
-                self.step,
-                dt,
-                self.last_heal["bytes"],
-                "pre-faulted" if self.last_heal["warm"] else "new",
-            )
-        for lag, healer in sorted(q.heal.items()):
-            if healer == me:
-                send_state(self.comm, self.state_dict(), ranks[lag], tag=1)
+    def _heal(self, q: Quorum, me: str | None) -> None:
+        """Receive this replica's heal, or send the heals it is the source of."""
+        heal_in_quorum(self, q, me)
 
     # -- gradients and commit --------------------------------------------
 
@@ -381,6 +375,9 @@ class Manager:
         the step counter and the data cursor advance. On False the step is
         to be retried (call :meth:`start_quorum` again)."""
         ok = self._ok and self.grads.vote_ok
+        if ok and not self._still_this_incarnation():
+            ok, self._ok = False, False
+            self._error = "evicted during the step: its peers may go on without it"
         if ok:
             self.step += 1
             self.lineage = self.quorum.quorum_id if self.quorum is not None else 0
