@@ -36,7 +36,8 @@ FAST_HEALTH = {
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", **FAST_HEALTH}
 """The environment of the nodes, and of every driver that joins them."""
 START_TRIES = 3
-"""A node whose raylet missed Ray's 30 s to register is started again, up to this."""
+"""A worker node that exits while it starts (its raylet missed Ray's 30 s to
+register, on a busy host) is started again, up to this many tries in all."""
 START_S = 180.0
 """How long a node may take to start (Ray on a loaded 2-core host: 10-25 s)."""
 
@@ -189,9 +190,9 @@ class Cluster:
             for i, node in enumerate(self.nodes):
                 if node.proc.poll() is None:
                     continue
-                text = node.log.read_text(errors="replace")
-                if "timed out during startup" in text and node.tries < START_TRIES:
-                    # Ray gives a raylet a fixed 30 s to register: a busy host can miss it.
+                if node.name != "head" and node.tries < START_TRIES:
+                    # Ray gives a raylet a fixed 30 s to register, and a worker's start
+                    # a fixed time to reach the GCS: a busy host can miss either.
                     self.nodes.pop(i)
                     node.log.rename(node.log.with_suffix(f".try{node.tries}.log"))
                     again = self._start(node.name, node.cpus, list(node.args))
