@@ -103,7 +103,7 @@ def test_an_incarnation_evicted_during_the_step_does_not_commit(setup) -> None:
     """The client registers a new incarnation (from its heartbeat thread) when it
     learns it was evicted; a step taken by the previous one votes no at the commit,
     since its peers may already be going on from the same step without it."""
-    m, _, fn = setup
+    m = setup[0]
     m.client.replica_id, m.client.incarnations = "policy-0:a", 1
     assert m._identity() == ("policy-0:a", 1)
     m._incarnation = 1  # as wait_quorum records it

@@ -940,7 +940,6 @@ def test_at_the_newest_step_only_the_newest_lineage_is_up_to_date(state):
     assert {m.replica_id: m.lineage for m in q.members} == {a: 3, b: 4, c: 4}
 
 
-
 def test_a_quorum_waits_for_a_live_member_that_holds_a_newer_step(state):
     """c committed up to step 10 alone; a and b, back from a failure, ask at step 5.
     A quorum of a and b would redo steps 6..10 from older state (the job's steps
