@@ -123,6 +123,7 @@ def test_too_few_cpus_is_one_line(cluster: Cluster, tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "controller").exists()  # nothing was started
 
 
+@pytest.mark.slow  # (the default run's Ray scenario is the lost node, below: make test < 20 min)
 def test_ft_ddp_of_sharded_replicas_across_nodes(cluster: Cluster, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file

@@ -295,8 +295,14 @@ def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
     syncs = wait_for(late_synced, 300, "the late rollout replica to get weights")
     r0_id = r0.events("start")[0]["replica"]
     assert syncs[0]["source"] == r0_id and syncs[0]["version"] >= 2, syncs[0]
-    relayed = [e for e in r0.events("sync") if e["source"] == r0_id]
-    assert relayed and relayed[0]["ok"] and relayed[0]["seq"] == syncs[0]["seq"], relayed
+    # r0 says it relayed once its send is done: it may print that after the late
+    # replica printed that it received.
+    relayed = wait_for(
+        lambda: [e for e in r0.events("sync") if e["source"] == r0_id],
+        PROGRESS_S,
+        "rollout-0 to report the relay",
+    )
+    assert relayed[0]["ok"] and relayed[0]["seq"] == syncs[0]["seq"], relayed
     timeline = [t["text"] for t in ctl.status()["overview"]["timeline"]]
     assert any(f"relayed by rollout {r0_id} to 1" in t for t in timeline), timeline
     policy_b = start("policy", "policy-0")

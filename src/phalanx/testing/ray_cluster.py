@@ -19,10 +19,12 @@ token in ``~/.ray`` belongs to whoever made it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +136,10 @@ class Cluster:
         self.nodes: list[Node] = []
         self.address = ""
         args = ["--head", f"--port={self.port}", f"--ray-client-server-port={free_port()}"]
-        args += ["--include-dashboard=false", f"--temp-dir={root / 'tmp'}"]
+        # Ray's session dir holds AF_UNIX sockets, whose paths must stay under 108
+        # bytes: a pytest tmp dir can be longer than that leaves room for.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        args += ["--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
         head = self._start("head", head_cpus, args)
         self.address = f"{self._head_ip(head)}:{self.port}"
 
@@ -213,6 +218,7 @@ class Cluster:
     def close(self, grace_s: float = 15.0) -> None:
         for node in reversed(self.nodes):
             node.stop(grace_s)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self
