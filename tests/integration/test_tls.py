@@ -10,6 +10,7 @@ Every certificate names 127.0.0.1 or 10.255.255.1; traffic only ever goes to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -219,18 +220,29 @@ def test_agent_serves_its_controller_over_https_and_restarts_it_on_the_same_url(
 
         return wait_for(seen, PROGRESS_S, what)
 
-    first = event(lambda e: e["event"] == "controller", "the served controller")
-    url = first["url"]
-    assert re.fullmatch(r"https://127\.0\.0\.1:\d+", url), url
-    st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
-    assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 1, st.stderr
-    os.kill(first["pid"], signal.SIGKILL)
-    event(
-        lambda e: e["event"] == "controller_restart" and f"back at {url}" in e["note"],
-        "the controller back at the same URL",
-    )
-    st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
-    assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 2, st.stderr
+    try:
+        first = event(lambda e: e["event"] == "controller", "the served controller")
+        url = first["url"]
+        assert re.fullmatch(r"https://127\.0\.0\.1:\d+", url), url
+        st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
+        assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 1, st.stderr
+        os.kill(first["pid"], signal.SIGKILL)
+        event(
+            lambda e: e["event"] == "controller_restart" and f"back at {url}" in e["note"],
+            "the controller back at the same URL",
+        )
+        st = cli("status", "--controller", str(state), "--ca-file", str(ca.pem), "--json")
+        assert st.returncode == 0 and json.loads(st.stdout)["epoch"] == 2, st.stderr
+        agent.send_signal(signal.SIGTERM)  # it stops the controller it serves
+        assert agent.wait(timeout=PROGRESS_S) == 128 + signal.SIGTERM
+    finally:
+        # The controller leads a session of its own: the group kill of the agent at
+        # cleanup does not reach it; kill every one it started by pid.
+        for line in out.read_text().splitlines():
+            pid = json.loads(line).get("pid")
+            if pid and json.loads(line)["event"].startswith("controller"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_agent_refuses_controller_options_it_cannot_use(tmp_path: Path, local_cert: ServerCert):
