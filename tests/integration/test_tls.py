@@ -238,11 +238,10 @@ def test_agent_serves_its_controller_over_https_and_restarts_it_on_the_same_url(
     finally:
         # The controller leads a session of its own: the group kill of the agent at
         # cleanup does not reach it; kill every one it started by pid.
-        for line in out.read_text().splitlines():
-            pid = json.loads(line).get("pid")
-            if pid and json.loads(line)["event"].startswith("controller"):
+        for e in map(json.loads, out.read_text().splitlines()):
+            if e["event"].startswith("controller") and e.get("pid"):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(e["pid"], signal.SIGKILL)
 
 
 def test_agent_refuses_controller_options_it_cannot_use(tmp_path: Path, local_cert: ServerCert):
