@@ -38,8 +38,8 @@ FAST_HEALTH = {
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", **FAST_HEALTH}
 """The environment of the nodes, and of every driver that joins them."""
 START_TRIES = 3
-"""A worker node that exits while it starts (its raylet missed Ray's 30 s to
-register, on a busy host) is started again, up to this many tries in all."""
+"""A node that exits while it starts (its raylet missed Ray's 30 s to register,
+on a busy host) is started again, up to this many tries in all."""
 START_S = 180.0
 """How long a node may take to start (Ray on a loaded 2-core host: 10-25 s)."""
 
@@ -110,6 +110,16 @@ class Node:
         self.proc.wait()
 
 
+def _tail(log: Path, lines: int = 15) -> str:
+    """The last lines of a node's log, for an error that CI prints (the log itself
+    is gone with CI's machine)."""
+    try:
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return f"{log}: {e}"
+    return f"{log} ends with:\n" + "\n".join(text)
+
+
 def _name(p: object) -> str:
     try:
         return str(p.name())  # type: ignore[attr-defined]
@@ -132,16 +142,30 @@ class Cluster:
     def __init__(self, root: Path, head_cpus: int = 2):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
         self.nodes: list[Node] = []
         self.address = ""
-        args = ["--head", f"--port={self.port}", f"--ray-client-server-port={free_port()}"]
         # Ray's session dir holds AF_UNIX sockets, whose paths must stay under 108
         # bytes: a pytest tmp dir can be longer than that leaves room for.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-        args += ["--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
-        head = self._start("head", head_cpus, args)
-        self.address = f"{self._head_ip(head)}:{self.port}"
+        for tries in range(1, START_TRIES + 1):
+            # ``ray start --block`` exits 1 when any process it started dies while
+            # the node comes up (an agent that misses its time to register on a
+            # busy host, a free port taken meanwhile): start again on fresh ports.
+            self.port = free_port()
+            args = ["--head", f"--port={self.port}", f"--ray-client-server-port={free_port()}"]
+            args += ["--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
+            head = self._start("head", head_cpus, args)
+            head.tries = tries
+            try:
+                self.address = f"{self._head_ip(head)}:{self.port}"
+                return
+            except RuntimeError:
+                head.stop(grace_s=5.0)
+                self.nodes.remove(head)
+                if tries == START_TRIES:
+                    shutil.rmtree(self.temp_dir, ignore_errors=True)
+                    raise
+                head.log.rename(head.log.with_suffix(f".try{tries}.log"))
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **RAY_ENV}
@@ -176,12 +200,15 @@ class Cluster:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if head.proc.poll() is not None:
-                raise RuntimeError(f"ray head exited with {head.proc.returncode}; see {head.log}")
+                raise RuntimeError(
+                    f"ray head exited with {head.proc.returncode} (try {head.tries} of"
+                    f" {START_TRIES}): {_tail(head.log)}"
+                )
             for line in head.log.read_text(errors="replace").splitlines():
                 if "ray start --address=" in line:
                     return line.split("--address=")[1].strip("'\" ").rsplit(":", 1)[0]
             time.sleep(0.2)
-        raise RuntimeError(f"ray head did not start within {START_S:.0f} s; see {head.log}")
+        raise RuntimeError(f"ray head did not start within {START_S:.0f} s: {_tail(head.log)}")
 
     def add_worker(self, cpus: int) -> Node:
         name = f"worker{len(self.nodes)}"
@@ -204,7 +231,7 @@ class Cluster:
                     again.tries = node.tries + 1
                     break
                 raise RuntimeError(
-                    f"ray node {node.name} exited with {node.proc.returncode}; see {node.log}"
+                    f"ray node {node.name} exited with {node.proc.returncode}: {_tail(node.log)}"
                 )
             up = [
                 x for x in self.nodes if "Ray runtime started" in x.log.read_text(errors="replace")
