@@ -611,6 +611,26 @@ def test_the_minority_side_of_a_partition_never_evicts_the_majority(state, order
     assert set(state.members) == {a, b}
 
 
+@pytest.mark.parametrize("first", ["a", "c"])
+@pytest.mark.parametrize("b_first", [True, False])
+def test_survivors_of_a_hung_peer_that_report_everyone_are_not_cut_off(state, first, b_first):
+    """b hangs in a collective (SIGSTOP: it reports nobody, and its port still accepts,
+    so a and c cannot tell who failed and each reports both others). Once most of
+    b's peers have reported it, what a and c said of each other is explained by b:
+    whatever the order, b alone is evicted."""
+    a, b, c = join(state, "a", "b", "c")
+    reports = {a: [b, c] if b_first else [c, b], c: [b, a] if b_first else [a, b]}
+    order = [a, c] if first == "a" else [c, a]
+    evicted = []
+    for i, reporter in enumerate(order):
+        _, tick = state.report_failure(reporter, reports[reporter], now=1.0 + i / 100, wall=1)
+        evicted += tick.evicted
+        for rid in (a, c):  # the survivors answer every probe
+            state.heartbeat(rid, now=1.0 + i / 100 + 0.001, wall=1)
+    evicted += state.tick(now=1.0 + GRACE_S * 4, wall=2).evicted
+    assert evicted == [b] and set(state.members) == {a, c}
+
+
 def test_reports_older_than_the_heartbeat_timeout_do_not_count(state):
     a, b, c = join(state, "a", "b", "c")
     state.report_failure(a, [c], now=1.0, wall=1)

@@ -186,12 +186,24 @@ class Membership:
             return None  # it holds a newer step than its reporters: the probe decides
         if len(others) >= 2 and 2 * by > len(others):
             self._cut_off[(m.role, m.name)] = now
+            self._explained_by(m)
             return f"failure report by {by} of its {len(others)} peers (unreachable by them)"
         mutual = replica_id in self.members[reporter].reported_by
         if len(others) == 1 and mutual:
             self._cut_off[(m.role, m.name)] = now
             return "failure report by its only peer, which it reported too (cut from each other)"
         return None
+
+    def _explained_by(self, m: Member) -> None:
+        """``m``'s reporters failed in a collective with it: what they reported of each
+        other in that window is explained by ``m`` and no longer counts. A collective
+        fails on every member when one hangs, and a replica that reaches every peer
+        (a stopped process's port still accepts) reports them all: left to count, two
+        survivors' reports of each other would evict one of them as cut off."""
+        blamed = set(m.reported_by)
+        for rid in self.roles[m.role].member_ids - {m.replica_id}:
+            other = self.members[rid]
+            other.reported_by = {r: t for r, t in other.reported_by.items() if r not in blamed}
 
     def suspect(self, replica_id: str, reason: str, now: float) -> bool:
         """Start the grace of a live, unsuspected member; False if unknown or already."""
