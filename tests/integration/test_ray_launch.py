@@ -1,10 +1,15 @@
-"""``phalanx run --launcher ray`` on a Ray cluster of two nodes on this host (a head
-and a worker, each from ``ray start``: :mod:`phalanx.testing.ray_cluster`),
-shared by the module's tests, in this order:
+"""``phalanx run --launcher ray`` on a Ray cluster of two nodes (a head and a worker,
+each from ``ray start``: :mod:`phalanx.testing.ray_cluster`), shared by the
+module's tests. Where network namespaces can be made (root, :mod:`netns`), each
+node is a host of its own (its namespace and address, the two joined by a
+switch) and ``phalanx run`` runs on the head's host; elsewhere both nodes share
+this host's network. The tests, in this order:
 
 - a job whose roles need more CPUs than the cluster has stops at once, in one line;
 - an FT-DDP job of two sharded replicas (2 ranks each, one actor per replica)
   runs across both nodes, and the replicas end with the same parameters;
+- a synchronous DiLoCo job of two replicas, one on each node, ends its last
+  outer round with one model on both;
 - an RL job (1 policy, 2 rollout replicas) loses the worker node (its raylet
   SIGKILLed) mid-run, and is scaled up and down meanwhile: the replica the
   node took is restarted elsewhere, and the job finishes with a balanced ledger
@@ -27,6 +32,7 @@ from procs import FAST_TIMEOUTS, PROGRESS_S, child_env, wait_for, write_job_toml
 
 pytest.importorskip("ray")
 
+from phalanx.testing import netns
 from phalanx.testing.ray_cluster import RAY_ENV, Cluster
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -37,13 +43,21 @@ PROMPTS = 4
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Logical CPUs (a scheduling resource, not cores): the head alone can hold every
     # replica of the RL job, and one more, once the worker is lost.
-    c = Cluster(tmp_path_factory.mktemp("ray"), head_cpus=4)
+    net = netns.Net() if netns.unavailable() is None else None
+    c: Cluster | None = None
     try:
-        c.add_worker(cpus=2)
+        head = worker = None
+        if net is not None:
+            head, worker = net.add_host("rayh"), net.add_host("rayw")
+        c = Cluster(tmp_path_factory.mktemp("ray"), head_cpus=4, host=head)
+        c.add_worker(cpus=2, host=worker)
         c.wait_nodes(2)
         yield c
     finally:
-        c.close(grace_s=5.0)
+        if c is not None:
+            c.close(grace_s=5.0)
+        if net is not None:
+            net.close()
 
 
 class Run:
@@ -54,7 +68,7 @@ class Run:
         cmd = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--launcher", "ray"]
         cmd += ["--ray-address", cluster.address, "--plain", "--json", "--run-dir", str(run_dir)]
         self.proc = subprocess.Popen(
-            [*cmd, *args],
+            cluster.wrap([*cmd, *args]),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -141,6 +155,26 @@ def test_ft_ddp_of_sharded_replicas_across_nodes(cluster: Cluster, tmp_path: Pat
         assert torch.equal(v, finals[1][k]), k
 
 
+@pytest.mark.slow  # (as above)
+def test_sync_diloco_across_nodes_ends_on_one_outer_model(cluster: Cluster, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    # Two outer rounds of H = 20 inner steps; the last inner step is an outer sync.
+    two = ["--replicas", "2", "--train.steps", "40", "--train.step_delay_s=0"]
+    run = Run(cluster, EXAMPLES / "diloco_sync.toml", tmp_path / "run", *two)
+    s = run.finish()
+    assert s["ok"] and s["steps"] == 2 and s["kills"] == 0, s  # (steps: outer rounds)
+    placed = {m[1]: m[2] for m in run.seen(r"(policy-\d) on Ray node \S+ \((\w+)\)")}
+    assert len(set(placed.values())) == 2, placed  # spread: one replica per node
+    finals = [load_file(tmp_path / "run" / "final" / f"policy-{i}.safetensors") for i in (0, 1)]
+    # The model is the outer one on both; each replica's inner AdamW state is its own.
+    model = [k for k in finals[0] if k.startswith("model.")]
+    assert model and finals[0].keys() == finals[1].keys()
+    for k in model:
+        assert torch.equal(finals[0][k], finals[1][k]), k
+
+
 def test_rl_job_survives_a_lost_node_and_follows_scale(cluster: Cluster, tmp_path: Path) -> None:
     worker = cluster.nodes[1]
     config = write_job_toml(
@@ -165,6 +199,7 @@ def test_rl_job_survives_a_lost_node_and_follows_scale(cluster: Cluster, tmp_pat
     run = Run(cluster, config, tmp_path / "run", "--rl.loop.target_exact_match=null")
     scale = [sys.executable, "-m", "phalanx.cli", "scale", "--controller", str(tmp_path / "run")]
     scale[-1] += "/controller"
+    scale = cluster.wrap(scale)  # the controller listens on the head's address
 
     def trained(n: int) -> bool:
         return any(int(m[1]) >= n for m in run.seen(r"batch +(\d+) "))
@@ -176,6 +211,10 @@ def test_rl_job_survives_a_lost_node_and_follows_scale(cluster: Cluster, tmp_pat
         0.1,
     )
     wait_for(lambda: worker.hosts("phalanx replica"), PROGRESS_S, "a replica on the worker", 0.1)
+    if worker.host is not None:  # each node on its own host: replicas on both addresses
+        ips = {m[1] for m in run.seen(r"(?:policy|rollout)-\d on Ray node (\S+)")}
+        assert worker.host.ip in ips, ips
+        assert ips <= {n.host.ip for n in cluster.nodes if n.host is not None}, ips
     worker.lose()
     # A scale-up while the lost replica is restarted: one more actor.
     subprocess.run([*scale, "rollout=3"], check=True, env=child_env(), timeout=60)

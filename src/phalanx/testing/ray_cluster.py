@@ -1,7 +1,10 @@
 """A Ray cluster of separate nodes on this host, for tests and benchmarks: a head
 and workers, each started with ``ray start --block`` in a session of its own, on
 free ports and a temp dir of its own, so that nothing is shared with another
-Ray instance on the machine.
+Ray instance on the machine. Given hosts of :mod:`phalanx.testing.netns`, each
+node runs on its own host (its network namespace and address): the nodes then
+reach each other only over the test's switch, as machines do. A driver runs on
+the head's host (:meth:`Cluster.wrap`).
 
 A node is stopped through its own process group (SIGTERM, then SIGKILL), never
 by name and never with ``ray stop`` (which stops every Ray on the host). A
@@ -28,6 +31,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.testing.netns import Host
 
 FAST_HEALTH = {
     "RAY_health_check_initial_delay_ms": "0",
@@ -62,6 +69,8 @@ class Node:
     cpus: int = 0
     args: tuple[str, ...] = ()
     tries: int = 1
+    host: Host | None = None
+    """The namespace host the node runs on (None: this host's own network)."""
 
     def raylet_pid(self) -> int | None:
         """The pid of this node's raylet (a child of ``ray start``), or None."""
@@ -139,7 +148,7 @@ class Cluster:
     :attr:`address` is the head's GCS, for ``--ray-address``. Close it (or use
     ``with``) to stop every node."""
 
-    def __init__(self, root: Path, head_cpus: int = 2):
+    def __init__(self, root: Path, head_cpus: int = 2, host: Host | None = None):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.nodes: list[Node] = []
@@ -154,7 +163,7 @@ class Cluster:
             self.port = free_port()
             args = ["--head", f"--port={self.port}", f"--ray-client-server-port={free_port()}"]
             args += ["--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
-            head = self._start("head", head_cpus, args)
+            head = self._start("head", head_cpus, args, host)
             head.tries = tries
             try:
                 self.address = f"{self._head_ip(head)}:{self.port}"
@@ -170,7 +179,12 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, **RAY_ENV}
 
-    def _start(self, name: str, cpus: int, args: list[str]) -> Node:
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run where a driver of this cluster runs: on the head's host."""
+        host = self.nodes[0].host if self.nodes else None
+        return host.wrap(cmd) if host is not None else cmd
+
+    def _start(self, name: str, cpus: int, args: list[str], host: Host | None = None) -> Node:
         log = self.root / f"{name}.log"
         ports = [
             f"--node-manager-port={free_port()}",
@@ -182,6 +196,8 @@ class Cluster:
         ]
         cmd = [_ray_bin(), "start", "--block", f"--num-cpus={cpus}", "--disable-usage-stats"]
         cmd += ["--object-store-memory=80000000", *ports, *args]
+        if host is not None:
+            cmd = host.wrap([*cmd, f"--node-ip-address={host.ip}"])
         with log.open("wb") as f:
             proc = subprocess.Popen(
                 cmd,
@@ -191,7 +207,7 @@ class Cluster:
                 env=self.env(),
                 start_new_session=True,
             )
-        node = Node(name, proc, log, cpus, tuple(args))
+        node = Node(name, proc, log, cpus, tuple(args), host=host)
         self.nodes.append(node)
         return node
 
@@ -210,9 +226,9 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"ray head did not start within {START_S:.0f} s: {_tail(head.log)}")
 
-    def add_worker(self, cpus: int) -> Node:
+    def add_worker(self, cpus: int, host: Host | None = None) -> Node:
         name = f"worker{len(self.nodes)}"
-        return self._start(name, cpus, [f"--address={self.address}"])
+        return self._start(name, cpus, [f"--address={self.address}"], host)
 
     def wait_nodes(self, n: int, timeout_s: float = START_S) -> None:
         """Wait until ``n`` nodes have a raylet that registered with the head (its log
@@ -227,7 +243,7 @@ class Cluster:
                     # a fixed time to reach the GCS: a busy host can miss either.
                     self.nodes.pop(i)
                     node.log.rename(node.log.with_suffix(f".try{node.tries}.log"))
-                    again = self._start(node.name, node.cpus, list(node.args))
+                    again = self._start(node.name, node.cpus, list(node.args), node.host)
                     again.tries = node.tries + 1
                     break
                 raise RuntimeError(
