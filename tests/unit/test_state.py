@@ -613,21 +613,31 @@ def test_the_minority_side_of_a_partition_never_evicts_the_majority(state, order
 
 @pytest.mark.parametrize("first", ["a", "c"])
 @pytest.mark.parametrize("b_first", [True, False])
-def test_survivors_of_a_hung_peer_that_report_everyone_are_not_cut_off(state, first, b_first):
+@pytest.mark.parametrize("probe_between", [False, True])
+def test_survivors_of_a_hung_peer_that_report_everyone_are_not_cut_off(
+    state, first, b_first, probe_between
+):
     """b hangs in a collective (SIGSTOP: it reports nobody, and its port still accepts,
-    so a and c cannot tell who failed and each reports both others). Once most of
-    b's peers have reported it, what a and c said of each other is explained by b:
-    whatever the order, b alone is evicted."""
+    so a and c cannot tell who failed and each reports both others). Once b is gone
+    (most of its peers reported it, or its probe went unanswered before the second
+    report came), what a and c said of each other is explained by b: whatever the
+    order, b alone is evicted."""
     a, b, c = join(state, "a", "b", "c")
     reports = {a: [b, c] if b_first else [c, b], c: [b, a] if b_first else [a, b]}
     order = [a, c] if first == "a" else [c, a]
-    evicted = []
-    for i, reporter in enumerate(order):
-        _, tick = state.report_failure(reporter, reports[reporter], now=1.0 + i / 100, wall=1)
+    evicted, t = [], 1.0
+    for reporter in order:
+        _, tick = state.report_failure(reporter, reports[reporter], now=t, wall=t)
         evicted += tick.evicted
+        t += 0.001
         for rid in (a, c):  # the survivors answer every probe
-            state.heartbeat(rid, now=1.0 + i / 100 + 0.001, wall=1)
-    evicted += state.tick(now=1.0 + GRACE_S * 4, wall=2).evicted
+            state.heartbeat(rid, now=t, wall=t)
+        if probe_between:
+            t += GRACE_S * 2  # b's probe goes unanswered before the second report
+            for rid in (a, c):
+                state.heartbeat(rid, now=t, wall=t)
+            evicted += state.tick(now=t, wall=t).evicted
+    evicted += state.tick(now=t + GRACE_S * 4, wall=t).evicted
     assert evicted == [b] and set(state.members) == {a, c}
 
 

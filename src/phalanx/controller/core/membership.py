@@ -126,6 +126,7 @@ class Membership:
 
     def remove(self, replica_id: str) -> Member:
         self.cut_off.discard(replica_id)
+        self._explained_by(self.members[replica_id])
         m = self.members.pop(replica_id)
         del self._by_name[(m.role, m.name)]
         self.roles[m.role].member_ids.discard(replica_id)
@@ -186,7 +187,6 @@ class Membership:
             return None  # it holds a newer step than its reporters: the probe decides
         if len(others) >= 2 and 2 * by > len(others):
             self._cut_off[(m.role, m.name)] = now
-            self._explained_by(m)
             return f"failure report by {by} of its {len(others)} peers (unreachable by them)"
         mutual = replica_id in self.members[reporter].reported_by
         if len(others) == 1 and mutual:
@@ -195,7 +195,8 @@ class Membership:
         return None
 
     def _explained_by(self, m: Member) -> None:
-        """``m``'s reporters failed in a collective with it: what they reported of each
+        """``m`` is gone (evicted on reports, by the probe or the heartbeat timeout):
+        its reporters failed in a collective with it, and what they reported of each
         other in that window is explained by ``m`` and no longer counts. A collective
         fails on every member when one hangs, and a replica that reaches every peer
         (a stopped process's port still accepts) reports them all: left to count, two
