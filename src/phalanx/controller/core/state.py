@@ -268,10 +268,11 @@ class ControllerState:
         if reporter in suspects:
             raise StateError("suspects must not include the reporter itself.", field="suspects")
         tick = Tick()
-        unknown = [sid for sid in dict.fromkeys(suspects) if sid not in self.members]
+        named = list(dict.fromkeys(suspects))
+        unknown = [sid for sid in named if sid not in self.members]
         # A report naming a member already gone is of a collective it was in: that
         # explains the report, which evicts no one else (they are probed, as ever).
-        for sid in (sid for sid in dict.fromkeys(suspects) if sid in self.members):
+        for sid in (sid for sid in named if sid in self.members):
             if not unknown and (why := self.membership.reported(sid, reporter, now)):
                 tick.merge(self._evict(sid, why, now, wall))
             elif self.membership.suspect(sid, "failure report", now):
