@@ -25,11 +25,23 @@ class Communicator(ABC):
 
     rank: int = 0
     world_size: int = 1
+    patient: bool = False
+    """Whether a collective given up on a peer may still be running in this process
+    (until the patience: :mod:`phalanx.comm.liveness`), so that a peer that resumes
+    can complete its side of it. A commit vote is then an op of its own, after the
+    data: a process that gave the data up never joins the vote."""
     device: torch.device = torch.device("cpu")
     """Where the tensors handed to this communicator must live (NCCL: the rank's GPU)."""
 
     @abstractmethod
     def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None: ...
+
+    def watch(self, peers: dict[str, str]) -> None:
+        """The other members of the configured group (name -> their store's
+        ``host:port``), for a backend that tells a slow collective from a stuck one
+        by asking them (:mod:`phalanx.comm.liveness`). Call after :meth:`configure`.
+        A backend that does not ask gives collectives up at its timeout."""
+        return None
 
     @abstractmethod
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:

@@ -10,13 +10,19 @@ address; the quorum's rank-0 member's store is the rendezvous point.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import liveness
 from phalanx.comm.base import CommError, Communicator
 from phalanx.net import LOOPBACK, AddressError, advertise_host, hostport, unreachable
+
+log = logging.getLogger("phalanx.comm")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -37,6 +43,7 @@ def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
     # interface); peers use the advertised address, checked here first.
     store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, use_libuv=True)
     address = hostport(host, store.port)
+    liveness.respond(store.port)  # the peers' pings, at the same port number over UDP
     if unreachable({"self": address}, timeout_s=2.0):
         raise AddressError(
             f"the advertised address {host!r} must be an address of this host: this "
@@ -47,10 +54,23 @@ def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
 
 
 class TorchCommunicator(Communicator):
-    def __init__(self, timeout_s: float, device: torch.device | None = None):
+    """``patience_s`` (gloo only; 0: off): how long a collective may run past
+    ``timeout_s`` while every peer of the group answers liveness pings as a member
+    (:mod:`phalanx.comm.liveness`; the peers' addresses come from :meth:`watch`).
+    Without it, or without peers watched, a collective is given up at ``timeout_s``."""
+
+    def __init__(
+        self, timeout_s: float, device: torch.device | None = None, patience_s: float = 0.0
+    ):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.connect_timeout = datetime.timedelta(seconds=max(timeout_s, CONNECT_S))
         self.device = device or torch.device("cpu")
+        gloo = self.device.type == "cpu"
+        self.patience_s = max(patience_s, timeout_s) if patience_s > 0 and gloo else 0.0
+        self._watch = liveness.Watch() if self.patience_s else None
+        self.patient = self._watch is not None
+        self._held_group = ""
+        """The group this communicator holds (store and prefix), for liveness."""
         self._store: tuple[str, dist.TCPStore] | None = None
         """The rendezvous store client of the last quorum, kept while the next quorum
         meets at the same store: no new connection (under packet loss, a SYN lost)."""
@@ -63,6 +83,8 @@ class TorchCommunicator(Communicator):
 
     def configure(self, store_addr: str, prefix: str, rank: int, world_size: int) -> None:
         self.abort()
+        self._held_group = f"{store_addr}/{prefix}"
+        liveness.join(self._held_group)
         try:
             store = dist.PrefixStore(prefix, self._store_client(store_addr))
             if self.device.type == "cuda":
@@ -74,12 +96,14 @@ class TorchCommunicator(Communicator):
                 opts._timeout = self.connect_timeout  # the full mesh's setup
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
                 self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
-                # Collectives: the collective timeout inside gloo too, not only in
-                # _wait: a group whose op timed out is dropped, and dropping it waits
-                # for gloo's own timeout of that op.
-                self.pg.set_timeout(self.timeout)
+                # Collectives: gloo gives an op up at the longest _wait allows (a
+                # group dropped with an op in flight is destroyed in the background).
+                patience = datetime.timedelta(seconds=self.patience_s)
+                self.pg.set_timeout(max(self.timeout, patience))
         except Exception as e:  # rendezvous failed: a peer is gone or the store host died
             self.pg, self._store = None, None
+            liveness.leave(self._held_group)
+            self._held_group = ""
             raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e
         self.rank, self.world_size = rank, world_size
 
@@ -103,29 +127,85 @@ class TorchCommunicator(Communicator):
             raise CommError("no process group: configure() has not succeeded for this quorum")
         return self.pg
 
+    def watch(self, peers: dict[str, str]) -> None:
+        if self._watch is not None:
+            self._watch.set(self._held_group, peers)
+
     def _wait(self, work: dist.Work, what: str) -> None:
+        if self._watch is None:
+            try:
+                work.wait(self.timeout)
+            except Exception as e:
+                raise CommError(f"{what} failed: {e}") from e
+            return
         try:
-            work.wait(self.timeout)
-        except Exception as e:
-            raise CommError(f"{what} failed: {e}") from e
+            self._wait_patiently(work, what)
+        except CommError:
+            self._leave()  # this group is broken: peers waiting on it give up now
+            raise
+
+    def _wait_patiently(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` up to the patience, from a thread of its own (gloo's wait
+        on a send or receive fails the whole group when its own timeout passes, so
+        it gets the patience at once), and give it up after the collective timeout
+        as soon as a peer does not answer as a member of the group."""
+        assert self._watch is not None
+        start = time.monotonic()
+        waiter = _Waiter(work, datetime.timedelta(seconds=self.patience_s))
+        slice_ = self.timeout.total_seconds()
+        self._watch.begin()
+        try:
+            while not waiter.done.wait(slice_):
+                waited = time.monotonic() - start
+                silent = self._watch.silent()
+                if silent or waited >= self.patience_s:
+                    why = (
+                        f"peer(s) {', '.join(silent)} silent or gone from the group"
+                        if silent
+                        else f"the patience ({self.patience_s:g} s) is spent"
+                    )
+                    raise CommError(f"{what} timed out after {waited:.2f} s: {why}")
+                if slice_ == self.timeout.total_seconds():
+                    log.info(
+                        "%s still running after %.2f s; every peer answers: waiting", what, waited
+                    )
+                slice_ = liveness.INTERVAL_S
+        finally:
+            self._watch.end()
+        if waiter.error is not None:
+            raise CommError(f"{what} failed: {waiter.error}") from waiter.error
+
+    def _private(self, tensors: list[torch.Tensor], contents: bool = True) -> list[torch.Tensor]:
+        """The tensors an op that writes may be handed. A patient communicator gives
+        up an op while gloo still runs it (until the patience), and that op may still
+        complete if a stopped peer resumes: it must write into memory of its own,
+        never into a bucket or a model the next step uses. Copied back on success
+        (:func:`_back`); the op's own tensors otherwise."""
+        if self._watch is None:
+            return tensors
+        return [t.clone() if contents else torch.empty_like(t) for t in tensors]
 
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
         pg = self._group()
+        bufs = self._private(tensors)
         try:
-            works = [pg.allreduce([t], _OPS[op]) for t in tensors]
+            works = [pg.allreduce([t], _OPS[op]) for t in bufs]
         except Exception as e:
             raise CommError(f"allreduce failed to start: {e}") from e
         for w in works:
             self._wait(w, "allreduce")
+        _back(tensors, bufs)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
+        bufs = self._private([tensor])
         try:
-            work = self._group().broadcast([tensor], opts)
+            work = self._group().broadcast(bufs, opts)
         except Exception as e:
             raise CommError(f"broadcast failed to start: {e}") from e
         self._wait(work, "broadcast")
+        _back([tensor], bufs)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -159,17 +239,68 @@ class TorchCommunicator(Communicator):
         """Receive into ``tensors`` in order (matching :meth:`send_many` or a series of
         :meth:`send`), with every receive posted at once."""
         pg = self._group()
+        bufs = self._private(tensors, contents=False)
         try:
-            works = [pg.recv([t], src, tag) for t in tensors]
+            works = [pg.recv([t], src, tag) for t in bufs]
         except Exception as e:
             raise CommError(f"recv from rank {src} failed to start: {e}") from e
         for w in works:
             self._wait(w, f"recv from rank {src}")
+        _back(tensors, bufs)
+
+    def _leave(self) -> None:
+        """Stop answering pings as a member of the group held (see :mod:`liveness`)."""
+        if self._held_group:
+            liveness.leave(self._held_group)
+            self._held_group = ""
 
     def abort(self) -> None:
         pg, self.pg = self.pg, None
+        self._leave()
+        if self._watch is not None:
+            self._watch.clear()
         if pg is not None:
             try:
                 pg.abort()
             except Exception:
                 pass  # best effort: the group is being discarded either way
+            # Destroying a group joins its worker, which waits out an op in flight up
+            # to gloo's timeout of it. A thread of its own holds the group until that
+            # timeout has passed and drops it then, so that neither this thread nor
+            # one that drops a reference later (a traceback's frame) waits for it.
+            box, delay = [pg], max(self.timeout.total_seconds(), self.patience_s) + 1.0
+            del pg
+            threading.Thread(
+                target=_drop_after, args=(box, delay), name="phalanx-pg-drop", daemon=True
+            ).start()
+
+
+def _back(tensors: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
+    for t, b in zip(tensors, bufs, strict=True):
+        if b is not t:
+            t.copy_(b)
+
+
+def _drop_after(box: list[Any], delay_s: float) -> None:
+    time.sleep(delay_s)
+    box.clear()
+
+
+class _Waiter:
+    """``work.wait(timeout)`` on a daemon thread; :attr:`done` is set when it returns.
+    A wait that is given up goes on in the background until the op ends (at gloo's
+    timeout of it at the latest), holding only its thread."""
+
+    def __init__(self, work: dist.Work, timeout: datetime.timedelta):
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        threading.Thread(
+            target=self._run, args=(work, timeout), name="phalanx-wait", daemon=True
+        ).start()
+
+    def _run(self, work: dist.Work, timeout: datetime.timedelta) -> None:
+        try:
+            work.wait(timeout)
+        except Exception as e:
+            self.error = e
+        self.done.set()

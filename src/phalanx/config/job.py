@@ -65,6 +65,11 @@ class TimeoutsSection(_Section):
 
     collective_s: float = Field(5.0, gt=0, le=3600)
     """Longest a collective (all-reduce, heal transfer) may block before it is aborted."""
+    collective_patience_s: float = Field(30.0, ge=0, le=86400)
+    """Longest a collective may run past ``collective_s`` while every peer of its
+    group still answers liveness pings as a member (a slow network: packet loss,
+    not a dead, hung or cut-off peer, which stops answering). 0: give every
+    collective up at ``collective_s``. Single-process replicas on gloo only."""
     heartbeat_s: float = Field(10.0, gt=0, le=3600)
     """A replica not heard from for this long is evicted."""
     quorum_s: float = Field(60.0, gt=0, le=86400)

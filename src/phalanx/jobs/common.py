@@ -199,7 +199,7 @@ def setup_replica(
     model = task.build_model(tc, cfg.job.seed)
     manager = Manager(
         client,
-        TorchCommunicator(cfg.timeouts.collective_s),
+        TorchCommunicator(cfg.timeouts.collective_s, patience_s=cfg.timeouts.collective_patience_s),
         model,
         build_optimizer(tc, model),
         ElasticSampler(tc.dataset_size, seed=cfg.job.seed),

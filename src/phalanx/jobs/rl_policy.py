@@ -182,7 +182,10 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
         ref = shard_model(ref, ranks.mesh) if ref is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))
-    comm = TorchCommunicator(cfg.timeouts.collective_s, device)
+    # Liveness patience for single-process replicas: a sharded replica's cross-replica
+    # groups are per rank, and a rank's store (and pings) are its replica's rank 0's.
+    patience = 0.0 if isinstance(ranks, ReplicaRanks) else cfg.timeouts.collective_patience_s
+    comm = TorchCommunicator(cfg.timeouts.collective_s, device, patience)
     batch_size, quorum_s = g.prompts_per_step * g.group_size, cfg.timeouts.quorum_s
     if isinstance(ranks, ReplicaRanks):
         manager: Manager = HSDPManager(

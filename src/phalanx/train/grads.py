@@ -4,7 +4,11 @@ Each parameter's ``.grad`` is a view into one flat buffer per dtype and
 device, so backward accumulates straight into the buffer and the
 all-reduce runs on slices of it (the buckets). A two-element side tensor
 travels with the buckets: the count of participants that vote to commit
-and the summed loss, so the commit vote costs no extra round trip.
+and the summed loss, so the commit vote costs no extra round trip. On a
+patient communicator (:attr:`~phalanx.comm.base.Communicator.patient`) it is an
+all-reduce of its own, after the buckets: a replica that gave the buckets' op up
+(a peer stopped or cut off) leaves the group and never joins that one, so a peer
+that completes the buckets against its abandoned op cannot count its vote.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class GradBuffer:
         self.meta[1] = loss_sum
         self.vote_ok = False
         self.local = False  # summed in place, even if the all-reduce fails midway
-        comm.allreduce([*self.buckets, self.meta], "sum")
+        if comm.patient:
+            comm.allreduce(self.buckets, "sum")
+            comm.allreduce([self.meta], "sum")
+        else:
+            comm.allreduce([*self.buckets, self.meta], "sum")
         self.vote_ok = round(self.meta[0].item()) == world_size
         return float(self.meta[1])

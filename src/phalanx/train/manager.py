@@ -217,6 +217,7 @@ class Manager:
                 t0 = time.perf_counter()
                 store = q.members[0].address
                 self.comm.configure(store, self._group_prefix(q), self.rank, self.world_size)
+                self.comm.watch({m.replica_id: m.address for m in q.members if m.replica_id != me})
                 self._configured = key
                 self.log.info(
                     "process group for quorum %d: %d replicas (%.0f ms)",
