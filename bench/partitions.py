@@ -1,7 +1,7 @@
 """Partitions benchmark: the FT job across hosts made of network namespaces
 (:mod:`phalanx.testing.netns`, root only), cut apart with nftables while it runs.
 
-    python bench/partitions.py [--json] [--hold 5] [--loss-hold 30]
+    python bench/partitions.py [--json] [--hold 5] [--loss-hold 30] [--rto-min-ms MS]
 
 A controller on host ``c`` and three replicas on ``r1``..``r3`` (the built-in
 float64 MLP, global batch 24 in micro-batches of 4, paced at 0.03 s per
@@ -28,6 +28,10 @@ Figures per kind:
 - ``collective_timeout_s``: the job's collective timeout, for the goal
   (stall <= collective timeout + 0.5 s); ``--collective-s`` sets it (and the
   heartbeat timeout to 1 s more).
+
+``--rto-min-ms`` sets ``net.ipv4.tcp_rto_min_us`` in every namespace host (the
+kernel's default is 200 ms): an operator's tuning of a lossy network, which
+shortens TCP's retransmission waits; the figures without it are the default.
 
 Root only: the namespaces, the veth pairs and the nftables rules are made here
 and removed at the end, even after a failure. Traffic goes only to addresses
@@ -222,6 +226,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
     ap.add_argument("--keep", default="", help="keep each run's logs under this folder")
     ap.add_argument(
+        "--rto-min-ms", type=float, default=0.0, help="TCP's least RTO in each host (0: default)"
+    )
+    ap.add_argument(
         "--collective-s",
         type=float,
         default=TIMEOUTS["collective_s"],
@@ -235,7 +242,10 @@ def main() -> None:
     results = []
     try:
         for name in ("c", "r1", "r2", "r3"):
-            net.add_host(name)
+            host = net.add_host(name)
+            if args.rto_min_ms:
+                us = f"net.ipv4.tcp_rto_min_us={int(args.rto_min_ms * 1000)}"
+                subprocess.run(host.wrap(["sysctl", "-qw", us]), check=True)
         with tempfile.TemporaryDirectory(prefix="phalanx-partitions-") as tmp_dir:
             tmp = args.keep or tmp_dir
             for kind in args.kinds.split(","):
@@ -245,6 +255,7 @@ def main() -> None:
                 c = args.collective_s
                 timeouts = {**TIMEOUTS, "collective_s": c, "heartbeat_s": max(2.0, c + 1)}
                 r = measure(net, kind, hold, work, timeouts)
+                r["tcp_rto_min_ms"] = args.rto_min_ms or 200.0
                 results.append(r)
                 if not args.json:
                     print(
