@@ -112,6 +112,9 @@ def test_a_peer_that_left_the_group_is_given_up_before_the_patience(pairs: list[
     assert pair.line(1) == {"left": True}
     r0 = pair.line(0)
     assert not r0["ok"]
-    assert "silent or gone from the group" in r0["error"], r0
+    # It dropped the group with no op given up, so at once: its connections close
+    # (gloo's error says how the socket ended), or, were they still open, it would
+    # answer the pings as no longer a member.
+    assert r0["error"].startswith("allreduce"), r0
     assert r0["elapsed_s"] < PATIENCE_S
     wait_for(lambda: pair.procs[1].poll() is None, PROGRESS_S, "the peer to stay alive")

@@ -71,6 +71,8 @@ class TorchCommunicator(Communicator):
         self.patient = self._watch is not None
         self._held_group = ""
         """The group this communicator holds (store and prefix), for liveness."""
+        self._gave_up = False
+        """A patient op of the group held was given up (gloo may still run it)."""
         self._store: tuple[str, dist.TCPStore] | None = None
         """The rendezvous store client of the last quorum, kept while the next quorum
         meets at the same store: no new connection (under packet loss, a SYN lost)."""
@@ -142,6 +144,7 @@ class TorchCommunicator(Communicator):
             self._wait_patiently(work, what)
         except CommError:
             self._leave()  # this group is broken: peers waiting on it give up now
+            self._gave_up = True
             raise
 
     def _wait_patiently(self, work: dist.Work, what: str) -> None:
@@ -264,15 +267,17 @@ class TorchCommunicator(Communicator):
                 pg.abort()
             except Exception:
                 pass  # best effort: the group is being discarded either way
-            # Destroying a group joins its worker, which waits out an op in flight up
-            # to gloo's timeout of it. A thread of its own holds the group until that
-            # timeout has passed and drops it then, so that neither this thread nor
-            # one that drops a reference later (a traceback's frame) waits for it.
-            box, delay = [pg], max(self.timeout.total_seconds(), self.patience_s) + 1.0
-            del pg
-            threading.Thread(
-                target=_drop_after, args=(box, delay), name="phalanx-pg-drop", daemon=True
-            ).start()
+            if self._gave_up:
+                # Destroying a group joins its worker, which waits out an op in flight
+                # up to gloo's timeout of it (the patience). A thread of its own holds
+                # the group until then and drops it, so that neither this thread nor
+                # one that drops a reference later (a traceback's frame) waits for it.
+                box, delay = [pg], self.patience_s + 1.0
+                del pg
+                threading.Thread(
+                    target=_drop_after, args=(box, delay), name="phalanx-pg-drop", daemon=True
+                ).start()
+        self._gave_up = False
 
 
 def _back(tensors: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
