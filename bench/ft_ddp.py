@@ -2,6 +2,7 @@
 same machine, same run.
 
     python bench/ft_ddp.py [--json] [--rounds 3] [--steps 30] [--kills 2] [--no-torchft]
+                           [--strict-arm]
 
 Every arm trains the same MLP (the built-in job's model: 256 -> 2048 -> 2048
 -> 256, tanh, float32, 5,247,232 parameters) with AdamW on 3 replicas, one
@@ -56,6 +57,11 @@ baseline measured in the same run):
 - ``step_ratio_vs_ddp_malloc_tuned``: one more DDP/phalanx pair with glibc
   malloc told to keep freed memory (``MALLOC_ENV``), for both arms alike. Each
   arm also reports ``replica_fault_mb_per_step``: fresh pages mapped per step.
+
+- ``patience_step_ratio`` (with ``--strict-arm``): the phalanx arm's median
+  step over one more phalanx arm with ``collective_patience_s = 0``, per round,
+  median over rounds: what patient collectives cost a step (the buffers each
+  op gets of its own, the commit vote as an all-reduce of its own).
 
 Timeouts are the same knobs with the same values on both FT arms: collective
 timeout 2 s, heartbeat timeout 4 s, join timeout 0.5 s (phalanx:
@@ -439,8 +445,11 @@ def run_ddp(ch: Children, steps: int, prefix: str) -> dict[str, Any]:
     return out
 
 
-def job_toml(path: Path) -> Path:
+def job_toml(path: Path, patience: bool = True) -> Path:
+    """The phalanx arm's job file; ``patience=False``: every collective given up at
+    ``collective_s`` (``collective_patience_s = 0``), for the patience's own cost."""
     hidden = ", ".join(str(h) for h in HIDDEN)
+    strict = "" if patience else "collective_patience_s = 0\n"
     path.write_text(
         f"""[job]
 id = "bench-ft-ddp"
@@ -452,7 +461,7 @@ heartbeat_s = {HEARTBEAT_S}
 quorum_s = 60.0
 heartbeat_interval_s = {HEARTBEAT_INTERVAL_S}
 suspect_grace_s = {SUSPECT_GRACE_S}
-
+{strict}
 [roles.policy]
 min_replicas = 1
 n_init_replicas = {REPLICAS}
@@ -478,10 +487,12 @@ HEALED = re.compile(r"healed from \S+ to step (\d+) in ([0-9.]+) s \((\d+) model
 LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) ")
 
 
-def run_phalanx(ch: Children, tmp: Path, steps: int, kills: int, tag: str) -> dict[str, Any]:
+def run_phalanx(
+    ch: Children, tmp: Path, steps: int, kills: int, tag: str, patience: bool = True
+) -> dict[str, Any]:
     state = tmp / f"ctl-{tag}"
     state.mkdir()
-    cfg = job_toml(tmp / f"job-{tag}.toml")
+    cfg = job_toml(tmp / f"job-{tag}.toml", patience)
     ctl = ch.spawn(
         [
             sys.executable,
@@ -710,6 +721,11 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the extra DDP/phalanx pair run with glibc malloc told to keep freed memory",
     )
     p.add_argument("--keep", type=Path, help="keep the children's logs in this (new) directory")
+    p.add_argument(
+        "--strict-arm",
+        action="store_true",
+        help="one more phalanx arm with collective_patience_s = 0 (patience_step_ratio)",
+    )
     args = p.parse_args(argv)
     t_start = time.time()
     tf = None if args.no_torchft else torchft_version()
@@ -736,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             if tf:
                 arms["torchft"] = lambda k=kills: run_torchft(ch, args.steps, k)
+            if args.strict_arm:
+                arms["phalanx_strict"] = lambda r=r: run_phalanx(
+                    ch, tmp, args.steps, 0, f"strict{r}", patience=False
+                )
             # Alternate the order, so that a drift in the machine's load does not
             # always favour the same arm.
             row: dict[str, Any] = {}
@@ -813,6 +833,12 @@ def summarize(
         "torchft_join_s": tfl.get("join_s"),
         "torchft_join_minus_import_s": tfl.get("join_minus_import_s"),
     }
+    strict = [x for x in map(_ratio, ours, arm("phalanx_strict")) if x is not None]
+    if strict:
+        # The patience's own cost per step (private buffers, the vote an op of its
+        # own): the phalanx arm over the same job with collective_patience_s = 0.
+        out["patience_step_ratio"] = round(statistics.median(strict), 3)
+        out["patience_step_ratios"] = strict
     goals = {
         "step_ratio_vs_ddp <= 1.05": _goal(out["step_ratio_vs_ddp"], lambda v: v <= 1.05),
         "stall_s <= 0.5": _goal(out["stall_s"], lambda v: v <= 0.5),
