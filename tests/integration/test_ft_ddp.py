@@ -246,13 +246,28 @@ def test_late_joiner(make_job: MakeJob, reference: dict[str, dict[str, Any]]):
     job = make_job(
         policy={"n_init_replicas": 3},
         train={"step_delay_s": 0.02},
-        timeouts={**KILL_TIMEOUTS, "collective_s": 5.0},
+        timeouts={**KILL_TIMEOUTS, "collective_s": 5.0, "heartbeat_s": 60.0, "quorum_s": 120.0},
     )
     job.start_controller()
     first = [job.start_replica(n) for n in "abc"]
     d = job.start_replica("d", spare=True)
     first[0].wait_step(5)
-    d.release()
+    # The three are held (SIGSTOP) until d has registered, so that they cannot
+    # finish the job first on a loaded machine (seen: d's start took longer than
+    # their 35 remaining steps). A quorum waits for them: they hold newer steps.
+    for r in first:
+        r.signal(signal.SIGSTOP)
+    try:
+        d.release()
+        deadline = time.monotonic() + 240
+        while not any(
+            m["replica_id"].startswith("d:") for m in job.status()["roles"]["policy"]["replicas"]
+        ):
+            assert time.monotonic() < deadline, "d never registered"
+            time.sleep(0.05)
+    finally:
+        for r in first:
+            r.signal(signal.SIGCONT)
     joined = d.wait_step(1)
     finals = [r.finish() for r in [*first, d]]
     lines = check_run([*first, d], finals, reference["3"])

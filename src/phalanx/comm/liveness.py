@@ -156,6 +156,9 @@ class Watch:
         self._last: list[tuple[float, bool, int]] = []
         """Per peer: when its last answer came, whether as a member, to which round."""
         self._round = 0
+        self._since = 0.0
+        """Silence counts from here at the earliest: since pinging started, or since
+        this process last ran again after it did not (:meth:`rearm`)."""
         self._waiting = 0
         self._sock = _udp()
         self._sock.settimeout(INTERVAL_S)
@@ -178,7 +181,16 @@ class Watch:
                 self._started = True
                 threading.Thread(target=self._run, name="phalanx-pings", daemon=True).start()
                 threading.Thread(target=self._answers, name="phalanx-pongs", daemon=True).start()
+            if self._waiting <= 0:
+                self._since = time.monotonic()
             self._waiting += 1
+            self._cv.notify_all()
+
+    def rearm(self) -> None:
+        """This process did not run for a while (stopped, starved of CPU): its pings
+        were not sent and the answers not read, so silence counts from now."""
+        with self._cv:
+            self._since = time.monotonic()
             self._cv.notify_all()
 
     def end(self) -> None:
@@ -195,7 +207,7 @@ class Watch:
             return [
                 n
                 for n, (t, ok, _) in zip(self._names, self._last, strict=True)
-                if not ok or now - t > ALIVE_S
+                if not ok or now - max(t, self._since) > ALIVE_S
             ]
 
     def _run(self) -> None:

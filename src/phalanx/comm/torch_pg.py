@@ -157,9 +157,16 @@ class TorchCommunicator(Communicator):
         waiter = _Waiter(work, datetime.timedelta(seconds=self.patience_s))
         slice_ = self.timeout.total_seconds()
         self._watch.begin()
+        last = start
         try:
             while not waiter.done.wait(slice_):
-                waited = time.monotonic() - start
+                now = time.monotonic()
+                if now - last > slice_ + liveness.ALIVE_S / 2:
+                    # This process did not run (SIGSTOP, a VM paused, no CPU): what it
+                    # did not hear meanwhile says nothing of its peers.
+                    self._watch.rearm()
+                last = now
+                waited = now - start
                 silent = self._watch.silent()
                 if silent or waited >= self.patience_s:
                     why = (
