@@ -104,8 +104,7 @@ class TorchCommunicator(Communicator):
                 self.pg.set_timeout(max(self.timeout, patience))
         except Exception as e:  # rendezvous failed: a peer is gone or the store host died
             self.pg, self._store = None, None
-            liveness.leave(self._held_group)
-            self._held_group = ""
+            self._leave()
             raise CommError(f"process group rendezvous at {store_addr}/{prefix} failed: {e}") from e
         self.rank, self.world_size = rank, world_size
 
