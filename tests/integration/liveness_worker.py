@@ -1,14 +1,15 @@
 """One rank of a two-process gloo group, for tests/integration/test_liveness.py.
 
-    python liveness_worker.py RANK MODE
+    python liveness_worker.py RANK MODE [TIMEOUT_S]
 
 Prints ``{"address": ...}`` (its store, which answers liveness pings), reads its
 peer's address from stdin, joins the group at rank 0's store (collective timeout
-0.5 s, patience 20 s), watches the peer, then by MODE:
+TIMEOUT_S, 0.5 s by default; patience 20 s), watches the peer, then by MODE:
 
 - ``reduce``: all-reduces at once, then all-reduces a vote (as a patient step does:
   an op of its own, after the data), and prints ``{"ok", "sum", "votes",
   "elapsed_s", "error"}``;
+- ``announce``: prints ``{"reducing": true}``, then as ``reduce``;
 - ``late``: sleeps 2 s (alive), then all-reduces;
 - ``send`` / ``late-recv``: rank 0 sends 4 float64s to rank 1, which posts its
   receive 2 s late; each prints ``{"ok", "got", "elapsed_s", "error"}``;
@@ -50,10 +51,11 @@ def p2p(comm: TorchCommunicator, rank: int) -> None:
 
 def main() -> None:
     rank, mode = int(sys.argv[1]), sys.argv[2]
+    timeout_s = float(sys.argv[3]) if len(sys.argv) > 3 else TIMEOUT_S
     store, address = serve_store()
     say({"address": address})
     peer = sys.stdin.readline().strip()
-    comm = TorchCommunicator(TIMEOUT_S, patience_s=PATIENCE_S)
+    comm = TorchCommunicator(timeout_s, patience_s=PATIENCE_S)
     comm.configure(address if rank == 0 else peer, "liveness/q1", rank, 2)
     comm.watch({"peer": peer})
     if mode == "hold":
@@ -68,6 +70,8 @@ def main() -> None:
     if mode in ("send", "late-recv"):
         p2p(comm, rank)
     t = torch.full((4,), float(rank + 1), dtype=torch.float64)
+    if mode == "announce":
+        say({"reducing": True})
     t0 = time.monotonic()
     vote = torch.ones(1, dtype=torch.float64)
     out: dict[str, object] = {"ok": False, "sum": None, "votes": None, "error": None}

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,10 @@ TIMEOUT_S, PATIENCE_S = 0.5, 20.0  # as in liveness_worker.py
 
 
 class Pair:
-    def __init__(self, mode0: str, mode1: str):
+    def __init__(self, mode0: str, mode1: str, timeout_s: float = TIMEOUT_S):
         self.procs = [
             subprocess.Popen(
-                [sys.executable, str(WORKER), str(rank), mode],
+                [sys.executable, str(WORKER), str(rank), mode, str(timeout_s)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=child_env(),
@@ -104,6 +105,34 @@ def test_a_stopped_peer_is_given_up_and_its_late_op_does_not_count(pairs: list[P
     assert not r1["ok"], r1
     assert r1["votes"] is None
     assert "peer(s) peer silent or gone from the group" in r1["error"], r1
+
+
+def test_a_waiter_that_was_stopped_gives_its_peer_a_collective_timeout(
+    pairs: list[Pair],
+) -> None:
+    # Both ranks stopped (a paused VM, or a test holding a job): the waiter resumes
+    # first and its peer 1.5 s later, past ALIVE_S (0.5 s) but within the 5 s
+    # collective timeout. What the waiter did not hear while stopped says nothing of
+    # its peer, which gets a whole collective timeout from the waiter's resumption.
+    timeout_s = 5.0
+    pair = Pair("announce", "hold", timeout_s)
+    pairs.append(pair)
+    assert pair.line(1) == {"holding": True}
+    assert pair.line(0) == {"reducing": True}
+    time.sleep(1.0)  # for rank 0 to be waiting on its op (if not, the test proves less)
+    for p in pair.procs:
+        os.killpg(p.pid, signal.SIGSTOP)
+    time.sleep(timeout_s)  # rank 0's first wait, of the collective timeout, ends stopped
+    os.killpg(pair.procs[0].pid, signal.SIGCONT)
+    time.sleep(1.5)
+    os.killpg(pair.procs[1].pid, signal.SIGCONT)
+    pair.write(1, "go")
+    r0, r1 = pair.line(0), pair.line(1)
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["sum"] == [3.0] * 4 == r1["sum"]
+    # Rank 0 waited through its stop and its peer's late resumption (had it been
+    # stopped before its op began, this would be the 1.5 s alone).
+    assert r0["elapsed_s"] > 1.0
 
 
 def test_a_peer_that_left_the_group_is_given_up_before_the_patience(pairs: list[Pair]) -> None:

@@ -154,18 +154,22 @@ class TorchCommunicator(Communicator):
         assert self._watch is not None
         start = time.monotonic()
         waiter = _Waiter(work, datetime.timedelta(seconds=self.patience_s))
-        slice_ = self.timeout.total_seconds()
+        timeout = slice_ = self.timeout.total_seconds()
         self._watch.begin()
         last = start
         try:
             while not waiter.done.wait(slice_):
                 now = time.monotonic()
-                if now - last > slice_ + liveness.ALIVE_S / 2:
-                    # This process did not run (SIGSTOP, a VM paused, no CPU): what it
-                    # did not hear meanwhile says nothing of its peers.
-                    self._watch.rearm()
-                last = now
                 waited = now - start
+                if now - last > slice_ + liveness.ALIVE_S / 2 and waited < self.patience_s:
+                    # This process did not run (SIGSTOP, a VM paused, no CPU): what it
+                    # did not hear meanwhile says nothing of its peers, which may have
+                    # been stopped with it and need CPU to catch up. They get a whole
+                    # collective timeout from now, as if the op had begun now.
+                    self._watch.rearm()
+                    last, slice_ = now, timeout
+                    continue
+                last = now
                 silent = self._watch.silent()
                 if silent or waited >= self.patience_s:
                     why = (
@@ -174,7 +178,7 @@ class TorchCommunicator(Communicator):
                         else f"the patience ({self.patience_s:g} s) is spent"
                     )
                     raise CommError(f"{what} timed out after {waited:.2f} s: {why}")
-                if slice_ == self.timeout.total_seconds():
+                if slice_ == timeout:
                     log.info(
                         "%s still running after %.2f s; every peer answers: waiting", what, waited
                     )
