@@ -3,7 +3,7 @@ the replica's share: the speculative guess, a changed share and a retry after a
 failed exchange compute only the samples the gradients do not already hold
 (:meth:`phalanx.train.manager.Manager.compute`). The manager here is the real
 one; its controller client is never contacted (compute does not talk to it).
-The last test is the commit's rule about the replica's incarnation."""
+The last test is the commit vote's rule about the replica's incarnation."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from phalanx.client import ControllerClient
-from phalanx.comm.torch_pg import TorchCommunicator
+from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs.mlp import make_compute
+from phalanx.net import LOOPBACK
 from phalanx.train.manager import Manager
 
 BATCH, DATA = 16, 64
@@ -99,18 +100,31 @@ def test_another_share_or_summed_gradients_start_over(setup) -> None:
     assert len([i for c in calls for i in c]) == BATCH // 2
 
 
-def test_an_incarnation_evicted_during_the_step_does_not_commit(setup) -> None:
+def test_an_incarnation_evicted_during_the_step_votes_no_in_the_all_reduce(setup) -> None:
     """The client registers a new incarnation (from its heartbeat thread) when it
-    learns it was evicted; a step taken by the previous one votes no at the commit,
-    since its peers may already be going on from the same step without it."""
+    learns it was evicted. A step taken by the previous one votes no in the step's
+    all-reduce, so that its whole group retries (its peers may already be going on
+    from the same step without it). Learned after the vote, the eviction does not
+    stop the commit: every member voted yes and commits alike."""
     m = setup[0]
+    store, address = serve_store(LOOPBACK)
+    m.comm.configure(address, "policy/q1", 0, 1)  # a real gloo group of one
     m.client.replica_id, m.client.incarnations = "policy-0:a", 1
     assert m._identity() == ("policy-0:a", 1)
     m._incarnation = 1  # as wait_quorum records it
-    m.grads.vote_ok = True
-    assert m.should_commit() and m.step == 1 and m.sampler.cursor == BATCH
-    m.grads.vote_ok = True
+    m.grads.zero()
+    m.allreduce_grads()
+    assert m.grads.vote_ok and m.should_commit() and m.step == 1
+    m._ok, m._abstained = True, None  # a new step (as wait_quorum resets them)
     m.client.replica_id, m.client.incarnations = "policy-0:b", 2  # register()
-    assert not m.should_commit()
-    assert m.step == 1 and m.sampler.cursor == BATCH and not m.ok
+    m.allreduce_grads()
+    assert not m.grads.vote_ok and not m.should_commit()
+    assert m.step == 1 and m.sampler.cursor == BATCH
+    assert m.ok, "a no vote of its own blames no peer: the group is kept"
     assert m.error == "evicted during the step: its peers may go on without it"
+    # Evicted after a yes vote: it commits with its group.
+    m._ok, m._abstained, m._incarnation = True, None, 2
+    m.allreduce_grads()
+    m.client.incarnations = 3
+    assert m.should_commit() and m.step == 2 and m.sampler.cursor == 2 * BATCH
+    del store

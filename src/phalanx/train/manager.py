@@ -322,7 +322,7 @@ class Manager:
         if not self._ok:
             return float("nan")
         try:
-            vote = self._abstained is None
+            vote = self._yes()
             return self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=vote)
         except CommError as e:
             self._fail(e)
@@ -336,7 +336,8 @@ class Manager:
         self.grads.vote_ok = False
         if not self._ok:
             return float("nan")
-        meta = torch.tensor([1.0, loss_sum], dtype=torch.float64, device=self.comm.device)
+        yes = 1.0 if self._yes() else 0.0
+        meta = torch.tensor([yes, loss_sum], dtype=torch.float64, device=self.comm.device)
         try:
             self.comm.allreduce([meta], "sum")
         except CommError as e:
@@ -344,6 +345,18 @@ class Manager:
             return float("nan")
         self.grads.vote_ok = round(meta[0].item()) == self.world_size
         return float(meta[1])
+
+    def _yes(self) -> bool:
+        """This replica's commit vote, cast in the step's all-reduce. An incarnation
+        evicted during the step votes no there, so that the whole group retries:
+        its peers may already be going on from the same step without it. Learned
+        only after the vote, the eviction is not acted on: every member voted yes
+        and commits, this one too (withdrawing alone would leave it one step
+        behind peers the controller no longer knows, and the step could be
+        committed again, differently, by whoever asks first)."""
+        if self._abstained is None and not self._still_this_incarnation():
+            self._abstained = "evicted during the step: its peers may go on without it"
+        return self._abstained is None
 
     def abstain(self, reason: str) -> None:
         """Vote no in this step without blaming a peer: this replica cannot train it
@@ -376,9 +389,6 @@ class Manager:
         the step counter and the data cursor advance. On False the step is
         to be retried (call :meth:`start_quorum` again)."""
         ok = self._ok and self.grads.vote_ok
-        if ok and not self._still_this_incarnation():
-            ok, self._ok = False, False
-            self._error = "evicted during the step: its peers may go on without it"
         if ok:
             self.step += 1
             self.lineage = self.quorum.quorum_id if self.quorum is not None else 0
