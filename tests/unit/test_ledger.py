@@ -1473,6 +1473,38 @@ def test_no_new_order_until_the_leader_reports_the_last_one(synced):
     assert tick.ledger_for == {P, R1, R2}
 
 
+def test_a_sync_failed_before_its_source_took_the_order_does_not_hold_the_source(synced):
+    # Seen beside a CPU hog (test_rl_sharded): the policy leader was stopped while
+    # a rollout replica's request ordered a sync; the rollout failed it at the
+    # rendezvous, so the order went away before the leader ever asked and saw it.
+    # Waiting for the leader's report of it stalled every later sync: the rollout
+    # waited for weights, and the policy for rollouts of them.
+    st = synced
+    st.sync_done(P, 1, 2, True, now=1, wall=1)
+    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    declare(st, R1, now=1)
+    order = sync_for(st, R1)  # ordered in R1's reply: the leader has not seen it
+    assert (order["seq"], order["members"]) == (2, [P, R1])
+    st.sync_done(R1, 2, -1, False, "rendezvous timed out", now=2, wall=2)
+    assert st.ledger.weights.source_busy is None
+    declare(st, R1, now=2)
+    order = sync_for(st, R1)
+    assert (order["seq"], order["members"]) == (3, [P, R1])
+
+
+def test_a_source_that_never_reports_is_free_again_after_two_sync_timeouts(synced):
+    st = synced  # the leader had the order (in its ack reply) and never reports it
+    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
+    limit = st.ledger.weights.timeout_s
+    for now in (limit, 2 * limit - 0.01, 2 * limit + 0.01):  # the order went out at 0
+        for rid in (P, P2, R1, R2):
+            st.heartbeat(rid, now=now)
+        order = declare(st, R1, now=now)["sync"]
+        if now < 2 * limit:
+            assert order is None  # it may still be sending
+    assert order is not None and (order["seq"], order["members"][0]) == (2, P)
+
+
 def test_a_new_leader_gets_the_next_order_at_once(synced):
     st = synced
     st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)

@@ -30,6 +30,10 @@ from typing import Any
 from phalanx.controller.core.base import ChangeLog
 from phalanx.protocol.rl import SyncOrder
 
+SOURCE_BUSY_TIMEOUTS = 2
+"""After this many sync timeouts a source that never reported its last order is
+taken to be free again (its send gave up after one)."""
+
 
 @dataclass
 class Sync:
@@ -46,10 +50,12 @@ class Sync:
     """``policy`` (the leader sends) or ``rollout`` (a peer relays what it holds)."""
     done: dict[str, int] = field(default_factory=dict)
     """Members that finished, with the version they now hold."""
+    handed: bool = field(default=False, compare=False)
+    """Whether the order went out to its source (in a reply to it)."""
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["ordered_mono"]
+        del d["ordered_mono"], d["handed"]
         return d
 
 
@@ -68,7 +74,11 @@ class WeightSync:
         self.mesh_id = 0
         self.mesh: list[str] = []
         self.source_busy: tuple[str, int] | None = None
-        """(source, seq) of the last order until its source reports it (not durable)."""
+        """(source, seq) of the last order until its source reports it, or until
+        :data:`SOURCE_BUSY_TIMEOUTS` sync timeouts have passed since it was ordered
+        (``source_since``, monotonic): a source's own send gives up after one, so
+        its report was lost or never comes (not durable)."""
+        self.source_since = 0.0
         self.first_wanted: float | None = None
         """When the first mesh was first wanted (monotonic; not durable)."""
         self.versions: dict[str, int] = {}
@@ -125,11 +135,11 @@ class WeightSync:
             else:
                 return None
         rollouts = sorted(rollout_ids)
-        if self.source_busy is not None and self.source_busy[0] not in (
-            leader[0] if leader else None,
-            *rollouts,
+        if self.source_busy is not None and (
+            self.source_busy[0] not in (leader[0] if leader else None, *rollouts)
+            or now - self.source_since > SOURCE_BUSY_TIMEOUTS * self.timeout_s
         ):
-            self.source_busy = None  # that source is gone
+            self.source_busy = None  # that source is gone, or long past its send
         if finished or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
         # With no policy leader (it is down, or restarting), nothing newer than what a
@@ -160,7 +170,7 @@ class WeightSync:
         self.sync_seq += 1
         role = "policy" if leader is not None and source[0] == leader[0] else "rollout"
         self.sync = Sync(self.sync_seq, self.mesh_id, members, source[1], wall, now, role)
-        self.source_busy = (source[0], self.sync_seq)
+        self.source_busy, self.source_since = (source[0], self.sync_seq), now
         self.save()
         self.log.event(
             "sync_ordered",
@@ -209,6 +219,10 @@ class WeightSync:
         if s is None:
             return
         self.log.event("sync_failed", wall, seq=s.seq, reason=reason)
+        if not s.handed and self.source_busy == (s.members[0], s.seq):
+            # The source never got this order (it asks only between its own steps,
+            # and a member failed the sync first): it will never report it.
+            self.source_busy = None
         # Members that have not reported may still be inside the failed broadcast: leave
         # them out of the next order until they ask for prompts again (declaring their
         # version), or they would stall it in turn.
@@ -275,6 +289,8 @@ class WeightSync:
         s = self.sync
         if s is None or replica_id not in s.members or replica_id in s.done:
             return None
+        if replica_id == s.members[0]:
+            s.handed = True  # the caller's reply carries it
         return SyncOrder.model_construct(
             seq=s.seq,
             mesh_id=s.mesh_id,
