@@ -347,13 +347,9 @@ class Manager:
         return float(meta[1])
 
     def _yes(self) -> bool:
-        """This replica's commit vote, cast in the step's all-reduce. An incarnation
-        evicted during the step votes no there, so that the whole group retries:
-        its peers may already be going on from the same step without it. Learned
-        only after the vote, the eviction is not acted on: every member voted yes
-        and commits, this one too (withdrawing alone would leave it one step
-        behind peers the controller no longer knows, and the step could be
-        committed again, differently, by whoever asks first)."""
+        """This replica's commit vote, cast in the step's all-reduce: no if it was
+        evicted during the step, so that the whole group retries. An eviction learned
+        after the vote changes nothing: every member voted yes and commits alike."""
         if self._abstained is None and not self._still_this_incarnation():
             self._abstained = "evicted during the step: its peers may go on without it"
         return self._abstained is None
