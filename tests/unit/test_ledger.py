@@ -1492,19 +1492,6 @@ def test_a_sync_failed_before_its_source_took_the_order_does_not_hold_the_source
     assert (order["seq"], order["members"]) == (3, [P, R1])
 
 
-def test_a_source_that_never_reports_is_free_again_after_two_sync_timeouts(synced):
-    st = synced  # the leader had the order (in its ack reply) and never reports it
-    st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)
-    limit = st.ledger.weights.timeout_s
-    for now in (limit, 2 * limit - 0.01, 2 * limit + 0.01):  # the order went out at 0
-        for rid in (P, P2, R1, R2):
-            st.heartbeat(rid, now=now)
-        order = declare(st, R1, now=now)["sync"]
-        if now < 2 * limit:
-            assert order is None  # it may still be sending
-    assert order is not None and (order["seq"], order["members"][0]) == (2, P)
-
-
 def test_a_new_leader_gets_the_next_order_at_once(synced):
     st = synced
     st.sync_done(R1, 1, -1, False, "nccl timeout", now=1, wall=1)

@@ -30,10 +30,6 @@ from typing import Any
 from phalanx.controller.core.base import ChangeLog
 from phalanx.protocol.rl import SyncOrder
 
-SOURCE_BUSY_TIMEOUTS = 2
-"""After this many sync timeouts a source that never reported its last order is
-taken to be free again (its send gave up after one)."""
-
 
 @dataclass
 class Sync:
@@ -74,11 +70,9 @@ class WeightSync:
         self.mesh_id = 0
         self.mesh: list[str] = []
         self.source_busy: tuple[str, int] | None = None
-        """(source, seq) of the last order until its source reports it, or until
-        :data:`SOURCE_BUSY_TIMEOUTS` sync timeouts have passed since it was ordered
-        (``source_since``, monotonic): a source's own send gives up after one, so
-        its report was lost or never comes (not durable)."""
-        self.source_since = 0.0
+        """(source, seq) of the last order until its source reports it (not durable).
+        No deadline: a source's send may take far longer than the sync timeout (its
+        connections' setup under loss), and a second order would queue behind it."""
         self.first_wanted: float | None = None
         """When the first mesh was first wanted (monotonic; not durable)."""
         self.versions: dict[str, int] = {}
@@ -135,11 +129,11 @@ class WeightSync:
             else:
                 return None
         rollouts = sorted(rollout_ids)
-        if self.source_busy is not None and (
-            self.source_busy[0] not in (leader[0] if leader else None, *rollouts)
-            or now - self.source_since > SOURCE_BUSY_TIMEOUTS * self.timeout_s
+        if self.source_busy is not None and self.source_busy[0] not in (
+            leader[0] if leader else None,
+            *rollouts,
         ):
-            self.source_busy = None  # that source is gone, or long past its send
+            self.source_busy = None  # that source is gone
         if finished or not rollouts or self.init_allowed():
             return None  # nothing newer than the init weights every replica can build
         # With no policy leader (it is down, or restarting), nothing newer than what a
@@ -170,7 +164,7 @@ class WeightSync:
         self.sync_seq += 1
         role = "policy" if leader is not None and source[0] == leader[0] else "rollout"
         self.sync = Sync(self.sync_seq, self.mesh_id, members, source[1], wall, now, role)
-        self.source_busy, self.source_since = (source[0], self.sync_seq), now
+        self.source_busy = (source[0], self.sync_seq)
         self.save()
         self.log.event(
             "sync_ordered",
