@@ -17,7 +17,8 @@ rank ``r`` of a healthy replica. Each step:
 3. every rank runs its part of the replica's share of the global batch (the
    same number of micro-batches on every rank, as FSDP needs);
 4. every rank all-reduces its shard's gradients with the commit vote and the
-   loss over its cross-replica group;
+   loss over its cross-replica group (rank 0 votes no there if its replica was
+   evicted during the step: its group's no reaches every replica in step 5);
 5. the replica commits only if every rank saw every replica vote yes in its
    group (a second tiny all-reduce inside the replica): the vote spans every
    rank of every participating replica.
@@ -294,11 +295,6 @@ class HSDPManager(Manager):
         """What rank 0 took the quorum as, alike on every rank (its broadcast)."""
         return self._replica_at_quorum, self._incarnation_at_quorum
 
-    def _still_this_incarnation(self) -> bool:
-        """Rank 0's check goes into the replica-wide vote (:meth:`allreduce_grads`),
-        so that the ranks commit alike; here every rank keeps that vote."""
-        return True
-
     def wait_quorum(self) -> Quorum:
         q = super().wait_quorum()
         self._agree("the quorum's setup")
@@ -378,7 +374,7 @@ class HSDPManager(Manager):
 
     def allreduce_grads(self, loss_sum: float = 0.0) -> float:
         total = super().allreduce_grads(loss_sum)
-        ok = self._ok and self.grads.vote_ok and super()._still_this_incarnation()
+        ok = self._ok and self.grads.vote_ok
         failure = self._failure()
         votes, failed, loss = self.ranks.sum(
             [float(ok), float(failure is not None), total if ok else 0.0]
