@@ -1,13 +1,15 @@
 """Partitions benchmark: the FT job across hosts made of network namespaces
 (:mod:`phalanx.testing.netns`, root only), cut apart with nftables while it runs.
 
-    python bench/partitions.py [--json] [--hold 5] [--loss-hold 30] [--rto-min-ms MS]
+    python bench/partitions.py [--json] [--hold 5] [--loss-hold 30] [--lossy-tcp]
 
 A controller on host ``c`` and three replicas on ``r1``..``r3`` (the built-in
 float64 MLP, global batch 24 in micro-batches of 4, paced at 0.03 s per
 micro-batch, every step line carrying a digest of the parameters), with the
-default test timeouts: collective 1 s, heartbeat 2 s, suspect grace 0.25 s.
-For each kind, on a fresh job, once the three commit together:
+default test timeouts: collective 1 s, heartbeat 2 s, suspect grace 0.25 s,
+and the policy role's default join timeout, 1 s (``--join-timeout-s``: how long
+a round waits for a replica still finishing the last step; before 2026-11-26
+this bench used 0.5 s). For each kind, on a fresh job, once the three commit together:
 
 - ``replica_from_controller``: r3 cannot reach c (nor c r3); its peers still can;
 - ``replica_from_peers``: r3 cannot reach r1 and r2; the controller still can;
@@ -29,9 +31,14 @@ Figures per kind:
   (stall <= collective timeout + 0.5 s); ``--collective-s`` sets it (and the
   heartbeat timeout to 1 s more).
 
-``--rto-min-ms`` sets ``net.ipv4.tcp_rto_min_us`` in every namespace host (the
-kernel's default is 200 ms): an operator's tuning of a lossy network, which
-shortens TCP's retransmission waits; the figures without it are the default.
+TCP's retransmission clock, in every namespace host (an operator's tuning of
+a lossy network, docs/operations.md; the figures without these flags are the
+kernel's defaults): ``--rto-min-ms`` sets ``net.ipv4.tcp_rto_min_us`` (default
+200 ms), ``--rto-max-ms`` sets ``net.ipv4.tcp_rto_max_ms`` (default 120 s; at
+least 1000), ``--thin-linear`` sets ``net.ipv4.tcp_thin_linear_timeouts`` (a
+connection with few segments in flight retransmits 6 times at the same
+timeout before backing off), and ``--lossy-tcp`` is all three at 20 ms,
+1000 ms and on.
 
 Root only: the namespaces, the veth pairs and the nftables rules are made here
 and removed at the end, even after a failure. Traffic goes only to addresses
@@ -70,12 +77,12 @@ KINDS = {
 WAIT_S = 240.0
 
 
-def job_toml(path: Path, timeouts: dict[str, float]) -> Path:
+def job_toml(path: Path, timeouts: dict[str, float], join_timeout_s: float) -> Path:
     sections: dict[str, dict[str, Any]] = {
         "job": {"id": "partitions", "seed": 7},
         "timeouts": timeouts,
         "controller": {"tick_s": 0.02},
-        "roles.policy": {"min_replicas": 1, "n_init_replicas": 3, "join_timeout_s": 0.5},
+        "roles.policy": {"min_replicas": 1, "n_init_replicas": 3, "join_timeout_s": join_timeout_s},
         "train": {
             "steps": 1_000_000,
             "dtype": "float64",
@@ -100,9 +107,11 @@ def job_toml(path: Path, timeouts: dict[str, float]) -> Path:
 class Run:
     """One job: a controller and three replicas on the namespace hosts."""
 
-    def __init__(self, net: netns.Net, work: Path, timeouts: dict[str, float]):
+    def __init__(
+        self, net: netns.Net, work: Path, timeouts: dict[str, float], join_timeout_s: float
+    ):
         self.net, self.work = net, work
-        self.config = job_toml(work / "job.toml", timeouts)
+        self.config = job_toml(work / "job.toml", timeouts, join_timeout_s)
         self.state = work / "state"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.outs: dict[str, Path] = {}
@@ -174,11 +183,16 @@ def max_or_none(ts: list[float | None]) -> float | None:
 
 
 def measure(
-    net: netns.Net, kind: str, hold: float, work: Path, timeouts: dict[str, float]
+    net: netns.Net,
+    kind: str,
+    hold: float,
+    work: Path,
+    timeouts: dict[str, float],
+    join_timeout_s: float,
 ) -> dict[str, Any]:
     who, others = KINDS[kind]
     h = net.hosts
-    run = Run(net, work, timeouts)
+    run = Run(net, work, timeouts, join_timeout_s)
     try:
         run.start()
         run.wait(
@@ -218,6 +232,18 @@ def measure(
             net.heal(x)
 
 
+def tcp_sysctls(args: argparse.Namespace) -> list[str]:
+    """The sysctl assignments for TCP's retransmission clock the flags ask for."""
+    out = []
+    if args.rto_min_ms:
+        out.append(f"net.ipv4.tcp_rto_min_us={int(args.rto_min_ms * 1000)}")
+    if args.rto_max_ms:
+        out.append(f"net.ipv4.tcp_rto_max_ms={args.rto_max_ms}")
+    if args.thin_linear:
+        out.append("net.ipv4.tcp_thin_linear_timeouts=1")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per kind")
@@ -229,12 +255,35 @@ def main() -> None:
         "--rto-min-ms", type=float, default=0.0, help="TCP's least RTO in each host (0: default)"
     )
     ap.add_argument(
+        "--rto-max-ms", type=int, default=0, help="TCP's largest RTO in each host (0: default)"
+    )
+    ap.add_argument(
+        "--thin-linear", action="store_true", help="linear retransmission timeouts (thin streams)"
+    )
+    ap.add_argument(
+        "--lossy-tcp", action="store_true", help="--rto-min-ms 20 --rto-max-ms 1000 --thin-linear"
+    )
+    ap.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=1.0,
+        help="the policy role's join_timeout_s (how long a round waits for stragglers)",
+    )
+    ap.add_argument(
         "--collective-s",
         type=float,
         default=TIMEOUTS["collective_s"],
         help="collective timeout (the heartbeat timeout is 1 s more)",
     )
     args = ap.parse_args()
+    if args.lossy_tcp:
+        args.rto_min_ms, args.rto_max_ms, args.thin_linear = 20.0, 1000, True
+    if args.rto_max_ms and args.rto_max_ms < 1000:
+        raise SystemExit(
+            f"bench/partitions: --rto-max-ms must be at least 1000 (the kernel's "
+            f"least), got {args.rto_max_ms}"
+        )
+    tcp = tcp_sysctls(args)
     why = netns.unavailable()
     if why is not None:
         raise SystemExit(f"bench/partitions: {why}")
@@ -243,9 +292,8 @@ def main() -> None:
     try:
         for name in ("c", "r1", "r2", "r3"):
             host = net.add_host(name)
-            if args.rto_min_ms:
-                us = f"net.ipv4.tcp_rto_min_us={int(args.rto_min_ms * 1000)}"
-                subprocess.run(host.wrap(["sysctl", "-qw", us]), check=True)
+            if tcp:
+                subprocess.run(host.wrap(["sysctl", "-qw", *tcp]), check=True)
         with tempfile.TemporaryDirectory(prefix="phalanx-partitions-") as tmp_dir:
             tmp = args.keep or tmp_dir
             for kind in args.kinds.split(","):
@@ -254,8 +302,10 @@ def main() -> None:
                 work.mkdir(parents=True)
                 c = args.collective_s
                 timeouts = {**TIMEOUTS, "collective_s": c, "heartbeat_s": max(2.0, c + 1)}
-                r = measure(net, kind, hold, work, timeouts)
+                r = measure(net, kind, hold, work, timeouts, args.join_timeout_s)
                 r["tcp_rto_min_ms"] = args.rto_min_ms or 200.0
+                r["tcp_rto_max_ms"] = args.rto_max_ms or 120000
+                r["tcp_thin_linear_timeouts"] = args.thin_linear
                 results.append(r)
                 if not args.json:
                     print(
