@@ -15,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from redis_server import free_port
-
 from phalanx.comm.torch_pg import serve_store
+from phalanx.launch.workers import free_port
 from phalanx.net import LOOPBACK
 
 WORKER = Path(__file__).with_name("hsdp_vote_worker.py")
