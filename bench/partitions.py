@@ -244,6 +244,17 @@ def tcp_sysctls(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def quickack(host: netns.Host) -> None:
+    """Turn delayed ACKs off on ``host``'s route to the switch (``ip route ... quickack 1``)."""
+    shown = subprocess.run(
+        host.wrap(["ip", "route", "show", "proto", "kernel"]),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    subprocess.run(host.wrap(["ip", "route", "replace", *shown, "quickack", "1"]), check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per kind")
@@ -260,6 +271,7 @@ def main() -> None:
     ap.add_argument(
         "--thin-linear", action="store_true", help="linear retransmission timeouts (thin streams)"
     )
+    ap.add_argument("--quickack", action="store_true", help="no delayed ACKs on each host's route")
     ap.add_argument(
         "--lossy-tcp", action="store_true", help="--rto-min-ms 20 --rto-max-ms 1000 --thin-linear"
     )
@@ -294,6 +306,8 @@ def main() -> None:
             host = net.add_host(name)
             if tcp:
                 subprocess.run(host.wrap(["sysctl", "-qw", *tcp]), check=True)
+            if args.quickack:
+                quickack(host)
         with tempfile.TemporaryDirectory(prefix="phalanx-partitions-") as tmp_dir:
             tmp = args.keep or tmp_dir
             for kind in args.kinds.split(","):

@@ -93,3 +93,41 @@ def test_garbage_datagrams_get_no_answer(responder: liveness.Responder) -> None:
     with pytest.raises(TimeoutError):
         s.recv(64)
     s.close()
+
+
+def test_a_peer_at_an_older_quorum_round_is_not_in_the_collective(
+    responder: liveness.Responder,
+) -> None:
+    """A member that has not taken this step's quorum round is not in its
+    collectives, and may never be: cut off from the controller after its request
+    made the quorum form, it holds the group and answers as a member, but waits
+    for an answer that cannot reach it (bench/partitions.py's
+    replica_from_controller once stalled 30 s, the whole patience, on that)."""
+    group = f"127.0.0.1:3/test/q{responder.port}"
+    liveness.join(group)
+    try:
+        liveness.enter(group, 6)
+        w = liveness.Watch()
+        w.set(group, {"p": f"127.0.0.1:{responder.port}"})
+        w.at(7)  # this process took round 7; the peer answers from round 6
+        w.begin()
+        try:
+            time.sleep(3 * liveness.INTERVAL_S)
+            assert w.silent() == ["p"]
+            liveness.enter(group, 7)  # told of round 7: in the step
+            until(lambda: w.silent() == [], "the answer from round 7")
+            liveness.enter(group, 8)  # ahead (it finished the step): still there
+            time.sleep(3 * liveness.INTERVAL_S)
+            assert w.silent() == []
+            liveness.enter(group, 5)  # rounds never go back
+            time.sleep(3 * liveness.INTERVAL_S)
+            assert w.silent() == []
+        finally:
+            w.end()
+    finally:
+        liveness.leave(group)
+    liveness.join(group)  # a group held again starts from no round
+    try:
+        assert liveness.member(liveness.digest(group)) == (True, 0)
+    finally:
+        liveness.leave(group)

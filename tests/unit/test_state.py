@@ -257,11 +257,77 @@ def test_join_timeout_waits_for_stragglers(make_state):
     st = make_state(join_timeout_s=2.0)
     a, b, c = join(st, "a", "b", "c")
     assert ask(st, a, now=0.0) is None
-    assert ask(st, b, now=0.5) is None
-    assert st.tick(now=1.99, wall=0).formed == []
-    tick = st.tick(now=2.0, wall=0)  # join_timeout counts from the first ask
+    assert ask(st, b, now=0.5) is None  # 2 of 3: a quorum could form from now
+    assert st.tick(now=2.49, wall=0).formed == []
+    tick = st.tick(now=2.5, wall=0)  # join_timeout counts from b's ask
     assert [q.replica_ids for q in tick.formed] == [[a, b]]
     assert c not in tick.formed[0].replica_ids
+
+
+def test_the_straggler_clock_starts_when_a_quorum_could_form(make_state):
+    """Under packet loss the first finisher of an all-reduce may ask seconds before
+    the others, which finish it together. Timed from its ask, the round formed at
+    the second's ask and left the third, milliseconds behind, out: a new quorum
+    without it, then another with it, each a new process group, and a heal
+    (issue 18's 20%-loss runs). The majority's last ask starts the clock."""
+    st = make_state(join_timeout_s=1.0)
+    a, b, c = join(st, "a", "b", "c")
+    q1 = form(st, [a, b, c], now=0)
+    assert ask(st, a, 1, now=1.0) is None  # a finished the step first
+    assert st.tick(now=3.0, wall=3.0).formed == []  # 1 of 3: no quorum yet
+    assert ask(st, b, 1, now=3.5) is None  # 2 of 3, 2.5 s after the round began
+    q2 = ask(st, c, 1, now=3.51)  # c, just behind b, is not left out
+    assert q2 is not None and q2.replica_ids == sorted([a, b, c])
+    assert q2.quorum_id == q1.quorum_id  # the same group: no new connections
+
+    # A straggler that does not come is still left out, join_timeout_s later.
+    assert ask(st, b, 2, now=4.0) is None
+    assert ask(st, a, 2, now=6.0) is None
+    assert st.tick(now=6.99, wall=7).formed == []
+    (q3,) = st.tick(now=7.0, wall=7).formed
+    assert q3.replica_ids == sorted([a, b])
+
+
+def test_a_straggler_that_heartbeats_is_waited_for_as_long_as_a_collective(make_state):
+    """Past join_timeout_s a member of the previous quorum that still heartbeats is
+    in its step (under packet loss: in the all-reduce the askers finished first),
+    and is waited for as long as a collective may last (collective_s or its
+    patience); one that went silent (cut off from the controller) is not."""
+    st = make_state(join_timeout_s=1.0)
+    a, b, c = join(st, "a", "b", "c")
+    q1 = form(st, [a, b, c], now=0)
+    assert ask(st, a, 1, now=1.0) is None
+    assert ask(st, b, 1, now=1.0) is None
+    for t in (1.5, 2.5, 3.5, 4.5):
+        for r in (a, b, c):
+            st.heartbeat(r, now=t)
+        assert st.tick(now=t + 0.4, wall=t).formed == []
+    q2 = ask(st, c, 1, now=4.8)
+    assert q2 is not None and q2.replica_ids == sorted([a, b, c])
+    assert q2.quorum_id == q1.quorum_id
+
+    # One that heartbeats and never asks (a main loop stuck, its heartbeat thread
+    # alive) holds the round up to join_timeout_s + the collective patience (30 s).
+    assert ask(st, a, 2, now=5.0) is None
+    assert ask(st, b, 2, now=5.0) is None
+    t = 5.0
+    while t < 35.9:
+        for r in (a, b, c):
+            st.heartbeat(r, now=t)
+        assert st.tick(now=t, wall=t).formed == [], t
+        t += 0.5
+    (q3,) = st.tick(now=36.0, wall=36.0).formed
+    assert q3.replica_ids == sorted([a, b])
+
+    # One that went silent is left out after join_timeout_s alone.
+    st = make_state(join_timeout_s=1.0)
+    a, b, c = join(st, "a", "b", "c")
+    form(st, [a, b, c], now=0)
+    assert ask(st, a, 1, now=1.5) is None
+    assert ask(st, b, 1, now=1.5) is None
+    assert st.tick(now=2.49, wall=2).formed == []
+    (q,) = st.tick(now=2.5, wall=2.5).formed  # c last heard at 0
+    assert q.replica_ids == sorted([a, b])
 
 
 def test_everyone_alive_asking_forms_at_once(make_state):
@@ -314,11 +380,15 @@ def test_an_early_ask_does_not_start_the_straggler_clock(make_state):
     assert q is not None and q.replica_ids == sorted([a, b, c]) and q.heal == {c: a}
 
     # A previous member that does not come back is a straggler, timed from the first
-    # ask of the previous quorum (c's, now that c was in it).
+    # ask of the previous quorum (c's, now that c was in it), and not before a
+    # quorum could form (b's).
     assert ask(st, c, 2, now=5) is None
-    assert ask(st, b, 2, now=5.5) is None
-    assert st.tick(now=5.99, wall=6).formed == []
-    (q,) = st.tick(now=6, wall=6).formed
+    assert ask(st, b, 2, now=5.5) is None  # and a quorum could form from b's ask
+    assert st.tick(now=6.49, wall=6).formed == []
+    # At 6.5 a was heard from within two heartbeat intervals (its ask at 4.6): still
+    # in its step, it is waited for; silent since, it is left out.
+    assert st.tick(now=6.5, wall=6.5).formed == []
+    (q,) = st.tick(now=6.7, wall=6.7).formed
     assert q.replica_ids == sorted([b, c])
 
 
@@ -345,9 +415,12 @@ def test_split_brain_guard_needs_majority_of_live(make_state):
         st.heartbeat(c, now=t)
         st.heartbeat(d, now=t)
         assert st.tick(now=t, wall=0).formed == []
-    # 3 of 4 is a majority, and join_timeout (counted from the first ask) is long past.
-    q = ask(st, c, now=9.0)
-    assert q is not None
+    # 3 of 4 is a majority: d gets join_timeout_s from c's ask, then is left out.
+    st.heartbeat(a, now=9.0)
+    st.heartbeat(b, now=9.0)
+    assert ask(st, c, now=9.0) is None
+    assert st.tick(now=9.99, wall=0).formed == []
+    (q,) = st.tick(now=10.0, wall=0).formed
     assert q.replica_ids == [a, b, c]
 
 

@@ -43,6 +43,12 @@ class Communicator(ABC):
         A backend that does not ask gives collectives up at its timeout."""
         return None
 
+    def enter_round(self, round_: int) -> None:
+        """This replica took quorum round ``round_`` with the configured group: a
+        backend that asks peers (see :meth:`watch`) tells them so, and counts a
+        peer still at an older round (not told of this step's quorum) as absent."""
+        return None
+
     @abstractmethod
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
         """In-place all-reduce of each tensor (``op``: sum, min or max)."""

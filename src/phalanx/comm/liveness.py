@@ -13,9 +13,13 @@ or gone from the group: its answer says so) and at the patience at the latest.
 
 Each process that serves a rendezvous store answers pings on UDP at the store's
 port number (:func:`respond`); a communicator :func:`join` s a group while it
-holds it and :func:`leave` s it when it drops it. A ping names the group (a
-16-byte digest of its store and prefix); the answer says whether this process
-is in it. A stopped (SIGSTOP) or cut-off process does not answer, so those are
+holds it and :func:`leave` s it when it drops it, and :func:`enter` s each
+quorum round it takes with it. A ping names the group (a 16-byte digest of its
+store and prefix); the answer says whether this process is in it, and the
+latest round it took. A peer still at an older round than the waiting one's
+has not been told of this step's quorum: it is not in the collective, and may
+never be (cut off from the controller while its request was answered), so it
+counts as silent. A stopped (SIGSTOP) or cut-off process does not answer, so those are
 found as fast as before. Datagrams are fixed byte layouts, never pickled.
 """
 
@@ -30,19 +34,21 @@ import time
 
 log = logging.getLogger("phalanx.comm")
 
-MAGIC = b"PXL1"
+MAGIC = b"PXL2"
 INTERVAL_S = 0.05
 """How often a waiting communicator pings each peer."""
 ALIVE_S = 0.5
 """A peer counts as there if it answered as a member within this long (ten pings:
 at 20% loss each way, all ten are lost about once in 30,000 checks)."""
 _PING = struct.Struct("!4sIII16s")  # magic, watch generation, peer index, round, group
-_PONG = struct.Struct("!4sIIIB")  # the ping's generation, index and round; member (1) or not
+_PONG = struct.Struct("!4sIIIBQ")  # the ping's generation, index, round; member; quorum round
 
 _lock = threading.Lock()
 _groups: dict[bytes, int] = {}
 """The groups this process is in (digest -> holders: a process may hold a group
 in more than one communicator)."""
+_rounds: dict[bytes, int] = {}
+"""The latest quorum round this process took with each group it is in."""
 
 
 def digest(group: str) -> bytes:
@@ -65,11 +71,21 @@ def leave(group: str) -> None:
             _groups[key] = n
         else:
             _groups.pop(key, None)
+            _rounds.pop(key, None)
 
 
-def member(key: bytes) -> bool:
+def enter(group: str, round_: int) -> None:
+    """This process took quorum round ``round_`` with ``group`` (it is in that step)."""
+    key = digest(group)
     with _lock:
-        return key in _groups
+        if key in _groups:
+            _rounds[key] = max(round_, _rounds.get(key, 0))
+
+
+def member(key: bytes) -> tuple[bool, int]:
+    """Whether this process is in the group, and the latest round it took with it."""
+    with _lock:
+        return key in _groups, _rounds.get(key, 0)
 
 
 def _udp(port: int | None = None) -> socket.socket:
@@ -105,8 +121,9 @@ class Responder:
             if len(data) != _PING.size or not data.startswith(MAGIC):
                 continue
             _, gen, index, rnd, key = _PING.unpack(data)
+            ok, at = member(key)
             try:
-                self.sock.sendto(_PONG.pack(MAGIC, gen, index, rnd, member(key)), addr)
+                self.sock.sendto(_PONG.pack(MAGIC, gen, index, rnd, ok, at), addr)
             except OSError:
                 pass  # the peer's host is unreachable: it pings again
 
@@ -153,8 +170,11 @@ class Watch:
         self._key = b""
         self._names: list[str] = []
         self._addrs: list[tuple[str, int] | None] = []
-        self._last: list[tuple[float, bool, int]] = []
-        """Per peer: when its last answer came, whether as a member, to which round."""
+        self._last: list[tuple[float, bool, int, int]] = []
+        """Per peer: when its last answer came, whether as a member, to which ping
+        round, and the latest quorum round it took with the group."""
+        self._at = 0
+        """The quorum round this process took with the group (:meth:`at`)."""
         self._round = 0
         self._since = 0.0
         """Silence counts from here at the earliest: since pinging started, or since
@@ -170,10 +190,16 @@ class Watch:
         with self._cv:
             self._gen += 1
             self._key, self._names, self._addrs = digest(group), list(peers), addrs
-            self._last = [(float("-inf"), False, 0)] * len(addrs)
+            self._last = [(float("-inf"), False, 0, 0)] * len(addrs)
 
     def clear(self) -> None:
         self.set("", {})
+
+    def at(self, round_: int) -> None:
+        """This process is in quorum round ``round_`` of the group watched: a peer
+        that answers with an older one is not (yet) in this step's collectives."""
+        with self._cv:
+            self._at = round_
 
     def begin(self) -> None:
         with self._cv:
@@ -198,16 +224,17 @@ class Watch:
             self._waiting -= 1
 
     def silent(self) -> list[str]:
-        """The peers that did not answer as members of the group within :data:`ALIVE_S`
-        (all of them when the group has none watched: nothing is known)."""
+        """The peers that did not answer as members of the group within :data:`ALIVE_S`,
+        or answer from an older quorum round than this process's (all of them when
+        the group has none watched: nothing is known)."""
         now = time.monotonic()
         with self._cv:
             if not self._names:
                 return ["(no peers watched)"]
             return [
                 n
-                for n, (t, ok, _) in zip(self._names, self._last, strict=True)
-                if not ok or now - max(t, self._since) > ALIVE_S
+                for n, (t, ok, _, at) in zip(self._names, self._last, strict=True)
+                if not ok or now - max(t, self._since) > ALIVE_S or at < self._at
             ]
 
     def _run(self) -> None:
@@ -237,7 +264,7 @@ class Watch:
                 return
             if len(data) != _PONG.size or not data.startswith(MAGIC):
                 continue
-            _, gen, i, rnd, ok = _PONG.unpack(data)
+            _, gen, i, rnd, ok, at = _PONG.unpack(data)
             with self._cv:
                 if gen == self._gen and i < len(self._last) and rnd >= self._last[i][2]:
-                    self._last[i] = (time.monotonic(), bool(ok), rnd)
+                    self._last[i] = (time.monotonic(), bool(ok), rnd, at)

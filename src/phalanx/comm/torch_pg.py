@@ -132,6 +132,12 @@ class TorchCommunicator(Communicator):
         if self._watch is not None:
             self._watch.set(self._held_group, peers)
 
+    def enter_round(self, round_: int) -> None:
+        if self._held_group:
+            liveness.enter(self._held_group, round_)
+        if self._watch is not None:
+            self._watch.at(round_)
+
     def _wait(self, work: dist.Work, what: str) -> None:
         if self._watch is None:
             try:

@@ -120,7 +120,10 @@ class RoleSection(_Section):
     n_init_replicas: int = Field(1, ge=1, le=100_000)
     """The role's first quorum waits until this many replicas ask for it."""
     join_timeout_s: float = Field(1.0, ge=0, le=3600)
-    """When some live replicas have not asked for the quorum yet, wait this long for them."""
+    """When some live replicas have not asked for the quorum yet, wait this long for them
+    (from when enough have asked for a quorum, and the first of the last quorum has).
+    One of the last quorum that still heartbeats is in its step, and is waited for up
+    to ``max(collective_s, collective_patience_s)`` more (docs/architecture.md)."""
 
     @model_validator(mode="after")
     def _init_covers_min(self) -> RoleSection:

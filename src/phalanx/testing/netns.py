@@ -159,14 +159,21 @@ class Net:
 
     def loss(self, h: Host, others: list[Host], percent: int) -> None:
         """Drop ``percent``% of the packets between ``h`` and ``others``, at random, each
-        way (the rules are ``h``'s: call it once per pair, or a packet meets two)."""
-        self._table(h)
-        for o in others:
-            for chain, way in (("out", "daddr"), ("in", "saddr")):
-                h.nft(
-                    "add", "rule", "inet", TABLE, chain, "ip", way, o.ip,
-                    "numgen", "random", "mod", "100", "<", str(percent), "drop",
-                )  # fmt: skip
+        way (call it once per pair, or a packet meets two rules).
+
+        Each packet is dropped where it arrives (the receiver's input hook), as a
+        network loses it: the sender's TCP saw it leave, and retransmits it on its
+        retransmission clock. A drop in the sender's own output hook is not a loss
+        but a local send failure (``TCPRetransFail``), which TCP retries on its
+        resource-probe timer (0.5 s and up, with backoff, whatever ``tcp_rto_min``):
+        until 2026-11-26 this harness dropped there, and its loss runs had gaps of
+        seconds with nothing in flight and the data unsent."""
+        for x, y in [(h, o) for o in others] + [(o, h) for o in others]:
+            self._table(x)
+            x.nft(
+                "add", "rule", "inet", TABLE, "in", "ip", "saddr", y.ip,
+                "numgen", "random", "mod", "100", "<", str(percent), "drop",
+            )  # fmt: skip
 
     def heal(self, h: Host) -> None:
         """Remove every fault of ``h``."""

@@ -14,12 +14,11 @@ One :class:`Manager` per replica. A step goes::
 :meth:`Manager.train_step` runs exactly that; the pieces are public for
 loops that need to own the order (the RL policy replicas do).
 
-Failure handling: a :class:`~phalanx.comm.base.CommError` anywhere (dead or
-hung peer) makes this replica vote no, report every other participant as a
-suspect (the controller probes them, so live ones are not evicted) with
-``failed_commit``, and the step is retried with the next quorum. A replica
-that voted no while others committed is one step behind at the next quorum
-and heals, so the replicas never diverge.
+Failure handling: a :class:`~phalanx.comm.base.CommError` anywhere (dead or hung
+peer) makes this replica vote no, report every other participant as a suspect (the
+controller probes them, so live ones are not evicted) with ``failed_commit``, and the
+step is retried with the next quorum. A replica that voted no while others committed
+is one step behind at the next quorum and heals, so the replicas never diverge.
 """
 
 from __future__ import annotations
@@ -225,6 +224,7 @@ class Manager:
                     self.world_size,
                     1e3 * (time.perf_counter() - t0),
                 )
+            self.comm.enter_round(q.round)  # peers not told of this round are not in it
             self._incarnation = inc
             self._heal(q, me)
         except CommError as e:

@@ -93,7 +93,11 @@ class Quorums:
         first = rs.last_quorum is None
         need = rs.cfg.n_init_replicas if first else rs.cfg.min_replicas
         if pend < need or 2 * pend <= n_alive:
+            rs.quorate_since = None
             return False  # too few, or not a majority of the heartbeating replicas
+        if rs.quorate_since is None:
+            rs.quorate_since = now
+        quorate_since = rs.quorate_since
         if pend == n_alive:
             return True  # everyone who is alive has asked
         if self._newer_elsewhere(rs, now):
@@ -106,6 +110,12 @@ class Quorums:
         # out of the last round) must not start the clock, or the next quorum forms
         # at the first finisher's request and leaves the others out; the one left
         # out asks early in turn, and every later round forms short and heals.
+        # Nor does the clock run out before a quorum could form: the replicas that
+        # make the majority get join_timeout_s for the rest. Under packet loss the
+        # first finisher of an all-reduce may ask seconds before the others, which
+        # finish it together; timed from its request, the round would form at the
+        # next one's and leave the last, milliseconds behind, out (then two new
+        # process groups and a heal: issue 18).
         since = rs.prev_since
         if since is None:
             if last is not None and any(rid in rs.member_ids for rid in rs.prev_ids):
@@ -113,7 +123,29 @@ class Quorums:
             since = rs.pending_since
         if since is None:  # unreachable: a pending request set pending_since
             return False
-        return now - since >= rs.cfg.join_timeout_s
+        waited = now - max(since, quorate_since)
+        if waited < rs.cfg.join_timeout_s:
+            return False
+        t = self.members.cfg.timeouts
+        return waited >= rs.cfg.join_timeout_s + max(
+            t.collective_s, t.collective_patience_s
+        ) or not self._finishing(rs, now)
+
+    def _finishing(self, rs: RoleState, now: float) -> bool:
+        """Whether a member of the previous quorum that has not asked yet was heard
+        from within two heartbeat intervals: alive, and reaching the controller, so
+        still in its step (most often in the all-reduce that the askers finished
+        first: under packet loss, seconds apart). Past ``join_timeout_s`` it is
+        still waited for, as long as its collective may last; one silent that long
+        (cut off from the controller, stopped) is not, and the heartbeat timeout
+        evicts it."""
+        fresh = 2 * self.members.cfg.timeouts.heartbeat_interval_s
+        ms = self.members.members
+        return any(
+            now - ms[rid].last_seen <= fresh and ms[rid].suspect_since is None
+            for rid in rs.prev_ids
+            if rid in rs.member_ids and rid not in rs.pending and rid not in self.members.cut_off
+        )
 
     def _newer_elsewhere(self, rs: RoleState, now: float) -> bool:
         """Whether a live member that has not asked holds a

@@ -84,7 +84,11 @@ class RoleState:
     so that each quorum request is O(1) and a round of N requests is O(N))."""
     prev_since: float | None = None
     """When the first of the previous quorum's members asked again: the start of the
-    round, from which stragglers are timed (``join_timeout_s``)."""
+    round."""
+    quorate_since: float | None = None
+    """When this round's requests first sufficed for a quorum (enough of them, and a
+    majority of the live members): stragglers are timed (``join_timeout_s``) from
+    the later of this and :attr:`prev_since` (not durable: nor are requests)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Evictions not yet followed by a quorum: the next quorum reports, for each,
     the time from the failure to it (not durable)."""
@@ -113,6 +117,7 @@ class RoleState:
                 self.prev_since = None
         if not self.pending:
             self.pending_since = None
+            self.quorate_since = None
 
     def set_formed(self, q: Quorum) -> None:
         self.quorums.append(q)
@@ -121,6 +126,7 @@ class RoleState:
         self.pending_since = None
         self.prev_pending = 0
         self.prev_since = None
+        self.quorate_since = None
 
     def meta(self) -> dict[str, Any]:
         return {
