@@ -15,8 +15,9 @@ this bench used 0.5 s). For each kind, on a fresh job, once the three commit tog
 - ``replica_from_peers``: r3 cannot reach r1 and r2; the controller still can;
 - ``minority_from_all``: r3 cut from every other host;
 - ``controller_from_all``: c cut from every replica;
-- ``loss``: 20% of the packets between the replicas dropped at random (the
-  controller's traffic untouched), for ``--loss-hold`` seconds.
+- ``loss``: 20% of the packets between the replicas dropped at random where
+  they arrive, each way (the controller's traffic untouched), for
+  ``--loss-hold`` seconds.
 
 The cut lasts ``--hold`` seconds (past the heartbeat timeout), then heals.
 Figures per kind:
@@ -38,7 +39,8 @@ kernel's defaults): ``--rto-min-ms`` sets ``net.ipv4.tcp_rto_min_us`` (default
 least 1000), ``--thin-linear`` sets ``net.ipv4.tcp_thin_linear_timeouts`` (a
 connection with few segments in flight retransmits 6 times at the same
 timeout before backing off), and ``--lossy-tcp`` is all three at 20 ms,
-1000 ms and on.
+1000 ms and on. ``--quickack`` sets ``quickack 1`` on each host's route (no
+delayed ACKs, whose delay otherwise enters the RTO).
 
 Root only: the namespaces, the veth pairs and the nftables rules are made here
 and removed at the end, even after a failure. Traffic goes only to addresses
