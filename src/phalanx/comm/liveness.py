@@ -19,8 +19,9 @@ store and prefix); the answer says whether this process is in it, and the
 latest round it took. A peer still at an older round than the waiting one's
 has not been told of this step's quorum: it is not in the collective, and may
 never be (cut off from the controller while its request was answered), so it
-counts as silent. A stopped (SIGSTOP) or cut-off process does not answer, so those are
-found as fast as before. Datagrams are fixed byte layouts, never pickled.
+counts as silent. A stopped (SIGSTOP) or cut-off process does not answer, so
+those are found as fast as before. Datagrams are fixed byte layouts, never
+pickled.
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ class Host:
     ns: str
     ip: str
     cut_from: set[str] = field(default_factory=set)
+    faults: bool = False
+    """Whether this host's nftables table of faults exists (made once, until healed)."""
 
     def wrap(self, args: list[str]) -> list[str]:
         """``args`` run on this host (``ip netns exec`` execs it: the pid is the command's)."""
@@ -123,6 +125,9 @@ class Net:
     # -- faults ----------------------------------------------------------
 
     def _table(self, h: Host) -> None:
+        if h.faults:
+            return
+        h.faults = True
         h.nft("add", "table", "inet", TABLE)
         h.nft("add", "chain", "inet", TABLE, "out", "{ type filter hook output priority 0; }")
         h.nft("add", "chain", "inet", TABLE, "in", "{ type filter hook input priority 0; }")
@@ -179,6 +184,7 @@ class Net:
         """Remove every fault of ``h``."""
         _run("ip", "netns", "exec", h.ns, "nft", "delete", "table", "inet", TABLE, check=False)
         h.cut_from.clear()
+        h.faults = False
 
     def close(self) -> None:
         """Remove the hosts' namespaces and the switch (and with them every veth)."""
