@@ -1,7 +1,8 @@
 """The failure detectors with real processes and real signals: a peer's failure
 report (fast path), the heartbeat timeout (slow path), a dropped connection
-(held heartbeat, quorum request or lifeline), and a false report against a
-live replica (which answers the probe and stays)."""
+(held heartbeat, quorum request or lifeline), a dead replica's address that
+refuses the controller's probe, and a false report against a live replica
+(which answers the probe and stays)."""
 
 from __future__ import annotations
 
@@ -217,3 +218,46 @@ def test_sigkill_between_heartbeats_is_caught_by_the_lifeline(start_controller, 
     print(f"eviction after a kill between heartbeats: {latency * 1000:.0f} ms (heartbeat_s={hb})")
     ev = ctl.evictions(rid)[-1]
     assert ev["reason"] == "held connection dropped, no heartbeat in grace", ev
+
+
+STORE_MEMBER = """
+import sys, time
+from phalanx.client import ControllerClient
+from phalanx.comm.torch_pg import serve_store
+store, address = serve_store()
+c = ControllerClient(sys.argv[1], "rollout", "served", address=address)
+c.start_heartbeat()
+print(c.replica_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dead_replica_whose_address_refuses_is_evicted_without_its_grace(
+    start_controller, procs, detector
+):
+    """A replica that serves its rendezvous store: a false report against it is
+    probed and cleared (its store accepts the controller's connection); once it is
+    SIGKILLed, its dropped connection makes it a suspect, its store refuses the
+    controller's connection, and it is evicted at once, not after the grace (the
+    reason names which of the two evicted it)."""
+    grace = 5.0
+    ctl = start_controller(heartbeat_s=20.0, heartbeat_interval_s=2.0, suspect_grace_s=grace)
+    reporter = _detector(detector, ctl)
+    p, out, _ = procs.spawn([sys.executable, "-c", STORE_MEMBER, str(ctl.state_dir)], "served")
+    wait_for(lambda: out.read_text().strip() != "", 60, "the member to register")
+    rid = out.read_text().strip()
+
+    def suspected() -> bool:
+        reps = ctl.status()["roles"]["rollout"]["replicas"]
+        return next(m for m in reps if m["replica_id"] == rid)["suspect"]
+
+    assert reporter.report_failure([rid], reason="false alarm") == []
+    wait_for(lambda: not suspected(), grace * 2, "the suspicion to be cleared")
+    assert ctl.evictions(rid) == []
+
+    signal_group(p, signal.SIGKILL)
+    p.wait(timeout=10)
+    wait_for(lambda: rid not in ctl.members("rollout"), grace * 2, "the killed member's eviction")
+    ev = ctl.evictions(rid)[-1]
+    assert ev["reason"] == "held connection dropped, address refused", ev
+    assert ev["detector"] == "disconnect", ev

@@ -1005,6 +1005,24 @@ def test_a_dropped_connection_makes_a_suspect_that_a_heartbeat_clears():
     assert b.replica_id in st.members
 
 
+def test_a_suspect_whose_address_refuses_is_evicted_before_its_grace():
+    st = ControllerState(JobConfig())
+    a, _ = st.register("policy", "a", "1", now=0.0, wall=0.0, address="127.0.0.1:9")
+    b, _ = st.register("policy", "b", "1", now=0.0, wall=0.0, address="127.0.0.1:10")
+    assert st.refused(a.replica_id, now=0.5, wall=0.5).evicted == []  # not suspected: kept
+    st.suspect(a.replica_id, "held connection dropped", now=1.0, wall=1.0)
+    tick = st.refused(a.replica_id, now=1.01, wall=1.01)
+    assert tick.evicted == [a.replica_id]
+    ev = st.events[-1]
+    assert ev["reason"] == "held connection dropped, address refused"
+    assert (ev["detector"], ev["failed_at"]) == ("disconnect", 1.0)
+    assert st.refused(a.replica_id, now=1.02, wall=1.02).evicted == []  # gone already
+    st.suspect(b.replica_id, "failure report", now=2.0, wall=2.0)
+    st.heartbeat(b.replica_id, now=2.1)  # answered: no longer suspected, a late refusal is moot
+    assert st.refused(b.replica_id, now=2.2, wall=2.2).evicted == []
+    assert b.replica_id in st.members
+
+
 def test_checkpoints_are_recorded_bump_the_step_and_survive_restart(make_state, journal):
     from phalanx.controller.core.commands import CHECKPOINT_HISTORY
 

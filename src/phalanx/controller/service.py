@@ -74,6 +74,8 @@ class ControllerService:
         self.metrics = Metrics(self)
         self._waiters: dict[str, dict[str, list[asyncio.Future[None]]]] = {k: {} for k in WAITS}
         self._ticker: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()
+        """Connections to suspects' addresses in flight (:meth:`_probe_address`)."""
         self.apply(self.state.reconcile)
 
     @property
@@ -129,12 +131,44 @@ class ControllerService:
                 self._wake(kind, rid)
         for rid in tick.probe:
             self._wake("heartbeat", rid)
+            self._probe_address(rid)
         for rid in tick.commands_for:
             self._wake("commands", rid)
         for rid in tick.ledger_for:
             self._wake("ledger", rid)
         for name in tick.queues:
             self._wake("queue", name)
+
+    def _probe_address(self, rid: str) -> None:
+        """Besides asking a suspect to heartbeat, connect to its address (its
+        rendezvous store, served for the replica's whole life): a refusal means
+        its process is gone (a SIGKILLed replica's held connection dropped), and
+        it is evicted at once rather than after ``suspect_grace_s``. No answer
+        (a partition) or a connection leaves the grace to decide."""
+        m = self.state.members.get(rid)
+        if m is None or not m.address:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a restore): the grace decides
+            return
+        task = loop.create_task(self._connect(rid, m.address))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _connect(self, rid: str, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port)),
+                self.cfg.timeouts.suspect_grace_s,
+            )
+        except ConnectionRefusedError:
+            self.apply(self.state.refused, rid)
+            return
+        except (OSError, ValueError, TimeoutError):
+            return
+        writer.close()
 
     def _wake(self, kind: str, key: str) -> None:
         for fut in self._waiters[kind].pop(key, []):
@@ -185,6 +219,8 @@ class ControllerService:
                 self.collector.submit(sorted(led.unswept.items()))
 
     async def stop(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
         if self._ticker is not None:
             self._ticker.cancel()
             try:

@@ -80,8 +80,13 @@ class CheckpointBook:
         ck = tables.get("checkpoints", {})
         self.records = [CheckpointRecord.model_construct(**ck[k]) for k in sorted(ck)]
 
-    def record(self, rec: CheckpointRecord, wall: float) -> None:
-        """A replica committed a checkpoint: remember it (one record per step)."""
+    def record(
+        self, by: str, role: str, step: int, url: str, nbytes: int, wall: float
+    ) -> CheckpointRecord:
+        """Replica ``by`` committed a checkpoint: remember it (one record per step)."""
+        rec = CheckpointRecord.model_construct(
+            step=step, url=url, nbytes=nbytes, by=by, role=role, at=wall
+        )
         self.records = sorted(
             [c for c in self.records if c.step != rec.step] + [rec], key=lambda c: c.step
         )
@@ -92,6 +97,7 @@ class CheckpointBook:
         self.log.event(
             "checkpoint", wall, replica_id=rec.by, step=rec.step, url=rec.url, nbytes=rec.nbytes
         )
+        return rec
 
     @property
     def latest(self) -> CheckpointRecord | None:

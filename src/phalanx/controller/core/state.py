@@ -298,6 +298,15 @@ class ControllerState:
         self.log.event("suspect", wall, replica_id=replica_id, reason=reason)
         return Tick(probe=[replica_id])
 
+    def refused(self, replica_id: str, *, now: float, wall: float) -> Tick:
+        """A suspect's address (its rendezvous store) refused the controller's
+        connection: its process is gone, so it is evicted now, not after the grace.
+        A member no longer suspected (it heartbeated) is left alone."""
+        m = self.members.get(replica_id)
+        if m is None or m.suspect_since is None:
+            return Tick()
+        return self._evict(replica_id, f"{m.suspect_reason}, address refused", now, wall)
+
     def tick(self, *, now: float, wall: float) -> Tick:
         """Apply deadlines: heartbeat timeouts, suspect graces, stale quorum requests,
         join timeouts, prompt leases. Call it often (every ``controller.tick_s``)."""
@@ -407,11 +416,7 @@ class ControllerState:
         rs = self.roles[m.role]
         if rs.bump_step(step, now):
             save_role(self.log, rs)
-        rec = CheckpointRecord.model_construct(
-            step=step, url=url, nbytes=nbytes, by=replica_id, role=m.role, at=wall
-        )
-        self.checkpoints.record(rec, wall)
-        return rec
+        return self.checkpoints.record(replica_id, m.role, step, url, nbytes, wall)
 
     def swept(self, refs: list[str], *, now: float, wall: float) -> None:
         """The service's collector dropped these payloads from the external store."""
@@ -428,20 +433,12 @@ class ControllerState:
         return keys
 
     def reconcile(self, *, now: float, wall: float) -> Tick:
-        """At start: rollouts the ledger holds whose payloads the payload log does not
-        (a torn write, a lost file) are discarded as ``payload_missing`` and their
-        prompts dispatched again."""
+        """At start: the rollouts whose payloads the payload log lost are discarded
+        and their prompts dispatched again (:meth:`Ledger.reconcile`)."""
         led = self.ledger
         if led is None or led.external_store:
             return Tick()
-        payload_of = self.queues.payload_of
-        lost = [
-            (rid, "payload_missing")
-            for rid, rec in led.rollouts.records.items()
-            if payload_of(payload_key(rec["ref"])) is None
-        ]
-        led.lose(lost, wall=wall)
-        return led.take(Tick())
+        return led.reconcile(self.queues.payload_of, wall=wall)
 
     # -- status ------------------------------------------------------------
 

@@ -22,7 +22,7 @@ Where each prompt is, at every moment (:meth:`Ledger.balance` checks it)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from phalanx.config.rl import RLConfig
@@ -338,6 +338,18 @@ class Ledger:
             "exact_match": r.exact_match,
             "ref": ref,
         }
+
+    def reconcile(self, payload_of: Callable[[str], Any], *, wall: float) -> Tick:
+        """At start: rollouts whose payloads ``payload_of`` (the payload log) does not
+        hold (a torn write, a lost file) are discarded as ``payload_missing`` and
+        their prompts dispatched again."""
+        lost = [
+            (rid, "payload_missing")
+            for rid, rec in self.rollouts.records.items()
+            if payload_of(payload_key(rec["ref"])) is None
+        ]
+        self.lose(lost, wall=wall)
+        return self.take(Tick())
 
     def lose(self, lost: list[tuple[str, str]], *, wall: float) -> tuple[list[str], list[int]]:
         """Rollouts whose payloads could not be read (``(rollout id, reason)``): discard
