@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("phalanx.controller")
 
+PROBE_EVERY_S = 0.02
+"""How often the controller connects again to a suspect's address that accepted."""
 WAITS = ("quorum", "heartbeat", "lifeline", "commands", "ledger", "queue", "status")
 """Kinds of long-poll a request may wait on (:meth:`ControllerService.wait`)."""
 
@@ -144,7 +146,9 @@ class ControllerService:
         rendezvous store, served for the replica's whole life): a refusal means
         its process is gone (a SIGKILLed replica's held connection dropped), and
         it is evicted at once rather than after ``suspect_grace_s``. No answer
-        (a partition) or a connection leaves the grace to decide."""
+        (a partition) leaves the grace to decide; a connection is tried again
+        every :data:`PROBE_EVERY_S` while the suspicion lasts (a dying process
+        may drop its held connection a moment before its store's listener)."""
         m = self.state.members.get(rid)
         if m is None or not m.address:
             return
@@ -158,17 +162,24 @@ class ControllerService:
 
     async def _connect(self, rid: str, address: str) -> None:
         host, _, port = address.rpartition(":")
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(host.strip("[]"), int(port)),
-                self.cfg.timeouts.suspect_grace_s,
-            )
-        except ConnectionRefusedError:
-            self.apply(self.state.refused, rid)
-            return
-        except (OSError, ValueError, TimeoutError):
-            return
-        writer.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeouts.suspect_grace_s
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host.strip("[]"), int(port)),
+                    max(0.0, deadline - loop.time()),
+                )
+            except ConnectionRefusedError:
+                self.apply(self.state.refused, rid)
+                return
+            except (OSError, ValueError, TimeoutError):
+                return
+            writer.close()
+            m = self.state.members.get(rid)
+            if m is None or m.suspect_since is None or loop.time() + PROBE_EVERY_S > deadline:
+                return
+            await asyncio.sleep(PROBE_EVERY_S)
 
     def _wake(self, kind: str, key: str) -> None:
         for fut in self._waiters[kind].pop(key, []):

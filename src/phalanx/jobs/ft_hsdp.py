@@ -134,18 +134,20 @@ def run(args: ReplicaArgs) -> int:
                 "resumed_from": resumed,
             }
         )
+    why = "finished"
     try:
         return run.loop()
     except LayoutMismatch as e:
         raise JobError(str(e)) from e
     except (ReplicaBroken, dist.DistError, RuntimeError) as e:
+        why = "stopped: a rank of this replica failed"
         return replica_stopped(ranks.rank, e)
     finally:
         if ckpt is not None:
             ckpt.close()
         manager.close()
         if ranks.leader:
-            client.close("finished")
+            client.close(why)
         ranks.close()
         del store
 
