@@ -23,14 +23,18 @@ thread per process. Every figure comes from the same invocation:
   all-reduce: the failed attempt's gradients are kept, not computed again).
 - ``heal_gbps``: ``b`` is then restarted: a warm standby (a launcher and 2
   ranks started at the beginning, imports paid, waiting for a file) is let go;
-  rank 0's heal of its shard (model, AdamW state, step, sampler, RNG) from
-  ``a``'s rank 0: bytes received / seconds of the transfer, from the healer's
-  first bytes to its last (``Manager.last_heal``: ``transfer_s``).
-  ``heal_wait_s``: before that, the wait for the healer to send (it learns of
-  the heal with its quorum, after its speculative compute); ``heal_s``: the
-  whole heal, waiting and loading included.
+  each of its ranks heals its shard (model, AdamW state, step, sampler, RNG)
+  from the same rank of ``a``, both shards at once: the replica's bytes
+  (``heal_bytes``, both shards) / seconds from the first shard's first bytes
+  to the last shard's last (``Manager.last_heal["replica"]``).
   ``gloo_broadcast_gbps``: a plain gloo broadcast of as many bytes between 2
   fresh processes, median of 5. ``heal_ratio`` is the first over the second.
+  ``heal_shard_gbps`` / ``heal_shard_ratio``: rank 0's shard alone (its bytes
+  over its own transfer, against a gloo broadcast of as many bytes), while
+  rank 1's transfer runs beside it on the same cores.
+  ``heal_wait_s``: before rank 0's transfer, the wait for the healer to send
+  (it learns of the heal with its quorum, after its speculative compute);
+  ``heal_s``: rank 0's whole heal, waiting and loading included.
   GB/s means 1e9 bytes per second.
 - ``torchft_step_s``, ``torchft_stall_s``, ``step_ratio_vs_torchft``:
   torchft 0.2.0's HSDP on the same model, batch and 2 x 2 ranks, its own
@@ -274,9 +278,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gate.touch()
         healed = b2.wait(lambda e: e["event"] == "step" and e.get("healed"), "b's heal")
         heal = healed["heal"]
-        out["heal_bytes"], out["heal_s"] = heal["bytes"], heal["seconds"]
-        out["heal_wait_s"], out["heal_transfer_s"] = heal["wait_s"], heal["transfer_s"]
-        out["heal_gbps"] = heal["bytes"] / heal["transfer_s"] / 1e9
+        whole = heal["replica"]
+        out["heal_bytes"], out["heal_transfer_s"] = whole["bytes"], whole["transfer_s"]
+        out["heal_gbps"] = whole["bytes"] / whole["transfer_s"] / 1e9
+        out["heal_shard_bytes"], out["heal_s"] = heal["bytes"], heal["seconds"]
+        out["heal_wait_s"], out["heal_shard_transfer_s"] = heal["wait_s"], heal["transfer_s"]
+        out["heal_shard_gbps"] = heal["bytes"] / heal["transfer_s"] / 1e9
         a.wait(lambda e: e["event"] == "done", "a's end")
         out["hsdp_step_s"] = median_gap(a.events, 5, args.kill_at)
         out["step_ratio_vs_fsdp"] = out["hsdp_step_s"] / out["fsdp_step_s"]
@@ -286,11 +293,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctl.kill()
         ctl.wait()
 
-    bc = Lines(ranks_cmd(2, me, "--bcast-worker", str(out["heal_bytes"]), "6"), work / "bcast.err")
-    bc.p.wait()
-    times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
-    out["gloo_broadcast_gbps"] = out["heal_bytes"] / statistics.median(times) / 1e9
-    out["heal_ratio"] = out["heal_gbps"] / out["gloo_broadcast_gbps"]
+    for key, nbytes in (("", out["heal_bytes"]), ("_shard", out["heal_shard_bytes"])):
+        cmd = ranks_cmd(2, me, "--bcast-worker", str(nbytes), "6")
+        bc = Lines(cmd, work / f"bcast{key}.err")
+        bc.p.wait()
+        times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
+        out[f"gloo_broadcast{key}_gbps"] = nbytes / statistics.median(times) / 1e9
+        out[f"heal{key}_ratio"] = out[f"heal{key}_gbps"] / out[f"gloo_broadcast{key}_gbps"]
     try:
         import hsdp_torchft
     except ImportError as e:  # torchft is in the bench extra; say why it is missing

@@ -97,15 +97,20 @@ def heal_record(
     (perf_counter) to now, of which ``wait_s`` waiting for the healer to send (it
     learns of the heal with its quorum) and ``transfer_s`` the transfer itself
     (``times`` from :func:`~phalanx.comm.transfer.recv_state`); the state's bytes;
-    ``warm``: received into the pre-faulted buffer."""
+    ``warm``: received into the pre-faulted buffer; ``started_at`` and
+    ``received_at``: the transfer's ends as wall-clock times (comparable across
+    the processes of a host)."""
+    now, wall = time.perf_counter(), time.time()
     return {
-        "seconds": time.perf_counter() - t0,
+        "seconds": now - t0,
         "from": healer,
         "step": step,
         "warm": received_into(sd, scratch),
         "bytes": buffer_bytes(sd),
         "wait_s": times["started"] - t0,
         "transfer_s": times["received"] - times["started"],
+        "started_at": wall - (now - times["started"]),
+        "received_at": wall - (now - times["received"]),
     }
 
 

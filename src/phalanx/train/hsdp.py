@@ -300,9 +300,26 @@ class HSDPManager(Manager):
         return self._replica_at_quorum, self._incarnation_at_quorum
 
     def wait_quorum(self) -> Quorum:
+        heals = self.heals
         q = super().wait_quorum()
         self._agree("the quorum's setup")
+        if self._replica_at_quorum in q.heal:  # alike on every rank: all heal their shards
+            self._replica_heal(self.heals > heals)
         return q
+
+    def _replica_heal(self, healed: bool) -> None:
+        """Add the whole replica's heal to :attr:`last_heal` as ``replica``: every
+        rank's shard bytes, and the time from the first shard's first bytes to the
+        last shard's last (wall clocks: one host's ranks agree), when every rank
+        healed. A max over the replica's ranks, each filling its own slot."""
+        n, rec = self.ranks.size, self.last_heal
+        mine = [0.0] * n + [float("-inf")] * 2
+        if healed:
+            mine[self.ranks.rank] = float(rec["bytes"])
+            mine[n:] = [-rec["started_at"], rec["received_at"]]
+        got = self.ranks.max(mine)
+        if healed and min(got[:n]) > 0:
+            rec["replica"] = {"bytes": int(sum(got[:n])), "transfer_s": got[n + 1] + got[n]}
 
     def _check_layout(self, q: Quorum) -> None:
         other = {m.ranks for m in q.members} - {self.ranks.size}
