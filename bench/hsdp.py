@@ -28,7 +28,7 @@ thread per process. Every figure comes from the same invocation:
   (``heal_bytes``, both shards) / seconds from the first shard's first bytes
   to the last shard's last (``Manager.last_heal["replica"]``).
   ``gloo_broadcast_gbps``: a plain gloo broadcast of as many bytes between 2
-  fresh processes, median of 5. ``heal_ratio`` is the first over the second.
+  fresh processes, median of 15. ``heal_ratio`` is the first over the second.
   ``heal_shard_gbps`` / ``heal_shard_ratio``: rank 0's shard alone (its bytes
   over its own transfer, against a gloo broadcast of as many bytes), while
   rank 1's transfer runs beside it on the same cores.
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctl.wait()
 
     for key, nbytes in (("", out["heal_bytes"]), ("_shard", out["heal_shard_bytes"])):
-        cmd = ranks_cmd(2, me, "--bcast-worker", str(nbytes), "6")
+        cmd = ranks_cmd(2, me, "--bcast-worker", str(nbytes), "16")
         bc = Lines(cmd, work / f"bcast{key}.err")
         bc.p.wait()
         times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
