@@ -97,6 +97,14 @@ def advertise_for_bind(bind: str) -> str:
     return routable_host() if bind in WILDCARDS else bind
 
 
+def free_port() -> int:
+    """A loopback port the OS calls free now (another process may take it before it
+    is bound: callers that start a server on it retry)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
 def hostport(host: str, port: int) -> str:
     """``host:port``, with an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,18 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.net import free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 MISSING = (
     "redis-server is not installed, so the Redis transport tests cannot run: `make install` "
     "installs it with apt-get when run as root; else `apt-get install -y redis-server` (or put "
     "a redis-server binary on PATH)."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from phalanx.comm.torch_pg import serve_store
-from phalanx.launch.workers import free_port
-from phalanx.net import LOOPBACK
+from phalanx.net import LOOPBACK, free_port
 
 WORKER = Path(__file__).with_name("hsdp_vote_worker.py")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 from phalanx.launch.agent_files import WORKERS_FILE, write_atomic
 from phalanx.launch.agent_options import AgentOptions, expand, placeholders, worker_env
+from phalanx.net import free_port
 
 
 class AgentError(RuntimeError):
@@ -44,14 +44,6 @@ class Worker:
         return f"exited with code {code}"
 
 
-def free_port() -> int:
-    """A port the OS calls free now. Each generation gets a fresh one: gloo's
-    rendezvous must not reuse the store of a broken generation."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_workers(
     opts: AgentOptions, slots: list[int], generation: int, restarts: int, reason: str
 ) -> tuple[list[Worker], dict[str, Any]]:
@@ -59,7 +51,7 @@ def start_workers(
     in its own process group with a torchrun-style environment on a fresh master
     port; record them in the run dir's workers file. Returns the workers and the
     record (what the agent's ``start`` event says)."""
-    port = free_port()
+    port = free_port()  # fresh per generation: never a broken generation's store
     gdir = opts.run_dir / f"gen{generation}"
     gdir.mkdir(parents=True, exist_ok=True)
     n = len(slots)

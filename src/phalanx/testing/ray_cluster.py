@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from phalanx.net import free_port
 
 if TYPE_CHECKING:
     from phalanx.testing.netns import Host
@@ -49,12 +50,6 @@ START_TRIES = 3
 on a busy host) is started again, up to this many tries in all."""
 START_S = 180.0
 """How long a node may take to start (Ray on a loaded 2-core host: 10-25 s)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ray_bin() -> str:
