@@ -72,6 +72,43 @@ def test_a_forked_child_has_its_own_session_env_and_cwd(
     assert proc.wait(60) == -signal.SIGKILL  # as Popen gives it
 
 
+RANK = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+os.write(1, f"rank {dist.get_rank()} sum {t.item():.0f}\\n".encode())  # one write: no interleaving
+time.sleep(120)
+"""
+
+
+def test_a_replicas_ranks_are_forked_and_fail_together(zygote: Zygote, tmp_path: Path):
+    """The zygote forks a replica's ranks launcher, which forks its ranks (imports
+    done, as ``phalanx run`` starts replicas of several ranks): they rendezvous at
+    the launcher's store, carry their rank in their name, stay in the launcher's
+    process group, and a rank's SIGKILL stops the other and the launcher."""
+    import sys
+
+    from phalanx.launch.ranks import rank_pids
+
+    log = tmp_path / "ranks.log"
+    argv = ["--fork", "--nproc", "2", "--", sys.executable, "-c", RANK]
+    proc = zygote.spawn(argv, log, pipe_stdout=True, module="phalanx.launch.ranks")
+    assert proc is not None and proc.stdout is not None
+    lines = sorted(proc.stdout.readline().decode().strip() for _ in range(2))
+    assert lines == ["rank 0 sum 3", "rank 1 sum 3"], log.read_text()[-2000:]
+    ranks = rank_pids(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    for r, pid in ranks.items():
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == f"phalanx-rank{r}"
+        assert os.getpgid(pid) == proc.pid
+    os.kill(ranks[1], signal.SIGKILL)
+    assert proc.wait(60) == 128 + signal.SIGKILL  # the replica's exit is its rank's
+    assert "rank 1 exited with status 137" in log.read_text()
+    wait_for(lambda: not Path(f"/proc/{ranks[0]}").exists(), 30, "rank 0 to be reaped")
+
+
 def test_a_dead_zygote_reports_unknown_exits_and_forks_no_more(tmp_path: Path):
     z = Zygote([], tmp_path / "z.log")
     try:

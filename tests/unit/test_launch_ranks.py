@@ -9,14 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RANK_ENV = (
     "import json, os; print(json.dumps({k: os.environ[k] for k in "
     "('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}), flush=True)"
 )
 
 
-def launch(nproc: int, code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(nproc), "--"]
+FORK = pytest.mark.parametrize("fork", [False, True], ids=["started", "forked"])
+"""Each case with ranks started as fresh interpreters, and forked (``--fork``)."""
+
+
+def launch(
+    nproc: int, code: str, tmp_path: Path, fork: bool = False
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(nproc)]
+    cmd += ["--fork", "--"] if fork else ["--"]
     return subprocess.run(
         [*cmd, sys.executable, "-c", code],
         capture_output=True,
@@ -26,8 +35,9 @@ def launch(nproc: int, code: str, tmp_path: Path) -> subprocess.CompletedProcess
     )
 
 
-def test_each_rank_gets_torchruns_environment_and_one_store(tmp_path: Path) -> None:
-    p = launch(3, RANK_ENV, tmp_path)
+@FORK
+def test_each_rank_gets_torchruns_environment_and_one_store(tmp_path: Path, fork: bool) -> None:
+    p = launch(3, RANK_ENV, tmp_path, fork)
     assert p.returncode == 0, p.stderr
     envs = [json.loads(line) for line in p.stdout.splitlines()]
     assert sorted(e["RANK"] for e in envs) == ["0", "1", "2"]
@@ -36,8 +46,9 @@ def test_each_rank_gets_torchruns_environment_and_one_store(tmp_path: Path) -> N
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
 
 
+@FORK
 def test_a_failing_rank_stops_the_others_and_the_launcher_exits_with_its_status(
-    tmp_path: Path,
+    tmp_path: Path, fork: bool
 ) -> None:
     # Rank 1 fails at once; rank 0 would sleep for a minute, and writes its pid first.
     code = (
@@ -47,7 +58,7 @@ def test_a_failing_rank_stops_the_others_and_the_launcher_exits_with_its_status(
         "open('rank0.pid', 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
     )
-    p = launch(2, code, tmp_path)
+    p = launch(2, code, tmp_path, fork)
     assert p.returncode == 7
     assert "rank 1 exited with status 7; stopping the replica's other ranks" in p.stderr
     pid = int((tmp_path / "rank0.pid").read_text()) if (tmp_path / "rank0.pid").exists() else 0
@@ -57,9 +68,10 @@ def test_a_failing_rank_stops_the_others_and_the_launcher_exits_with_its_status(
         )
 
 
-def test_a_rank_killed_by_a_signal_is_reported_as_a_shell_would(tmp_path: Path) -> None:
+@FORK
+def test_a_rank_killed_by_a_signal_is_reported_as_a_shell_would(tmp_path: Path, fork: bool) -> None:
     code = "import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n"
-    p = launch(2, code, tmp_path)
+    p = launch(2, code, tmp_path, fork)
     assert p.returncode == 128 + 9, p.stderr
 
 
@@ -72,3 +84,14 @@ def test_without_a_command_it_says_what_to_give(tmp_path: Path) -> None:
         env={**os.environ},
     )
     assert p.returncode == 2 and "a command must follow '--'" in p.stderr
+
+
+def test_fork_refuses_a_command_it_cannot_run_in_a_fork(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", "2", "--fork", "--", "ls"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2
+    assert "--fork runs a command of this Python" in p.stderr and "drop --fork" in p.stderr

@@ -133,14 +133,17 @@ class Zygote:
         """Wait until the zygote finished its imports (False: it died or is too slow)."""
         return self._ready.wait(timeout) and not self.dead
 
-    def spawn(self, argv: list[str], log_path: Path, pipe_stdout: bool) -> ForkedProc | None:
-        """Fork ``phalanx ARGV`` with stderr (and stdout, unless ``pipe_stdout``: then a
-        pipe, read from the handle's ``stdout``) appended to ``log_path``. None: the
-        zygote cannot (dead, or not ready in time); start the replica another way."""
+    def spawn(
+        self, argv: list[str], log_path: Path, pipe_stdout: bool, module: str = "phalanx.cli"
+    ) -> ForkedProc | None:
+        """Fork ``phalanx ARGV`` (``module``'s ``main(argv)``) with stderr (and stdout,
+        unless ``pipe_stdout``: then a pipe, read from the handle's ``stdout``) appended
+        to ``log_path``. None: the zygote cannot (dead, or not ready in time); start
+        the replica another way."""
         if not self.ready(120.0):
             return None
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        req = {"argv": argv, "env": env, "cwd": os.getcwd()}
+        req = {"argv": argv, "env": env, "cwd": os.getcwd(), "module": module}
         r = w = None
         with log_path.open("ab") as f:
             if pipe_stdout:
@@ -193,6 +196,8 @@ def preload_for(cfg: Any, roles: set[str]) -> list[str]:
     from phalanx.jobs import JOBS, job_kind
 
     mods = sorted({JOBS[job_kind(cfg, role)].module for role in roles})
+    if cfg.replica.ranks > 1:
+        mods.append("phalanx.launch.ranks")  # forks the ranks of a replica (--fork)
     if cfg.rl is not None:
         mods += ["transformers:AutoModelForCausalLM", "transformers:AutoTokenizer"]
         kind = cfg.rl.model.arch

@@ -39,6 +39,8 @@ from phalanx.track.trackers import trackers
 
 __all__ = ["Chaos", "LocalJob", "Replica"]
 
+RANKS = "phalanx.launch.ranks"
+"""The module that starts the ranks of a replica of several (``python -m``)."""
 RESTART_DELAY_S = 1.0
 """Pause before restarting a replica that exited on its own."""
 MAX_FAILED_STARTS = 3
@@ -117,8 +119,9 @@ class LocalJob:
         ranks = self.ranks(r)
         if ranks > 1:
             # The replica's ranks, started together and failed together (its
-            # launcher's exit is the replica's); the zygote forks single processes.
-            return [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", str(ranks), "--", *cmd]
+            # launcher's exit is the replica's); forked from the zygote, the
+            # launcher forks the ranks too (start_replica).
+            return [sys.executable, "-m", RANKS, "--nproc", str(ranks), "--", *cmd]
         return cmd
 
     def ranks(self, r: Replica) -> int:
@@ -143,6 +146,8 @@ class LocalJob:
         forked = None
         if self.zygote is not None and cmd[:3] == [sys.executable, "-m", "phalanx.cli"]:
             forked = self.zygote.spawn(cmd[3:], log, True)
+        elif self.zygote is not None and cmd[:3] == [sys.executable, "-m", RANKS]:
+            forked = self.zygote.spawn(["--fork", *cmd[3:]], log, True, module=RANKS)
         r.proc = forked or spawn(cmd, log, subprocess.PIPE)
         r.started()
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()

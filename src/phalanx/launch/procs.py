@@ -7,9 +7,12 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, NoReturn, Protocol
 
 
 class Proc(Protocol):
@@ -37,6 +40,29 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not glibc: a launcher killed alone leaves its child to its timeouts
+
+
+def exit_as(body: Callable[[], int]) -> NoReturn:
+    """In a forked child: run ``body`` and end the process with its exit code as an
+    interpreter would (a ``SystemExit``'s code, its message on stderr; 1 and the
+    traceback for any other exception), the output flushed and no cleanup run
+    (``os._exit``: the parent's threads and objects are not this process's)."""
+    rc = 1
+    try:
+        rc = body()
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        os._exit(rc & 0xFF)
 
 
 def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:

@@ -30,15 +30,19 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
 from phalanx.launch.procs import die_with_parent
+from phalanx.launch.rank_forks import fork_rank, forkable, rank_of
+from phalanx.net import LOOPBACK
 
 EXIT_GRACE_S = 30.0
 """How long the other ranks get to exit once rank 0 has exited cleanly."""
@@ -60,7 +64,8 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
     """The ranks a running launcher started: ``{RANK: pid}``, read from ``/proc``
-    (for tools and tests that signal one rank)."""
+    (for tools and tests that signal one rank): a forked rank's name, else a
+    started one's environment."""
     out: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -68,6 +73,10 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
         try:
             stat = Path(f"/proc/{d}/stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            forked = rank_of(int(d))
+            if forked is not None:
+                out[forked] = int(d)
                 continue
             env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
@@ -83,14 +92,32 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def run(nproc: int, cmd: list[str]) -> int:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    procs = [
-        subprocess.Popen(
-            cmd, env=rank_env(dict(os.environ), r, nproc, store.port), preexec_fn=die_with_parent
-        )
-        for r in range(nproc)
-    ]
+def run(nproc: int, cmd: list[str], fork: bool = False) -> int:
+    procs: list[Any]
+    if fork:
+        # The store's socket listens before the ranks are forked (they connect to
+        # it), and the store serves it once they are: no thread of its own is
+        # running when this process forks.
+        listener = socket.create_server((LOOPBACK, 0), backlog=128)
+        port = listener.getsockname()[1]
+        fds = [listener.fileno()]
+        procs = [
+            fork_rank(cmd, rank_env(dict(os.environ), r, nproc, port), fds) for r in range(nproc)
+        ]
+        store = dist.TCPStore(
+            LOOPBACK, port, is_master=True, wait_for_workers=False, use_libuv=True,
+            master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+    else:
+        store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=rank_env(dict(os.environ), r, nproc, store.port),
+                preexec_fn=die_with_parent,
+            )
+            for r in range(nproc)
+        ]
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for p in procs:
@@ -146,12 +173,23 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m phalanx.launch.ranks", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--nproc", type=int, required=True, help="ranks of the replica")
+    ap.add_argument(
+        "--fork",
+        action="store_true",
+        help="fork the ranks from this process (its imports done) instead of starting "
+        "fresh interpreters; COMMAND must be this Python with -m MODULE or -c CODE",
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if args.nproc < 1 or not cmd:
         ap.error(f"--nproc must be >= 1 and a command must follow '--': got {args.nproc}, {cmd}")
-    return run(args.nproc, cmd)
+    if args.fork and not forkable(cmd):
+        ap.error(
+            f"--fork runs a command of this Python ({sys.executable}) with -m MODULE or "
+            f"-c CODE: got {cmd[:3]}; drop --fork to start it as a fresh process"
+        )
+    return run(args.nproc, cmd, args.fork)
 
 
 if __name__ == "__main__":

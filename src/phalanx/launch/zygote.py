@@ -12,7 +12,9 @@ The wire is an ``AF_UNIX`` ``SOCK_SEQPACKET`` pair, one JSON object per
 message, with file descriptors passed alongside (``SCM_RIGHTS``):
 
 - launcher -> zygote: ``{"argv", "env", "cwd"}`` with the child's stdout and
-  stderr; the zygote answers ``{"pid"}`` (or ``{"error"}``);
+  stderr, and ``"module"`` when the child runs another module's ``main(argv)``
+  than ``phalanx.cli``'s (a replica's ranks launcher, :mod:`phalanx.launch.
+  ranks`); the zygote answers ``{"pid"}`` (or ``{"error"}``);
 - zygote -> launcher: ``{"ready"}`` once the imports are done, and
   ``{"exit": pid, "rc": code}`` when a child ends (``rc`` as Popen gives it:
   ``-N`` for signal ``N``).
@@ -20,7 +22,7 @@ message, with file descriptors passed alongside (``SCM_RIGHTS``):
 Each child starts a session of its own (its pid is its process group, which
 the launcher signals), gets the default signal handlers, the request's
 environment and working directory, fresh random seeds, and runs
-``phalanx.cli.main(argv)``. The zygote exits when the launcher's end closes;
+``phalanx.cli.main(argv)`` (or the request's module's ``main``). The zygote exits when the launcher's end closes;
 stopping the children stays the launcher's job (by process group).
 """
 
@@ -35,9 +37,9 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from typing import Any
 
+from phalanx.launch.procs import exit_as
 from phalanx.launch.zygote_wire import MAX_MSG, send
 
 
@@ -60,8 +62,8 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int], started: in
     """In the forked child: become the replica, and never return. ``started`` is
     closed once the child leads its own session, which the zygote waits for before
     it answers: a signal to the group the launcher is told of must reach it."""
-    rc = 1
-    try:
+
+    def become() -> int:
         sock.close()
         os.setsid()
         os.close(started)
@@ -80,22 +82,11 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int], started: in
         os.chdir(req["cwd"])
         random.seed()
         argv = [str(a) for a in req["argv"]]
-        sys.argv = ["phalanx", *argv]
-        from phalanx.cli import main
+        module = str(req.get("module") or "phalanx.cli")
+        sys.argv = ["phalanx" if module == "phalanx.cli" else module, *argv]
+        return int(importlib.import_module(module).main(argv))
 
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        rc = 1
-    finally:
-        for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except Exception:
-                pass
-        os._exit(rc & 0xFF)
+    exit_as(become)
 
 
 def serve(sock: socket.socket, modules: list[str]) -> None:
