@@ -96,15 +96,19 @@ def test_a_replicas_ranks_are_forked_and_fail_together(zygote: Zygote, tmp_path:
     argv = ["--fork", "--nproc", "2", "--", sys.executable, "-c", RANK]
     proc = zygote.spawn(argv, log, pipe_stdout=True, module="phalanx.launch.ranks")
     assert proc is not None and proc.stdout is not None
-    lines = sorted(proc.stdout.readline().decode().strip() for _ in range(2))
-    assert lines == ["rank 0 sum 3", "rank 1 sum 3"], log.read_text()[-2000:]
-    ranks = rank_pids(proc.pid)
-    assert sorted(ranks) == [0, 1]
-    for r, pid in ranks.items():
-        assert Path(f"/proc/{pid}/comm").read_text().strip() == f"phalanx-rank{r}"
-        assert os.getpgid(pid) == proc.pid
-    os.kill(ranks[1], signal.SIGKILL)
-    assert proc.wait(60) == 128 + signal.SIGKILL  # the replica's exit is its rank's
+    try:
+        lines = sorted(proc.stdout.readline().decode().strip() for _ in range(2))
+        assert lines == ["rank 0 sum 3", "rank 1 sum 3"], log.read_text()[-2000:]
+        ranks = rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        for r, pid in ranks.items():
+            assert Path(f"/proc/{pid}/comm").read_text().strip() == f"phalanx-rank{r}"
+            assert os.getpgid(pid) == proc.pid
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(60) == 128 + signal.SIGKILL  # the replica's exit is its rank's
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: its ranks too
     assert "rank 1 exited with status 137" in log.read_text()
     wait_for(lambda: not Path(f"/proc/{ranks[0]}").exists(), 30, "rank 0 to be reaped")
 
