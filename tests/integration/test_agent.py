@@ -96,6 +96,7 @@ def ft_job(tmp_path: Path) -> Iterator[FTJob]:
                 "heartbeat_s": HEARTBEAT_S,
                 "suspect_grace_s": 5.0,
                 "suspect_on_disconnect": False,
+                "probe_address": False,  # b's report must not evict a before its agent does
             },
         ),
     )

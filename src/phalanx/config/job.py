@@ -82,6 +82,10 @@ class TimeoutsSection(_Section):
     """Suspect a replica whose held heartbeat (or quorum) connection drops, as if a
     peer had reported it: a SIGKILLed process is then evicted after the grace,
     with no collective in flight and no heartbeat timeout to wait for."""
+    probe_address: bool = True
+    """Connect to a suspect's advertised address (its rendezvous store): a refusal
+    means its process is gone, and it is evicted at once instead of after the
+    grace. Off: only the grace decides (tests that time one detector alone)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> TimeoutsSection:

@@ -150,7 +150,7 @@ class ControllerService:
         every :data:`PROBE_EVERY_S` while the suspicion lasts (a dying process
         may drop its held connection a moment before its store's listener)."""
         m = self.state.members.get(rid)
-        if m is None or not m.address:
+        if m is None or not m.address or not self.cfg.timeouts.probe_address:
             return
         try:
             loop = asyncio.get_running_loop()
