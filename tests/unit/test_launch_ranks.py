@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 RANK_ENV = (
-    "import json, os; print(json.dumps({k: os.environ[k] for k in "
-    "('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}), flush=True)"
+    "import json, os; os.write(1, (json.dumps({k: os.environ[k] for k in "
+    "('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}) + '\\n').encode())"
 )
+"""Each rank's line in one write: ranks started together print at once (``print``
+writes the text and its newline apart when the output is unbuffered)."""
 
 
 FORK = pytest.mark.parametrize("fork", [False, True], ids=["started", "forked"])
