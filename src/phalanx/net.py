@@ -141,6 +141,19 @@ def unreachable(
     return [k for k, v in verdicts.items() if v]
 
 
+async def connect(address: str, timeout_s: float) -> None:
+    """Open a TCP connection to ``address`` (``host:port``) and close it. Raises
+    ConnectionRefusedError (nothing listens there), another OSError, TimeoutError
+    (no answer in ``timeout_s``), or ValueError (not ``host:port``)."""
+    import asyncio
+
+    host, _, port = address.rpartition(":")
+    _, writer = await asyncio.wait_for(
+        asyncio.open_connection(host.strip("[]"), int(port)), timeout_s
+    )
+    writer.close()
+
+
 def wait_for_most(addresses: dict[str, str], deadline: float, what: str) -> None:
     """Return once most of ``addresses`` answer (or refuse: dead, not cut off), probing
     every :data:`PROBE_S`; TimeoutError naming ``what`` at ``deadline`` (monotonic)."""

@@ -23,6 +23,7 @@ from phalanx.controller.core.state import ControllerState, Tick
 from phalanx.controller.journal import Journal
 from phalanx.controller.metrics import Metrics
 from phalanx.controller.payloads import PayloadLog
+from phalanx.net import connect
 from phalanx.transport.base import store_name
 
 if TYPE_CHECKING:
@@ -161,21 +162,16 @@ class ControllerService:
         task.add_done_callback(self._probes.discard)
 
     async def _connect(self, rid: str, address: str) -> None:
-        host, _, port = address.rpartition(":")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeouts.suspect_grace_s
         while True:
             try:
-                _, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host.strip("[]"), int(port)),
-                    max(0.0, deadline - loop.time()),
-                )
+                await connect(address, max(0.0, deadline - loop.time()))
             except ConnectionRefusedError:
                 self.apply(self.state.refused, rid)
                 return
             except (OSError, ValueError, TimeoutError):
                 return
-            writer.close()
             m = self.state.members.get(rid)
             if m is None or m.suspect_since is None or loop.time() + PROBE_EVERY_S > deadline:
                 return

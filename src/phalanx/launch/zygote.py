@@ -22,8 +22,9 @@ message, with file descriptors passed alongside (``SCM_RIGHTS``):
 Each child starts a session of its own (its pid is its process group, which
 the launcher signals), gets the default signal handlers, the request's
 environment and working directory, fresh random seeds, and runs
-``phalanx.cli.main(argv)`` (or the request's module's ``main``). The zygote exits when the launcher's end closes;
-stopping the children stays the launcher's job (by process group).
+``phalanx.cli.main(argv)`` (or the request's module's ``main``). The zygote
+exits when the launcher's end closes; stopping the children stays the
+launcher's job (by process group).
 """
 
 from __future__ import annotations

@@ -139,6 +139,14 @@ class PrefaultedBuffer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def prefault_if_joining(m: Any) -> None:
+    """A :class:`~phalanx.train.manager.Manager` that cannot predict its share (a
+    joiner, or rejoining) may be healed with its next quorum: fill its receive
+    buffer meanwhile (every rank of a replica of several, each for its shard)."""
+    if m.predicted_share() is None:
+        m._heal_buffer.start(expected_state_bytes(m.state_dict(), m.optimizer))
+
+
 def heal_in_quorum(m: Any, q: Quorum, me: str | None) -> None:
     """The heals of quorum ``q`` that concern ``me`` (a :class:`~phalanx.train.manager.
     Manager`'s replica, as it took the quorum): receive its own state from its

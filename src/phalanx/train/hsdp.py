@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from phalanx.log import Who
 from phalanx.protocol.membership import Quorum
 from phalanx.train.batch import split
-from phalanx.train.heal import expected_state_bytes
+from phalanx.train.heal import prefault_if_joining
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
 
@@ -245,9 +245,8 @@ class HSDPManager(Manager):
     def start_quorum(self) -> None:
         if self.ranks.leader:
             super().start_quorum()
-        elif self.predicted_share() is None:
-            # Joining: every rank receives its shard's heal, into a pre-faulted buffer.
-            self._heal_buffer.start(expected_state_bytes(self.state_dict(), self.optimizer))
+        else:
+            prefault_if_joining(self)
 
     def _take_quorum(self) -> Quorum:
         from phalanx.client import QuorumTimeout

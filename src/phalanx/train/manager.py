@@ -40,7 +40,7 @@ from phalanx.protocol.membership import Quorum
 from phalanx.train.base import Compute, Held, JobFinished, StepResult
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.grads import GradBuffer
-from phalanx.train.heal import PrefaultedBuffer, expected_state_bytes, heal_in_quorum
+from phalanx.train.heal import PrefaultedBuffer, heal_in_quorum, prefault_if_joining
 from phalanx.train.rng import rng_state, set_rng_state
 
 
@@ -162,9 +162,7 @@ class Manager:
                 me = self.client.replica_id
                 peers = {m.replica_id: m.address for m in q.members if m.replica_id != me}
             self._pending = self._pool.submit(self._ask, self.step, peers)
-            if self.predicted_share() is None:
-                # Joining (or rejoining): a heal may come with this quorum.
-                self._heal_buffer.start(expected_state_bytes(self.state_dict(), self.optimizer))
+            prefault_if_joining(self)
 
     def predicted_share(self) -> tuple[int, int] | None:
         """(rank, world_size) this replica will most likely have, from the last

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -10,6 +9,7 @@ from starlette.responses import Response
 
 from phalanx.controller.core.base import StateError
 from phalanx.controller.http.base import REPLY_CACHE, Api, Route, encode
+from phalanx.net import connect
 from phalanx.protocol.base import OkReply, Reply
 from phalanx.protocol.membership import (
     DeregisterReq,
@@ -36,11 +36,8 @@ async def check_reachable(address: str) -> None:
     (A replica that serves no store advertises '' and is not checked.)"""
     if not address:
         return
-    host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), REACH_S
-        )
+        await connect(address, REACH_S)
     except (OSError, ValueError, TimeoutError) as e:
         why = "no answer" if isinstance(e, TimeoutError) else (str(e) or type(e).__name__)
         raise StateError(
@@ -50,7 +47,6 @@ async def check_reachable(address: str) -> None:
             field="address",
             status=422,
         ) from None
-    writer.close()
 
 
 async def register(api: Api, req: RegisterReq) -> RegisterReply:
