@@ -87,14 +87,39 @@ def keep_freed_memory() -> bool:
 
 def register(client: ControllerClient) -> None:
     """Register ``client``; a replica whose layout the controller refuses (it spans
-    another number of ranks than the role's live replicas), or whose advertised
-    address it cannot connect to, cannot run: JobError, in the controller's one line."""
+    another number of ranks than the role's live replicas), whose advertised address it
+    cannot connect to, or whose checkpoint root is not its peers', cannot run:
+    JobError, in the controller's one line."""
+    refusals = ("ranks", "address", "state_root")
     try:
         client.register()
     except Rejected as e:
-        if e.status in (409, 422) and any(f.field in ("ranks", "address") for f in e.body.fields):
+        if e.status in (409, 422) and any(f.field in refusals for f in e.body.fields):
             raise JobError(f"the controller refused this replica: {e.body.error}") from e
         raise
+
+
+def use_root(
+    client: ControllerClient,
+    url: str | None,
+    *,
+    what: str,
+    storage_options: dict[str, Any] | None = None,
+    resume: bool = True,
+) -> None:
+    """Give ``client`` (before it registers) the checkpoint root ``url`` it saves to,
+    named by ``what`` in errors, with the newest step it can resume from there
+    (:mod:`phalanx.checkpoint.root`). None or '': no root. JobError in one line when
+    the root cannot be written."""
+    if not url:
+        return
+    from phalanx.checkpoint.root import RootError, identify
+
+    try:
+        root = identify(url, what=what, storage_options=storage_options, resume=resume)
+    except RootError as e:
+        raise JobError(str(e)) from None
+    client.set_root(root.url, root.root_id, root.latest)
 
 
 def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer | None:
@@ -187,6 +212,14 @@ def setup_replica(
     torch.set_num_threads(tc.threads)
     store, address = serve_store()
     client = ControllerClient(controller, "policy", name, address=address)
+    cc = cfg.checkpoint
+    use_root(
+        client,
+        cc.url,
+        what="checkpoint.url",
+        storage_options=cc.storage_options,
+        resume=cc.resume,
+    )
     register(client)
     job_step = client.status().role_step("policy")
     total = cfg.job_steps

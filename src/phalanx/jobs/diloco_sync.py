@@ -25,8 +25,8 @@ from phalanx.jobs.common import (
     setup_replica,
     start_checkpoints,
 )
+from phalanx.train.base import JobFinished
 from phalanx.train.diloco_sync import SyncDiLoCo
-from phalanx.train.manager import JobFinished
 
 log = logging.getLogger("phalanx.diloco")
 

@@ -37,3 +37,9 @@ class Held:
 
 class JobFinished(RuntimeError):
     """The job committed its last step while this replica waited to join."""
+
+
+class BranchAbandoned(RuntimeError):
+    """This replica's state is of a branch the job rolled back (the controller refused
+    its quorum request): it must restart, to resume from the checkpoint root or heal
+    from a peer. The process exits (status 1) and its launcher starts it again."""
