@@ -10,7 +10,7 @@ journal checked after each call)."""
 
 from __future__ import annotations
 
-from test_ledger import PPS, P, R1, check, fill, job, join, rollout, train
+from test_ledger import PPS, R1, P, check, fill, job, join, rollout, train
 
 from phalanx.protocol.rl import parse_rollout_id
 
@@ -92,7 +92,7 @@ def test_every_replica_stops_at_the_last_step_and_the_job_finishes_once_it_is_du
 
 def test_a_target_met_by_a_lineage_that_is_rolled_back_is_forgotten():
     st = job(f"timeouts.lost_step_wait_s={WAIT_S}", "rl.loop.window=1")
-    q, _ = st.request_quorum(P, 0, "a", 60.0, now=0, wall=0)
+    st.request_quorum(P, 0, "a", 60.0, now=0, wall=0)
     train(st, 0, exact_match=0.2)
     fill(st, PPS, 1, exact_match=1.0)
     st.lease_batch(P, 1, now=0, wall=0, durable=1)

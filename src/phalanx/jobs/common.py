@@ -38,9 +38,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx.train")
 
 
-def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors under stable names (for comparing replicas)."""
+def flat_state(manager: Manager, optimizer: bool = True) -> dict[str, torch.Tensor]:
+    """Model and (with ``optimizer``) optimizer tensors under stable names (for
+    comparing replicas)."""
     out = {f"model.{k}": v.detach().clone() for k, v in manager.model.state_dict().items()}
+    if not optimizer:
+        return out
     for pid, st in manager.optimizer.state_dict()["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
@@ -48,12 +51,14 @@ def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_final(path: Path, manager: Manager) -> None:
+def save_final(path: Path, manager: Manager, optimizer: bool = True) -> None:
+    """The final state as one safetensors file: the same bytes on every replica that
+    holds the job's last step (each replica of one job writes its own)."""
     from phalanx.tensorfile import save_file
 
     cursor = manager.sampler.cursor if manager.sampler is not None else 0
     meta = {"step": str(manager.step), "cursor": str(cursor)}
-    save_file(flat_state(manager), path, metadata=meta)
+    save_file(flat_state(manager, optimizer), path, metadata=meta)
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -264,9 +269,12 @@ def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
     )
 
 
-def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
+def finish_replica(
+    cfg: JobConfig, s: ReplicaSetup, out: Path | None, optimizer: bool = True
+) -> None:
     """End of the job: the last step durable in a checkpoint, the final state
-    written, ``done`` printed."""
+    written (without the optimizer's when it is each replica's own: DiLoCo's inner
+    optimizer), ``done`` printed."""
     if s.ckpt is not None:
         # The last step is always durable before ``done``: a save in flight
         # (the final step may be a multiple of every_steps) is waited for.
@@ -274,7 +282,7 @@ def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
         if s.saved != s.manager.step:
             save_checkpoint(s.ckpt, cfg, s.manager, final=True)
     if out is not None:
-        save_final(out, s.manager)
+        save_final(out, s.manager, optimizer)
     emit(
         {
             "event": "done",

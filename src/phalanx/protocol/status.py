@@ -79,6 +79,10 @@ class Rollback(Wire):
     from_step: Count
     to_step: Count
     at: Wall
+    batches: Count | None = None
+    """RL: the trained batches the lineage lost (None: a training job, no ledger)."""
+    prompts: Count | None = None
+    """RL: the prompts of those batches, issued again."""
 
 
 class RoleStatus(Wire):

@@ -311,13 +311,20 @@ class Quorums:
         committed before this quorum past ``to_step`` is of the abandoned branch from
         now on. Returns the figures of what the ledger took back."""
         from_step = rs.step
-        rs.rollbacks.append(
-            {"quorum_id": rs.quorum_id, "from_step": from_step, "to_step": to_step, "at": wall}
-        )
-        del rs.rollbacks[:-ROLLBACKS_KEPT]
         rs.step = to_step
         rs.steps_seen.clear()
-        return self.rules.rollback(rs, from_step, to_step, wall)
+        figures = self.rules.rollback(rs, from_step, to_step, wall)
+        rs.rollbacks.append(
+            {
+                "quorum_id": rs.quorum_id,
+                "from_step": from_step,
+                "to_step": to_step,
+                "at": wall,
+                **figures,
+            }
+        )
+        del rs.rollbacks[:-ROLLBACKS_KEPT]
+        return figures
 
     def _formed_events(
         self, rs: RoleState, q: Quorum, size: int, wall: float, ready: list[Member]
