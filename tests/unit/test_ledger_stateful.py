@@ -111,8 +111,10 @@ class LedgerMachine(RuleBasedStateMachine):
         self.register("policy", "p")
         for rid in self.live("policy"):
             step = self.led.policy_step
+            # Its state was committed in the role's last quorum (the lineage).
+            lineage = self.state.roles["policy"].quorum_id
             self.state.request_quorum(
-                rid, step, f"q{self.incarnation}", 60, now=self.now, wall=self.now
+                rid, step, f"q{self.incarnation}", 60, now=self.now, wall=self.now, lineage=lineage
             )
 
     @rule(name=st.sampled_from(NAMES))

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from phalanx.config import JobConfig, load_config
-from phalanx.controller.core.base import Tick
+from phalanx.controller.core.base import Conflict, Tick
 from phalanx.controller.core.records import RoleState
 from phalanx.controller.core.state import ControllerState
 from phalanx.controller.journal import Journal
@@ -142,16 +143,23 @@ class ControllerMachine(RuleBasedStateMachine):
         key = (role, q.quorum_id)
         assert self.membership.setdefault(key, ids) == ids, "quorum_id reused for new members"
         # quorum_id changes iff membership changed or a commit failed; round always moves.
+        # A rollback (a round behind the role's step, with nobody left who may hold
+        # it) is a new quorum_id too, and the only way the role's step goes back.
         prev = self.last_formed[role]
+        rolled = q.rolled_back_from is not None
         if prev is None:
             assert q.quorum_id > self.seen_quorum_id[role]
-        elif ids != frozenset(prev.replica_ids) or self.failed_commit[role]:
+        elif ids != frozenset(prev.replica_ids) or self.failed_commit[role] or rolled:
             assert q.quorum_id > prev.quorum_id
         else:
             assert q.quorum_id == prev.quorum_id
         assert q.round == (prev.round if prev else 0) + 1
         assert q.max_step == max(m.step for m in q.members)
-        assert q.job_step == max(self.seen_step[role], q.max_step)
+        if rolled:
+            assert q.rolled_back_from == self.seen_step[role] > q.max_step == q.job_step
+            assert self.state.roles[role].rollbacks[-1]["quorum_id"] == q.quorum_id
+        else:
+            assert q.job_step == max(self.seen_step[role], q.max_step)
         self.seen_step[role] = q.job_step
         fresh = {m.replica_id for m in q.members if m.step == q.max_step}
         lagging = {m.replica_id for m in q.members if m.step < q.max_step}
@@ -219,6 +227,14 @@ class ControllerMachine(RuleBasedStateMachine):
             req = f"r{self.request_seq}"
         self.last_request[rid] = req
         earlier = self.answers.get((rid, req))
+        role = self.state.roles[self.state.members[rid].role]
+        if earlier is None and role.orphaned(step, 0) is not None:
+            # A state of a branch the role rolled back (this machine's replicas commit
+            # in no quorum: lineage 0) is refused, changing nothing.
+            with pytest.raises(Conflict) as e:
+                self.state.request_quorum(rid, step, req, timeout, now=self.now, wall=self.now)
+            assert e.value.field == "step" and self.state.log.changes == []
+            return
         q, tick = self.state.request_quorum(rid, step, req, timeout, now=self.now, wall=self.now)
         if earlier is not None and not tick.formed:
             # An idempotent retry returns the very quorum it was given.
@@ -332,6 +348,8 @@ class ControllerMachine(RuleBasedStateMachine):
             rs = self.state.roles[name]
             assert rs.quorum_id >= self.seen_quorum_id[name]
             assert rs.round >= self.seen_round[name]
+            # The role's step goes back only by a rollback, which the quorum that made
+            # it reported (seen_step follows it there).
             assert rs.step >= self.seen_step[name]
             last = self.last_formed[name]
             assert rs.last_quorum == last

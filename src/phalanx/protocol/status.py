@@ -92,6 +92,10 @@ class RoleStatus(Wire):
     force_bump: bool
     rollbacks: Annotated[list[Rollback], Field(max_length=64)] = []
     """The role's explicit rollbacks, oldest first (the last 64)."""
+    unproven_step: Count = 0
+    """The newest step held by a replica evicted since the last quorum without proof
+    that its process is gone (it may come back with it: a round behind the role's
+    step waits for it)."""
     config: RoleRules
     pending: Ids
     """Replicas waiting for the next quorum."""

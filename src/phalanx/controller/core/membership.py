@@ -166,10 +166,16 @@ class Membership:
         m = self.remove(replica_id)
         # When it failed, as the controller can tell: suspected, else last seen, else now.
         detector = detector_of(reason)
+        rs = self.roles[m.role]
+        if m.step > rs.unproven_step and not _gone(reason, detector):
+            # It may still hold its state (stopped, cut off): a round behind the
+            # role's step waits for it to come back (Quorums._waits_for_step).
+            rs.unproven_step = m.step
+            save_role(self.log, rs)
         since = m.suspect_since if m.suspect_since is not None else m.last_seen
         failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
         if detector not in ("left", "operator"):
-            self.roles[m.role].failures.append(
+            rs.failures.append(
                 {"replica_id": replica_id, "detector": detector, "failed_at": failed_at}
             )
         self.log.event(
@@ -288,3 +294,13 @@ class Membership:
             elif now - m.last_seen >= t.heartbeat_s:
                 out.append((m.replica_id, "heartbeat timeout"))
         return out
+
+
+def _gone(reason: str, detector: str) -> bool:
+    """Whether an eviction proves the process, and the state in its memory, gone: its
+    address refused the controller's connection, its agent saw it exit, it left, or
+    a new process of the same name replaced it (a replica that re-registered after
+    an eviction registers with the step it holds). A heartbeat timeout, a failure
+    report's grace or an operator's eviction proves nothing: it may be stopped, or
+    cut off, and come back with its state."""
+    return "address refused" in reason or detector in ("agent", "replaced", "left")

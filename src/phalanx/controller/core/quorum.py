@@ -51,17 +51,18 @@ class Quorums:
         self.rules = rules or StepRules()
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
-        meta = tables.get("meta", {})
-        for name, role in self.roles.items():
-            m = meta.get(f"role/{name}")
-            if m:
-                role.quorum_id, role.round = m["quorum_id"], m["round"]
-                role.step, role.force_bump = m["step"], m["force_bump"]
-                role.rollbacks = list(m.get("rollbacks", []))
         for key in sorted(tables.get("quorums", {})):
             q = quorum_of(tables["quorums"][key])
             if q.role in self.roles:
                 self.roles[q.role].set_formed(q)
+        meta = tables.get("meta", {})
+        for name, role in self.roles.items():
+            m = meta.get(f"role/{name}")
+            if m:  # after the quorums: set_formed resets what the meta says
+                role.quorum_id, role.round = m["quorum_id"], m["round"]
+                role.step, role.force_bump = m["step"], m["force_bump"]
+                role.rollbacks = list(m.get("rollbacks", []))
+                role.unproven_step = int(m.get("unproven_step", 0))
 
     def request(
         self,
@@ -204,12 +205,20 @@ class Quorums:
         checkpoint root holds it says so when it registers, and is waited for as long
         as it is a member: :meth:`_newer_elsewhere`). Up to
         ``timeouts.lost_step_wait_s`` from when the round could first have formed;
-        after that the round forms, and the job rolls back explicitly."""
+        after that the round forms, and the job rolls back explicitly.
+
+        Not at all when nothing can bring the step back: every replica that held it
+        is proven gone (its address refused, its agent saw it exit) and no member
+        holds it. A restart can only read the root its live peers read (one root
+        per role), whose newest save the members that registered already named.
+        A chaos-killed lone replica's unsaved steps are rolled back at once."""
         if not self.behind(rs):
             rs.lost_since = None
             return False
         if self._newer_elsewhere(rs, now):
             return True
+        if rs.unproven_step < rs.step:
+            return False
         if rs.lost_since is None:
             rs.lost_since = now
         return now - rs.lost_since < self.rules.wait_s

@@ -101,6 +101,10 @@ class RoleState:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     """Explicit rollbacks of the role's step, oldest first (durable, the last
     :data:`ROLLBACKS_KEPT`): ``quorum_id``, ``from_step``, ``to_step``, ``at``."""
+    unproven_step: int = 0
+    """The newest step held by a member evicted without proof that its process is
+    gone (a heartbeat timeout: stopped, cut off), since the role's last quorum; it
+    may come back with it. Durable."""
     lost_since: float | None = None
     """Since when a quorum could have formed but only behind the role's step (monotonic;
     not durable: a restarted controller waits afresh). It waits
@@ -134,6 +138,7 @@ class RoleState:
 
     def set_formed(self, q: Quorum) -> None:
         self.quorums.append(q)
+        self.unproven_step = 0  # its evictees' steps are the quorum's, or rolled back
         self.prev_ids = frozenset(q.replica_ids)
         self.pending.clear()
         self.pending_since = None
@@ -148,6 +153,7 @@ class RoleState:
             "step": self.step,
             "force_bump": self.force_bump,
             "rollbacks": self.rollbacks,
+            "unproven_step": self.unproven_step,
         }
 
     def orphaned(self, step: int, lineage: int) -> dict[str, Any] | None:
