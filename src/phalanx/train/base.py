@@ -37,3 +37,8 @@ class Held:
 
 class JobFinished(RuntimeError):
     """The job committed its last step while this replica waited to join."""
+
+
+class NonFiniteGradient(RuntimeError):
+    """A step's gradient held a NaN or an Inf in every attempt: an exact reduction
+    cannot sum it, and retrying the same samples on the same model will not help."""
