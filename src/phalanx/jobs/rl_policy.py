@@ -187,21 +187,12 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     patience = 0.0 if isinstance(ranks, ReplicaRanks) else cfg.timeouts.collective_patience_s
     comm = TorchCommunicator(cfg.timeouts.collective_s, device, patience)
     batch_size, quorum_s = g.prompts_per_step * g.group_size, cfg.timeouts.quorum_s
+    kw: dict[str, Any] = {"global_batch_size": batch_size, "quorum_timeout_s": quorum_s}
+    kw["exact_reduction"] = g.exact_reduction
     if isinstance(ranks, ReplicaRanks):
-        manager: Manager = HSDPManager(
-            client,
-            ranks,
-            comm,
-            model,
-            opt,
-            None,
-            global_batch_size=batch_size,
-            quorum_timeout_s=quorum_s,
-        )
+        manager: Manager = HSDPManager(client, ranks, comm, model, opt, None, **kw)
     else:
-        manager = Manager(
-            client, comm, model, opt, None, global_batch_size=batch_size, quorum_timeout_s=quorum_s
-        )
+        manager = Manager(client, comm, model, opt, None, **kw)
     manager.register_state("scheduler", sched.state_dict, sched.load_state_dict)
     extra = {"job_id": cfg.job.id, "kind": "rl-policy"}
     ckpt = policy_checkpointer(state)  # a collective over the replica's ranks
@@ -213,7 +204,8 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
         if resumed is not None:
             acks.durable = resumed
             rlog.info("resumed from %s at step %d", state, resumed)
-    trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
+    parts = cfg.roles["policy"].n_init_replicas * ranks.size
+    trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref, exact_parts=parts)
     weights = (
         weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
     )

@@ -32,7 +32,6 @@ from phalanx.train.exact import ExactSum, Term
 from phalanx.train.grads import GradBuffer
 from phalanx.train.shards import ShardedGrads, take_grads
 
-
 NONFINITE_TRIES = 3
 """Attempts of a step whose exchange finds a NaN or an Inf before the step raises."""
 

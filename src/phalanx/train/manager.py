@@ -39,7 +39,7 @@ from phalanx.net import unreachable, wait_for_most
 from phalanx.protocol.membership import Quorum
 from phalanx.train.base import Compute, JobFinished, StepResult
 from phalanx.train.batch import micro_batches
-from phalanx.train.exact_grads import ExactGrads
+from phalanx.train.exact_grads import ExactGrads, ExactShardedGrads
 from phalanx.train.grads import GradBuffer
 from phalanx.train.heal import PrefaultedBuffer, heal_in_quorum, prefault_if_joining
 from phalanx.train.rng import rng_state, set_rng_state
@@ -319,7 +319,7 @@ class Manager:
         except CommError as e:
             self._fail(e)
             return float("nan")
-        if self.exact and self.grads.units.nonfinite:
+        if isinstance(self.grads, ExactGrads | ExactShardedGrads) and self.grads.units.nonfinite:
             # Every member learnt it in the same collective: none commits. Raises
             # once the step was found non-finite NONFINITE_TRIES times running.
             self.accumulator.forget()
