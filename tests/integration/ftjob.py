@@ -9,6 +9,7 @@ process group (by pid, never by name) in :meth:`FTJob.cleanup`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,41 @@ class FTJob:
                     except OSError:
                         pass
         assert not bad, "\n".join(bad)
+
+
+# -- replicas of several ranks (HSDP) ------------------------------------------
+
+HELD_TIMEOUTS = {"heartbeat_s": 30.0, "suspect_grace_s": 1.0, "quorum_s": 60.0}
+HELD_POLICY = {"n_init_replicas": 2, "join_timeout_s": 30.0}
+"""For the failure tests. A failed replica is found by the survivor's failed
+collective (and a probe it cannot answer), so these do not slow its eviction.
+They let the test hold the survivor (SIGSTOP) while the failed replica comes
+back, which takes seconds on a loaded 2-core machine: the survivor is not taken
+for dead meanwhile, and the returning replica's quorum waits for it instead of
+starting alone from an old step."""
+
+
+@contextlib.contextmanager
+def held(p: Replica) -> Iterator[None]:
+    """``p``'s process group stopped (SIGSTOP) for the duration."""
+    p.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        p.signal(signal.SIGCONT)
+
+
+def wait_registered(job: FTJob, name: str, other_than: str) -> str:
+    """Wait until the controller lists a replica ``name`` whose id is not ``other_than``
+    (a new incarnation); return its id."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for m in job.status()["roles"]["policy"]["replicas"]:
+            rid = m["replica_id"]
+            if rid.split(":")[0] == name and rid != other_than:
+                return str(rid)
+        time.sleep(0.1)
+    raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
 
 
 # -- checks -----------------------------------------------------------------

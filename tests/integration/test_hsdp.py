@@ -12,10 +12,8 @@ the split over ranks do not change the numbers either.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from ftjob import (
+    HELD_POLICY,
+    HELD_TIMEOUTS,
     TRAIN,
     WAIT_S,
     FTJob,
@@ -31,7 +31,9 @@ from ftjob import (
     assert_identical,
     check_samples,
     check_steps,
+    held,
     step_lines,
+    wait_registered,
     write_job,
 )
 
@@ -47,37 +49,6 @@ ATOL = 1e-9
 PACE = {"step_delay_s": 0.05}
 """Per micro-batch: 3 micro-batches per rank and step, so a step lasts long
 enough for a kill to land inside it, and the steps left after it take seconds."""
-HELD_TIMEOUTS = {"heartbeat_s": 30.0, "suspect_grace_s": 1.0, "quorum_s": 60.0}
-HELD_POLICY = {"n_init_replicas": 2, "join_timeout_s": 30.0}
-"""For the failure tests. A failed replica is found by the survivor's failed
-collective (and a probe it cannot answer), so these do not slow its eviction.
-They let the test hold the survivor (SIGSTOP) while the failed replica comes
-back, which takes seconds on a loaded 2-core machine: the survivor is not taken
-for dead meanwhile, and the returning replica's quorum waits for it instead of
-starting alone from an old step."""
-
-
-@contextlib.contextmanager
-def held(p: Replica) -> Iterator[None]:
-    """``p``'s process group stopped (SIGSTOP) for the duration."""
-    p.signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        p.signal(signal.SIGCONT)
-
-
-def wait_registered(job: FTJob, name: str, other_than: str) -> str:
-    """Wait until the controller lists a replica ``name`` whose id is not ``other_than``
-    (a new incarnation); return its id."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        for m in job.status()["roles"]["policy"]["replicas"]:
-            rid = m["replica_id"]
-            if rid.split(":")[0] == name and rid != other_than:
-                return str(rid)
-        time.sleep(0.1)
-    raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
 
 
 @pytest.fixture
