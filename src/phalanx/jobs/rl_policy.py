@@ -60,7 +60,7 @@ from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.config.rl import RLConfig
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume
-from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_weights
+from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_optimizer_state, full_weights
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch
@@ -357,9 +357,10 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
         if drained:
             rlog.info("drained at step %d: leaving the job", manager.step)
         elif out is not None:
-            whole = full_weights(model, keep=lead)  # (a collective when sharded)
+            whole = full_weights(model, keep=lead)  # (collectives when sharded)
+            optim = full_optimizer_state(opt, keep=lead)
             if whole is not None:
-                save_state(out, {"model": dict(whole), "step": manager.step})
+                save_state(out, {"model": dict(whole), "optimizer": optim, "step": manager.step})
         if lead:
             emit(
                 {
