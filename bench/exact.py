@@ -55,7 +55,10 @@ REPLICAS = 3
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"batch": 96, "micro": 32, "warmup": 2},
     "qwen2": {"batch": 6, "micro": 1, "seq": 64, "warmup": 1},
+    "qwen2-gpu": {"batch": 48, "micro": 8, "seq": 256, "warmup": 3},
 }
+"""Per model: global batch, micro-batch, sequence length, warm-up steps. ``qwen2-gpu``
+(``--gpu``) is the same model with a batch that keeps a GPU busy."""
 CHAOS_STEPS, KILL_AT = 120, 10
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 for _k in ("PHALANX_TOKEN", "PHALANX_CONTROLLER"):
@@ -70,21 +73,21 @@ def emit(**event: Any) -> None:
 # -- one replica of the step benchmark (its own process) ------------------------------
 
 
-def build(model: str, spec: dict[str, Any]) -> tuple[Any, Any]:
+def build(model: str, spec: dict[str, Any], device: str = "cpu") -> tuple[Any, Any]:
     """(model, compute(positions, scale) -> loss) with the same weights in every process."""
     import torch
 
     torch.manual_seed(0)
+    dev = torch.device(device)
     if model == "mlp":
         sys.path.insert(0, str(HERE.parent))
         from ft_ddp_workers import SEED, train_section
-
         from phalanx.jobs.mlp import build_data, build_model, make_compute
 
         tc = train_section()
-        net = build_model(tc, SEED)
+        net = build_model(tc, SEED).to(dev)
         x, y = build_data(tc, SEED)
-        return net, make_compute(net, x, y)
+        return net, make_compute(net, x.to(dev), y.to(dev))
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -97,12 +100,12 @@ def build(model: str, spec: dict[str, Any]) -> tuple[Any, Any]:
         max_position_embeddings=spec["seq"],
         tie_word_embeddings=True,
     )
-    net = Qwen2ForCausalLM(cfg).float()
+    net = Qwen2ForCausalLM(cfg).float().to(dev)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (256, spec["seq"]), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (256, spec["seq"]), generator=g).to(dev)
 
     def compute(positions: list[int], scale: float) -> float:
-        ids = tokens[torch.as_tensor(positions) % len(tokens)]
+        ids = tokens[torch.as_tensor(positions, device=dev) % len(tokens)]
         out = net(input_ids=ids, labels=ids)
         loss = out.loss * len(positions)
         (loss * scale).backward()
@@ -121,14 +124,15 @@ def worker(spec: dict[str, Any]) -> None:
     from phalanx.train.share import Accumulator
 
     torch.set_num_threads(1)
-    m = MODELS[spec["model"]]
-    net, compute = build(spec["model"], m)
+    m, device = MODELS[spec["model"]], spec.get("device", "cpu")
+    net, compute = build(spec["model"].split("-")[0], m, device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     rank, k, exact = spec["rank"], spec["replicas"], spec["exact"]
     grads = ExactGrads(net) if exact else GradBuffer(net)
     sampler = ElasticSampler(4096, seed=0)
     acc = Accumulator(grads, sampler, m["batch"], m["micro"] if exact else None)
-    comm = TorchCommunicator(120.0)
+    comm = TorchCommunicator(120.0, torch.device(device))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     comm.configure(spec["store"], f"bench-{spec['tag']}", rank, k)
 
     def run(positions: list[int]) -> float:
@@ -137,16 +141,23 @@ def worker(spec: dict[str, Any]) -> None:
             total += compute(positions[i : i + m["micro"]], 1.0 / m["batch"])
         return total
 
-    times, sent = [], []
+    times, exchanges, sent = [], [], []
     for step in range(m["warmup"] + spec["steps"]):
-        comm.allreduce([torch.zeros(1)], "sum")  # every replica starts the step together
+        comm.allreduce([torch.zeros(1, device=device)], "sum")  # all start the step together
+        sync()
         t0 = time.perf_counter()
         loss, _ = acc.compute(step, rank, k, run)
         before = grads.units.sum.bytes_sent if exact else 0
+        sync()
+        t1 = time.perf_counter()
         total = grads.allreduce(comm, k, loss, vote=True)
+        sync()
+        t2 = time.perf_counter()
         opt.step()
         sampler.commit(m["batch"])
+        sync()
         times.append(time.perf_counter() - t0)
+        exchanges.append(t2 - t1)
         if exact:
             sent.append(grads.units.sum.bytes_sent - before)
         else:
@@ -156,6 +167,7 @@ def worker(spec: dict[str, Any]) -> None:
     emit(
         event="done",
         step_s=statistics.median(times[m["warmup"] :]),
+        exchange_s=statistics.median(exchanges[m["warmup"] :]),
         bytes=sent[-1],
         params=sum(p.numel() for p in net.parameters()),
     )
@@ -187,19 +199,24 @@ def kill(p: subprocess.Popen[str]) -> None:
     p.wait(timeout=30)
 
 
-def step_arm(model: str, exact: bool, steps: int, tmp: Path, tag: str) -> dict[str, Any]:
-    """One arm: REPLICAS worker processes over one gloo group; rank 0's figures."""
+def step_arm(
+    model: str, exact: bool, steps: int, tmp: Path, tag: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """One arm: REPLICAS worker processes over one gloo group (one process over an
+    NCCL group of one on a GPU); the slowest replica's figures."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
     try:
-        for r in range(REPLICAS):
+        replicas = 1 if device == "cuda" else REPLICAS
+        for r in range(replicas):
             spec = {
                 "model": model,
+                "device": device,
                 "exact": exact,
                 "rank": r,
-                "replicas": REPLICAS,
+                "replicas": replicas,
                 "steps": steps,
                 "store": f"127.0.0.1:{store.port}",
                 "tag": tag,
@@ -214,30 +231,42 @@ def step_arm(model: str, exact: bool, steps: int, tmp: Path, tag: str) -> dict[s
                 raise RuntimeError(f"{tag} rank {r} failed ({p.returncode}): {err}")
             outs.append(json.loads(out.strip().splitlines()[-1]))
         # A step ends when the slowest replica's does: the max over replicas.
-        return {**outs[0], "step_s": max(o["step_s"] for o in outs)}
+        return {
+            **outs[0],
+            "step_s": max(o["step_s"] for o in outs),
+            "exchange_s": max(o["exchange_s"] for o in outs),
+        }
     finally:
         for p in procs:
             kill(p)
         del store
 
 
-def step_figures(model: str, rounds: int, steps: int, tmp: Path) -> dict[str, Any]:
+def step_figures(
+    model: str, rounds: int, steps: int, tmp: Path, device: str = "cpu"
+) -> dict[str, Any]:
     ratios, arms = [], {"float": [], "exact": []}
+    exchange: dict[str, list[float]] = {"float": [], "exact": []}
     for i in range(rounds):
         order = [False, True] if i % 2 == 0 else [True, False]
         got = {}
         for exact in order:
             name = "exact" if exact else "float"
-            got[name] = step_arm(model, exact, steps, tmp, f"{model}-{name}-{i}")
+            got[name] = step_arm(model, exact, steps, tmp, f"{model}-{name}-{i}", device)
             arms[name].append(got[name]["step_s"])
+            exchange[name].append(got[name]["exchange_s"])
         ratios.append(got["exact"]["step_s"] / got["float"]["step_s"])
     return {
         "model": model,
+        "device": device,
+        "replicas": 1 if device == "cuda" else REPLICAS,
         "params": got["float"]["params"],
         "exact_step_ratio": round(statistics.median(ratios), 3),
         "round_ratios": [round(r, 3) for r in ratios],
         "float_step_s": [round(t, 4) for t in arms["float"]],
         "exact_step_s": [round(t, 4) for t in arms["exact"]],
+        "float_exchange_s": [round(t, 4) for t in exchange["float"]],
+        "exact_exchange_s": [round(t, 4) for t in exchange["exact"]],
         "exact_bytes_ratio": round(got["exact"]["bytes"] / got["float"]["bytes"], 4),
         "float_bytes": got["float"]["bytes"],
         "exact_bytes": got["exact"]["bytes"],
@@ -298,20 +327,17 @@ def job_run(tmp: Path, tag: str, chaos: bool) -> tuple[list[Path], int]:
     cfg = d / "job.toml"
     cfg.write_text(JOB.format(tag=tag, steps=CHAOS_STEPS, delay=0.02))
     state = d / "state"
+    cli = [sys.executable, "-m", "phalanx.cli"]
     ctl = spawn(
-        [sys.executable, "-m", "phalanx.cli", "controller", "--config", str(cfg)]
-        + ["--state-dir", str(state), "--port", "0"],
+        [*cli, "controller", "--config", str(cfg), "--state-dir", str(state), "--port", "0"],
         d / "controller.err",
     )
     procs = [ctl]
 
     def replica(name: str, n: int) -> tuple[subprocess.Popen[str], Path]:
         out = d / f"{name}-{n}.safetensors"
-        p = spawn(
-            [sys.executable, "-m", "phalanx.cli", "replica", "--config", str(cfg)]
-            + ["--controller", str(state), "--name", name, "--out", str(out)],
-            d / f"{name}-{n}.err",
-        )
+        args = ["--config", str(cfg), "--controller", str(state), "--name", name]
+        p = spawn([*cli, "replica", *args, "--out", str(out)], d / f"{name}-{n}.err")
         procs.append(p)
         return p, out
 
@@ -359,15 +385,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6, help="measured steps per arm")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per arm")
     ap.add_argument("--models", default="mlp,qwen2")
     ap.add_argument("--no-chaos", action="store_true")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also qwen2-gpu on one CUDA device (an NCCL group of one: the conversions' "
+        "cost alone, no traffic)",
+    )
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-exact-") as t:
         tmp = Path(t)
         for model in [m for m in args.models.split(",") if m]:
             results.append(step_figures(model, args.rounds, args.steps, tmp))
+        if args.gpu:
+            results.append(step_figures("qwen2-gpu", args.rounds, args.steps, tmp, "cuda"))
         if not args.no_chaos:
             results.append(chaos_figures(tmp))
     for r in results:
@@ -375,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         elif "model" in r:
             print(
-                f"{r['model']:6s} {r['params'] / 1e6:5.1f} M params  exact_step_ratio "
+                f"{r['model']:9s} {r['device']:4s} x{r['replicas']} {r['params'] / 1e6:5.1f} M "
+                f"params  exact_step_ratio "
                 f"{r['exact_step_ratio']:.3f} (rounds {r['round_ratios']})  exact_bytes_ratio "
                 f"{r['exact_bytes_ratio']:.3f}  float {r['float_step_s']} s  exact "
                 f"{r['exact_step_s']} s"
