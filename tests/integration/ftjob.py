@@ -430,6 +430,44 @@ def wait_registered(job: FTJob, name: str, other_than: str) -> str:
     raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
 
 
+def kill_a_rank_and_heal(
+    job: FTJob, survivor: Replica, victim: Replica, spare: Replica, at: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SIGKILL rank 1 of ``victim`` (a replica of several ranks) at its step ``at``:
+    the replica fails whole and ``survivor`` commits alone; then ``spare`` (the
+    victim's restart, warm: a cold start of several ranks takes longer on a loaded
+    2-core machine than the survivor needs to finish) is released while the
+    survivor is held, and heals shard by shard. Returns the survivor's first step
+    alone and the restart's first (healed) step."""
+    from phalanx.launch.ranks import rank_pids
+
+    victim.wait_step(at)
+    os.kill(rank_pids(victim.popen.pid)[1], signal.SIGKILL)
+    # The other rank fails on its own (its next collective inside the replica) or is
+    # stopped by the launcher, which exits with a failing status either way.
+    assert victim.popen.wait(timeout=60) != 0
+    gone = survivor.wait_event(
+        lambda e: e["event"] == "step" and e["participants"] == 1, "a step alone"
+    )
+    with held(survivor):
+        spare.release()
+        wait_registered(job, victim.name, other_than=gone["replica"])
+    healed = spare.wait_event(lambda e: e["event"] == "step" and e["healed"], "the heal")
+    return gone, healed
+
+
+def cleanup_jobs(jobs: list[FTJob], exit_grace_s: float = 0.0) -> None:
+    """Clean up every job even if one's check fails; then raise the first failure."""
+    errors = []
+    for j in jobs:
+        try:
+            j.cleanup(exit_grace_s)
+        except AssertionError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 # -- checks -----------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from ftjob import (
     assert_identical,
     check_samples,
     check_steps,
+    cleanup_jobs,
     step_lines,
     write_job,
 )
@@ -52,17 +53,6 @@ def make(root: Path, name: str, made: list[FTJob], **kw: Any) -> FTJob:
     return job
 
 
-def cleanup(made: list[FTJob], exit_grace_s: float = 0.0) -> None:
-    errors = []
-    for j in made:
-        try:
-            j.cleanup(exit_grace_s)
-        except AssertionError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
-
-
 @pytest.fixture(scope="module")
 def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Failure-free runs with 3 replicas and with 1, side by side: their final states
@@ -84,7 +74,7 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             out[f"losses{n}"] = {s: next(iter(by.values()))["loss"] for s, by in lines.items()}
         yield out
     finally:
-        cleanup(made, exit_grace_s=15.0)
+        cleanup_jobs(made, exit_grace_s=15.0)
 
 
 def assert_equal_state(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -164,4 +154,4 @@ def test_kills_a_hang_and_a_late_joiner_end_bit_identical_to_calm_runs(
             f"chaos: killed c at {killed_at}, b back at {b_back['step']}, d in at {joined['step']}"
         )
     finally:
-        cleanup(made, exit_grace_s=15.0)
+        cleanup_jobs(made, exit_grace_s=15.0)

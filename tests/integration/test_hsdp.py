@@ -12,8 +12,6 @@ the split over ranks do not change the numbers either.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,13 +30,12 @@ from ftjob import (
     check_samples,
     check_steps,
     held,
+    kill_a_rank_and_heal,
     step_lines,
-    wait_registered,
     write_job,
 )
 
 from phalanx.checkpoint import CheckpointStore
-from phalanx.launch.ranks import rank_pids
 
 STEPS = 30
 LONG = 60
@@ -123,21 +120,10 @@ def test_a_rank_killed_mid_step_fails_its_replica_which_comes_back_and_heals(
         tmp_path, "kill", jobs, ranks=2, train=PACE, policy=HELD_POLICY, timeouts=HELD_TIMEOUTS
     )
     a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
-    # The restart is a warm spare (ftjob.GATED_SPARE): a cold start of two ranks takes
-    # longer on a loaded 2-core machine than the survivor needs to finish the job.
-    b2 = job.start_replica("b", ranks=2, spare=True)
-    b.wait_step(8)
-    os.kill(rank_pids(b.popen.pid)[1], signal.SIGKILL)
-    # The other rank fails on its own (its next collective inside the replica) or is
-    # stopped by the launcher, which exits with a failing status either way.
-    assert b.popen.wait(timeout=60) != 0
-    # The survivor commits without it...
-    gone = a.wait_event(lambda e: e["event"] == "step" and e["participants"] == 1, "a step alone")
-    # ...and the replica, restarted whole, heals shard by shard and trains beside it.
-    with held(a):
-        b2.release()
-        wait_registered(job, "b", other_than=gone["replica"])
-    healed = b2.wait_event(lambda e: e["event"] == "step" and e["healed"], "the heal")
+    b2 = job.start_replica("b", ranks=2, spare=True)  # (ftjob.GATED_SPARE)
+    # The survivor commits without b, and b, restarted whole, heals shard by shard
+    # and trains beside it.
+    gone, healed = kill_a_rank_and_heal(job, a, b, b2, at=8)
     assert healed["participants"] == 2 and healed["step"] > gone["step"]
     finals = [a.finish(), b2.finish()]
     check([a, b, b2], finals, reference)

@@ -14,7 +14,6 @@ bits, as they would without failures.)
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,13 +29,13 @@ from ftjob import (
     assert_identical,
     check_samples,
     check_steps,
+    cleanup_jobs,
     held,
+    kill_a_rank_and_heal,
     step_lines,
     wait_registered,
     write_job,
 )
-
-from phalanx.launch.ranks import rank_pids
 
 STEPS = 40
 BATCH = TRAIN["global_batch_size"]
@@ -62,8 +61,7 @@ def jobs_cleaned(exit_grace_s: float = 0.0) -> Iterator[list[FTJob]]:
     try:
         yield made
     finally:
-        for j in made:
-            j.cleanup(exit_grace_s)
+        cleanup_jobs(made, exit_grace_s)
 
 
 def losses(replicas: list[Replica]) -> dict[int, float]:
@@ -100,16 +98,9 @@ def test_a_killed_rank_and_a_stopped_replica_end_bit_identical_to_calm_runs(
     with jobs_cleaned() as made:
         job = make(tmp_path, "chaos", made, policy=HELD_POLICY, timeouts=HELD_TIMEOUTS)
         a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
-        b2 = job.start_replica("b", ranks=2, spare=True)  # warm: see test_hsdp
+        b2 = job.start_replica("b", ranks=2, spare=True)  # (ftjob.GATED_SPARE)
         # One rank of b is SIGKILLed: b fails whole; a trains alone; b restarts and heals.
-        b.wait_step(5)
-        os.kill(rank_pids(b.popen.pid)[1], signal.SIGKILL)
-        assert b.popen.wait(timeout=60) != 0
-        gone = a.wait_event(lambda e: e["event"] == "step" and e["participants"] == 1, "a alone")
-        with held(a):
-            b2.release()
-            wait_registered(job, "b", other_than=gone["replica"])
-        healed = b2.wait_event(lambda e: e["event"] == "step" and e["healed"], "b's heal")
+        gone, healed = kill_a_rank_and_heal(job, a, b, b2, at=5)
         assert healed["participants"] == 2, healed
         # a is stopped whole until b2 trains without it; then it comes back and heals
         # (b2 held until a has registered again, so that the job cannot end first).

@@ -118,12 +118,23 @@ class PolicyTrainer:
             passes, filler = -(-most // per), mine[0]
             sub_off, sub_count = split(len(mine), ranks.size, ranks.rank)
             mine = mine[sub_off : sub_off + sub_count]
+        return self._backward(comps, adv, mine, n_tokens, passes, filler)
+
+    def _backward(
+        self,
+        comps: list[Completion],
+        adv: torch.Tensor,
+        rows: list[int],
+        n_tokens: int,
+        passes: int,
+        filler: int | None,
+    ) -> dict[str, float]:
         return backward_rows(
             self.model,
             comps,
             adv,
-            mine,
-            g=g,
+            rows,
+            g=self.g,
             pad_id=self.pad_id,
             num_tokens=n_tokens,
             ref=self.ref,
@@ -151,17 +162,8 @@ class PolicyTrainer:
             passes, filler = (1, rows[0]) if size > 1 else (0, None)
             sub_off, sub_count = split(len(rows), size, rank)
             grads.begin(j)
-            stats = backward_rows(
-                self.model,
-                comps,
-                adv,
-                rows[sub_off : sub_off + sub_count],
-                g=g,
-                pad_id=self.pad_id,
-                num_tokens=n_tokens,
-                ref=self.ref,
-                passes=passes,
-                filler=filler,
+            stats = self._backward(
+                comps, adv, rows[sub_off : sub_off + sub_count], n_tokens, passes, filler
             )
             grads.end(j, stats["loss"])
             parts.append(stats)
