@@ -150,6 +150,9 @@ class ExactSum:
     def __init__(self) -> None:
         self._sums: list[torch.Tensor] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        """Scratch by dtype and device, the largest bucket's size: a float for the
+        scaled term, an int64 for its integer (fresh memory every step would be
+        page-faulted in every step)."""
         self.bytes_sent = 0
         """Bytes this member handed to the collectives so far (exponents, sums, meta)."""
 
@@ -212,8 +215,8 @@ class ExactSum:
             self._sums = [torch.empty(o.shape, dtype=torch.int64, device=o.device) for o in out]
         return self._sums
 
-    def _scratch_for(self, like: torch.Tensor) -> torch.Tensor:
-        key = (_work_dtype(like.dtype), like.device)
+    def _scratch_for(self, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        key = (dtype or _work_dtype(like.dtype), like.device)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < like.numel():
             buf = self._scratch[key] = torch.empty(like.numel(), dtype=key[0], device=key[1])
@@ -226,7 +229,7 @@ class ExactSum:
             return
         k = FRACTION_BITS - e
         first = max(-_STEP, min(_STEP, k))
-        q = None
+        q = self._scratch_for(acc, torch.int64) if len(tensors) > 1 else acc
         for i, t in enumerate(tensors):
             x = self._scratch_for(t)
             # Exact: |t| < 2**e, so |x| < 2**F, a normal number, or below 2**-126
@@ -238,8 +241,6 @@ class ExactSum:
             if i == 0:
                 acc.copy_(x)
             else:
-                if q is None:
-                    q = torch.empty_like(acc)
                 q.copy_(x)
                 acc.add_(q)
 
