@@ -411,3 +411,10 @@ def test_an_exact_reductions_default_micro_batch_gives_each_first_rank_one_unit(
     cfg = load_config(overrides=["train.exact_reduction=true", "train.micro_batch_size=4"])
     assert cfg.exact_micro_batch_size == 4
     assert load_config(overrides=["train.exact_reduction=true", "diloco.sync_every=2"]).diloco
+
+
+def test_an_rl_exact_reduction_refuses_more_micro_batches_than_its_headroom():
+    over = ["--rl.grpo.exact_reduction", "true", "--rl.grpo.prompts_per_step", "65537"]
+    over += ["--rl.grpo.group_size", "1", "--rl.grpo.micro_batch_size", "1"]
+    with pytest.raises(ConfigError, match="must be at most 65536 micro-batches with grpo"):
+        load_config(EXAMPLES / "sort_grpo.toml", overrides=over)

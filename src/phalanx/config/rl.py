@@ -198,6 +198,23 @@ class GRPOSection(_Section):
     """Recompute each layer's activations in the backward pass instead of keeping them
     (HF gradient checkpointing): less memory for about a third more compute."""
 
+    @model_validator(mode="after")
+    def _exact_fits(self) -> GRPOSection:
+        from phalanx.train.exact import MAX_TERMS
+
+        rows = self.prompts_per_step * self.group_size
+        if (
+            self.exact_reduction
+            and self.micro_batch_size
+            and rows > MAX_TERMS * self.micro_batch_size
+        ):
+            raise ValueError(
+                f"grpo.prompts_per_step x grpo.group_size / grpo.micro_batch_size must be at "
+                f"most {MAX_TERMS} micro-batches with grpo.exact_reduction: got "
+                f"{-(-rows // self.micro_batch_size)}. Raise grpo.micro_batch_size."
+            )
+        return self
+
 
 class LoopSection(_Section):
     """The elastic loop of an RL job run by ``phalanx run``: prompt leases, the rollout
