@@ -96,6 +96,7 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     from phalanx.jobs import EXIT_UNRECOVERABLE, JobError, ReplicaArgs, spec_for
     from phalanx.log import setup
     from phalanx.net import AddressError
+    from phalanx.train.base import BranchAbandoned
 
     setup()
     cfg = load_config(args.config, overrides)
@@ -117,6 +118,9 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
     ) as e:  # a restart cannot help
         print(f"phalanx replica {replica.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_UNRECOVERABLE
+    except BranchAbandoned as e:  # a restart is the cure: it resumes from the root
+        print(f"phalanx replica {replica.name}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -496,6 +496,21 @@ def assert_identical(states: list[dict[str, Any]]) -> None:
             assert torch.equal(st[k], v), f"state {i} differs at {k}: {max_diff(st[k], v)}"
 
 
+def assert_same_files(replicas: list[Replica], step: int) -> None:
+    """The final files of one job are byte-identical, at its last step ``step``: the
+    job's output must not depend on which replica's file a user takes (issue 34).
+    Every replica that said ``done`` without ``finished_elsewhere`` wrote one."""
+    wrote = [
+        r
+        for r in replicas
+        if any(e["event"] == "done" and not e.get("finished_elsewhere") for e in r.events)
+    ]
+    assert wrote, "no replica wrote a final file"
+    blobs = {r.out.read_bytes() for r in wrote}
+    assert len(blobs) == 1, f"{len(blobs)} different final files among {len(wrote)}"
+    assert load_state(wrote[0].out)["__meta__"]["step"] == str(step)
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 

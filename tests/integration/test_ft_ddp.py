@@ -29,6 +29,7 @@ from ftjob import (
     Replica,
     assert_close,
     assert_identical,
+    assert_same_files,
     check_samples,
     check_steps,
     cleanup_jobs,
@@ -82,6 +83,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
         for n, replicas in runs.items():
             finals = [r.finish() for r in replicas]
             assert_identical(finals)
+            assert_same_files(replicas, STEPS)  # the calm run's files: byte for byte
             lines = step_lines(replicas)
             check_steps(lines, STEPS, BATCH)
             assert {e["participants"] for by_id in lines.values() for e in by_id.values()} == {
@@ -101,6 +103,7 @@ def check_run(
     check_steps(lines, STEPS, BATCH)
     check_samples(lines, DATASET, SEED, BATCH)
     assert_identical(finals)
+    assert_same_files(replicas, STEPS)
     worst = assert_close(finals[0], reference, ATOL)
     print(f"largest difference from the failure-free run: {worst:.3g}")
     return lines

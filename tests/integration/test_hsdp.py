@@ -27,6 +27,7 @@ from ftjob import (
     Replica,
     assert_close,
     assert_identical,
+    assert_same_files,
     check_samples,
     check_steps,
     held,
@@ -95,6 +96,7 @@ def check(
     check_steps(lines, steps, BATCH)
     check_samples(lines, DATASET, SEED, BATCH)
     assert_identical(finals)
+    assert_same_files(replicas, steps)
     worst = assert_close(finals[0], reference[steps], ATOL)
     print(f"largest difference from the failure-free run: {worst:.3g}")
 

@@ -106,6 +106,32 @@ def test_a_damaged_journal_is_refused_and_fresh_sets_it_aside(used: Controller, 
         assert (aside[0] / "journal.sqlite").read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("table", "value", "says"),
+    [
+        ("members", "[1, 2]", "must be a JSON object: got a JSON array"),
+        ("members", '{"replica_id": "x"}', "must have a field 'role'"),
+        ("meta", '{"value": "1"}', "must have 'value' as a JSON integer: got a JSON string"),
+    ],
+)
+def test_a_journal_record_of_the_wrong_shape_is_one_line(
+    used: Controller, table: str, value: str, says: str
+):
+    """A member row that was a JSON list gave a traceback from deep in the restore."""
+    journal = used.state_dir / "journal.sqlite"
+    db = sqlite3.connect(journal)
+    key = (
+        "epoch"
+        if table == "meta"
+        else db.execute("SELECT key FROM records WHERE tbl = ?", (table,)).fetchone()[0]
+    )
+    db.execute("UPDATE records SET value = ? WHERE tbl = ? AND key = ?", (value, table, key))
+    db.commit()
+    db.close()
+    p = cli(*controller_args(used.state_dir.parent, used.state_dir, "--port", "0"))
+    one_line(p, str(journal), f"record {table}/{key}", says, "--fresh")
+
+
 def test_a_journal_that_is_whole_is_read_back(used: Controller):
     """The check costs nothing to a healthy restart: same members, next epoch."""
     used.start()

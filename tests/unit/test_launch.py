@@ -13,7 +13,8 @@ import pytest
 from phalanx import cli
 from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
-from phalanx.console.view import rl_line, status_text, sync_stats
+from phalanx.console.summary import rl_line, sync_stats
+from phalanx.console.view import status_text
 from phalanx.controller.core.state import ControllerState
 from phalanx.launch.local import LocalJob, Replica
 from phalanx.launch.options import Chaos, launch_counts, parse_scale
@@ -333,6 +334,12 @@ def test_rl_summary_line():
         "job sort-grpo: exact match 0.9 reached at batch 41 (step 84) in 63.2 s; prompts 700, "
         "rollouts trained 672, discarded 5 (stale: 5); 2 replica(s) killed, 1 heal(s), syncs 42 "
         "(mean 12.5 ms). Logs: runs/x"
+    )
+    # A rollback is never hidden: the summary says it, with what the ledger took back.
+    rb = {"from_step": 62, "to_step": 24, "batches": 19, "prompts": 304}
+    assert rl_line(None, {**s, "rollbacks": [rb]}).endswith(  # type: ignore[arg-type]
+        "(mean 12.5 ms); rolled back from step 62 to step 24: 19 batches, 304 prompts "
+        "issued again. Logs: runs/x"
     )
     # A job that stops on its reward says so, and names both targets when neither came.
     s |= {"target": 1.0, "target_reward": 0.6, "reached_metric": "reward"}

@@ -82,6 +82,8 @@ def durable(led: Ledger) -> dict[str, Any]:
         "next_batch": r.next_batch,
         "policy_step": r.policy_step,
         "finished": r.finished,
+        "final_step": r.final_step,
+        "lineage": r.lineage.batches,
         "discarded": r.discarded,
         "rollouts": r.records,
         "pending": list(r.pending),
@@ -113,7 +115,12 @@ def check(st: ControllerState) -> dict[str, Any]:
     assert all(k < led.rollouts.next_batch for k in led.rollouts.batches)
     done = [h["batch"] for h in led.rollouts.history]
     assert done == sorted(set(done)) and all(k < led.rollouts.next_batch for k in done)
-    assert not set(done) & set(led.rollouts.batches)
+    # A batch joins the history when its last step commits, and the lineage when a
+    # save holds it: one still frozen in the history is trained, not yet durable.
+    assert all(
+        "trained_at" in led.rollouts.batches[k] for k in set(done) & set(led.rollouts.batches)
+    )
+    assert led.rollouts.lineage.rollouts() == led.counts["trained_rollouts"]
     assert sum(led.rollouts.discarded.values()) == sum(r["discarded"].values())
     batched = [rid for bt in led.rollouts.batches.values() for rid in bt["rollout_ids"]]
     assert len(batched) == len(set(batched)), "a rollout in two batches"
@@ -920,10 +927,11 @@ def test_a_batch_ask_acknowledges_only_the_steps_a_checkpoint_holds(st):
     reply, _ = st.lease_batch(P, 1, now=1, wall=1, durable=0)
     assert reply["batch"]["index"] == 1
     assert st.ledger.policy_step == 0 and 0 in st.ledger.rollouts.batches
-    assert st.ledger.rollouts.history == []
+    # Trained (committed: in the history, which decides the job's end), not durable.
+    assert [h["batch"] for h in st.ledger.rollouts.history] == [0]
     # A replica restarted from that checkpoint asks for step 0's batch: the same rollouts.
     again, _ = st.lease_batch(P, 0, now=2, wall=2, durable=0)
-    assert again["batch"]["index"] == 0 and "policy_rewind" not in kinds(st)
+    assert again["batch"]["index"] == 0 and "rollback" not in kinds(st)
     # Once the save commits, the next ask acknowledges it.
     st.lease_batch(P, 1, now=3, wall=3, durable=1)
     assert st.ledger.policy_step == 1 and [h["batch"] for h in st.ledger.rollouts.history] == [0]
@@ -944,12 +952,14 @@ def test_an_ack_syncs_at_once_and_drops_its_batch_once_a_checkpoint_holds_it():
     batch = st.ledger.rollouts.batches[0]
     assert (batch["trained_at"], batch["metrics"]) == (3, {"tokens": 40})
     assert st.tables["batches"]["0"] == batch  # journaled: a restart keeps them
-    assert st.ledger.rollouts.history == [] and st.ledger.policy_step == 0
-    # The save commits: the durable ack drops the batch, stamped with its training time.
+    assert st.ledger.policy_step == 0
+    (h,) = st.ledger.rollouts.history  # in the history at its commit
+    assert (h["at"], h["metrics"]) == (3, {"tokens": 40})
+    # The save commits: the durable ack drops the batch; its history entry stays as is.
     st.ack_batch(P, 1, now=5, wall=5, durable=1)
     assert 0 not in st.ledger.rollouts.batches and st.ledger.policy_step == 1
-    (h,) = st.ledger.rollouts.history
-    assert (h["at"], h["metrics"]) == (3, {"tokens": 40})
+    assert st.ledger.rollouts.history == [h]
+    assert st.ledger.rollouts.lineage.batches == {0: batch["rollout_ids"]}
     assert check(st)["prompts"]["trained"] == PPS
 
 
@@ -1057,13 +1067,23 @@ def test_stale_submission_is_discarded_at_once():
     assert check(st)["rollouts"]["discarded"] == {"stale": 1}
 
 
-def test_a_lost_policy_rewinds_to_fresh_batches(st):
-    train(st, 0, exact_match=0.2)
-    train(st, 1, exact_match=0.4)
+def test_a_policy_asking_below_the_ledger_rolls_back_explicitly(st):
+    """Quorum formation makes this impossible (a round behind the role's step waits,
+    then rolls back, and the ledger follows first: test_state_lineage.py); were a
+    replica to ask below the ledger all the same, it is a rollback on the record,
+    never a silent rewind that keeps counting the lost batches as trained."""
+    first = train(st, 0, exact_match=0.2)["rollouts"]
+    second = train(st, 1, exact_match=0.4)["rollouts"]
+    trained = [r["rollout_id"] for r in first + second]
     fill(st, PPS)
     # Every replica that trained is gone; a fresh one starts over at step 0.
     reply, _ = st.lease_batch(P, 0, now=9, wall=9)
-    assert "policy_rewind" in kinds(st)
+    (ev,) = [e for e in st.events if e["kind"] == "rollback"]
+    assert (ev["from_step"], ev["to_step"], ev["batches"], ev["prompts"]) == (2, 0, 2, 2 * PPS)
+    # Their prompts are issued again (a new attempt each); their rollouts discarded.
+    assert sorted(st.ledger.prompts.requeue) == sorted(int(r[1:].split(".")[0]) for r in trained)
+    assert all(st.ledger.prompts.by_index[i].attempt == 1 for i in st.ledger.prompts.requeue)
+    assert st.ledger.rollouts.discarded == {"rolled_back": 2 * PPS}
     assert reply["batch"]["index"] == 0
     assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == [
         "p8.0",
@@ -1075,7 +1095,7 @@ def test_a_lost_policy_rewinds_to_fresh_batches(st):
     st.ack_batch(P, 1, now=9, wall=9)
     assert [h["batch"] for h in st.ledger.rollouts.history] == [0]
     assert st.ledger.rollouts.history[0]["at"] == 9
-    assert check(st)["prompts"]["trained"] == 3 * PPS
+    assert check(st)["prompts"]["trained"] == PPS
 
 
 def test_a_rewind_unfreezes_the_batches_frozen_ahead():
@@ -1086,7 +1106,7 @@ def test_a_rewind_unfreezes_the_batches_frozen_ahead():
     st.lease_batch(P, 2, now=0, wall=0)  # frozen, then the policy is lost before training it
     new = fill(st, 2, 2)
     reply, _ = st.lease_batch(P, 1, now=1, wall=1)  # a fresh policy, restored from step 1
-    assert "policy_rewind" in kinds(st)
+    assert "rollback" in kinds(st)
     assert [r["rollout_id"] for r in reply["batch"]["rollouts"]] == old  # oldest first
     assert list(st.ledger.rollouts.batches) == [1] and list(st.ledger.rollouts.pending) == new
     assert st.ledger.rollouts.next_batch == 2

@@ -22,6 +22,7 @@ from test_ledger import CheckedState, make_cfg, rollout
 
 from phalanx.controller.core.state import StateError, UnknownReplica
 from phalanx.controller.journal import Journal
+from phalanx.protocol.rl import parse_rollout_id
 
 HEARTBEAT_S = 10.0
 LEASE_S = 5.0
@@ -280,6 +281,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_only_grow(self) -> None:
+        """Counters only grow, but for the trained ones, which a rollback takes back:
+        each prompt it takes back is one more discard (``rolled_back``), and the
+        lineage holds exactly the trained rollouts."""
         led = self.led
         now = {
             **{k: led.counts[k] for k in COUNTS},
@@ -289,9 +293,15 @@ class LedgerMachine(RuleBasedStateMachine):
             "sync_seq": led.weights.sync_seq,
             "mesh_id": led.weights.mesh_id,
             "discarded": sum(led.rollouts.discarded.values()),
+            "rolled_back": led.rollouts.discarded.get("rolled_back", 0),
         }
+        back = now["rolled_back"] - self.seen.get("rolled_back", 0)
         for k, v in now.items():
-            assert v >= self.seen.get(k, 0), k
+            if k in ("trained_prompts", "trained_rollouts"):
+                assert v >= self.seen.get(k, 0) - back, k
+            else:
+                assert v >= self.seen.get(k, 0), k
+        assert led.rollouts.lineage.rollouts() == led.counts["trained_rollouts"]
         self.seen = now
 
     @invariant()
@@ -305,11 +315,17 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def trained_once(self) -> None:
         """Prompts leave the ledger only by training (an ack, or a batch lease that
-        covers a lost ack), and only from a frozen batch."""
+        covers a lost ack), and only from a frozen batch: into the lineage, once each.
+        A rollback takes them back out of it, into the ledger again."""
         led = self.led
         gone = self.batched - set(led.prompts.by_index)
-        assert not gone & self.trained, "a prompt trained twice"
-        self.trained |= gone
+        lineage = [
+            parse_rollout_id(rid)[0] for ids in led.rollouts.lineage.batches.values() for rid in ids
+        ]
+        assert len(lineage) == len(set(lineage)), "a prompt trained twice"
+        assert set(lineage).isdisjoint(led.prompts.by_index)
+        assert gone <= set(lineage)
+        self.trained = set(lineage)
         assert led.counts["trained_prompts"] == len(self.trained)
         self.batched = {
             led.rollouts.records[rid]["prompt"]

@@ -536,16 +536,6 @@ def test_no_heal_when_everyone_is_current(state):
     assert (q.max_step, q.heal) == (4, {})
 
 
-def test_role_step_never_goes_backwards(state):
-    (a,) = join(state, "a")
-    assert ask(state, a, 9, now=0).max_step == 9
-    q = ask(state, a, 2, now=1)
-    # The quorum says that no live replica holds the role's newest step.
-    assert (q.max_step, q.job_step) == (2, 9)
-    assert state.roles["policy"].step == 9
-    assert state.members[a].step == 9
-
-
 # -- request idempotency and deadlines -------------------------------------------------
 
 

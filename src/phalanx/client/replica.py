@@ -111,6 +111,13 @@ class ControllerClient:
         self.role, self.name, self.ranks = role, name, ranks
         self.address = address
         self.capabilities = dict(capabilities or {})
+        self.state_root = ""
+        """The checkpoint root this replica saves to and resumes from ('' for none);
+        set with :meth:`set_root` before registering."""
+        self.root_id = ""
+        self.resumable = 0
+        """The newest step the root holds: registered as this replica's step until it
+        reports a committed one (a quorum behind the job's step waits for it)."""
         self.replica_id: str | None = None
         self.incarnations = 0
         self.timeouts: RegisterReply | None = None
@@ -160,15 +167,24 @@ class ControllerClient:
 
     # -- membership ------------------------------------------------------
 
+    def set_root(self, url: str, root_id: str, latest: int) -> None:
+        """The checkpoint root this replica uses (:func:`phalanx.checkpoint.root.identify`):
+        registered with it, and with ``latest`` as the step it can resume from."""
+        self.state_root, self.root_id, self.resumable = url, root_id, latest
+
     def register(self) -> str:
-        """Register a new incarnation of this replica. Idempotent per call site:
-        a second call replaces the first incarnation."""
+        """Register a new incarnation of this replica, with the newest step it holds
+        (its last committed one, else what its root can load). Idempotent per call
+        site: a second call replaces the first incarnation."""
         req = RegisterReq(
             role=self.role,
             name=self.name,
             ranks=self.ranks,
             address=self.address,
             capabilities=self.capabilities,
+            step=self.step if self.step is not None else self.resumable,
+            state_root=self.state_root,
+            root_id=self.root_id,
         )
         r = self.transport.call("/v1/register", req, RegisterReply)
         self.replica_id = r.replica_id

@@ -87,6 +87,16 @@ class TimeoutsSection(_Section):
     """Connect to a suspect's advertised address (its rendezvous store): a refusal
     means its process is gone, and it is evicted at once instead of after the
     grace. Off: only the grace decides (tests that time one detector alone)."""
+    lost_step_wait_s: float | None = Field(None, ge=0, le=86400)
+    """How long a quorum whose newest step is behind the job's committed step waits
+    for a replica that holds the job's step (a restarting one whose checkpoint root
+    can load it included) before the job rolls back, explicitly, to the newest step
+    it still has. None: ``quorum_s``. The job's step never goes back sooner."""
+
+    @property
+    def lost_step_wait(self) -> float:
+        """:attr:`lost_step_wait_s`, its default resolved."""
+        return self.quorum_s if self.lost_step_wait_s is None else self.lost_step_wait_s
 
     @model_validator(mode="after")
     def _ordered(self) -> TimeoutsSection:

@@ -14,18 +14,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from phalanx.console.summary import discard_text, ft_line, ft_summary, num, rl_line, rl_summary
+
 if TYPE_CHECKING:
     from phalanx.launch.local import LocalJob
-    from phalanx.launch.replica import Replica
     from phalanx.protocol.status import Status
-
-
-def _f(x: float | None, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _discards(d: dict[str, int]) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "none"
 
 
 class View:
@@ -90,7 +83,7 @@ class View:
                 r.name,
                 r.state(),
                 f"{r.step}/{steps}",
-                _f(r.loss, ".5f"),
+                num(r.loss, ".5f"),
                 str(r.participants),
                 str(r.quorum_id),
                 str(r.starts),
@@ -118,7 +111,7 @@ class View:
         t.add_column("syncs", justify="right", no_wrap=True)
         for r in sorted(job.replicas.values(), key=lambda r: (r.role, r.index)):
             if r.role == "policy":
-                progress = f"step {r.step} loss {_f(r.loss)}"
+                progress = f"step {r.step} loss {num(r.loss)}"
                 progress += f" x{r.participants}" if r.participants > 1 else ""
                 progress += f" healed {r.heals}" if r.heals else ""
                 stale = "-" if r.staleness is None else str(r.staleness)
@@ -130,8 +123,8 @@ class View:
                 r.name,
                 r.state(),
                 "-" if r.version is None else f"v{r.version}",
-                _f(r.reward),
-                _f(r.exact_match),
+                num(r.reward),
+                num(r.exact_match),
                 stale,
                 progress,
                 str(r.syncs),
@@ -148,8 +141,8 @@ class View:
         target_r = loop.target_reward if loop else None
         r_target = f", target {target_r}" if target_r is not None else ""
         lines = [
-            f"reward {_f(last.reward if last else None)} (avg {_f(last.reward_avg if last else None)}{r_target})  "
-            f"exact {_f(last.exact_match if last else None)} (avg {_f(last.exact_match_avg if last else None)}, "
+            f"reward {num(last.reward if last else None)} (avg {num(last.reward_avg if last else None)}{r_target})  "
+            f"exact {num(last.exact_match if last else None)} (avg {num(last.exact_match_avg if last else None)}, "
             f"target {target if target is not None else 'none'})  "
             f"staleness {last.staleness if last else '-'}"
         ]
@@ -162,7 +155,7 @@ class View:
             )
             lines.append(
                 f"rollouts: trained {ro.trained}, pending {ro.pending}, batched "
-                f"{ro.batched}, discarded {_discards(ro.discarded)}, duplicates "
+                f"{ro.batched}, discarded {discard_text(ro.discarded)}, duplicates "
                 f"{ro.duplicates_dropped}"
                 + (f", refused unleased {ro.unleased_refused}" if ro.unleased_refused else "")
                 + f"; leases open {le.open}, expired {le.expired}"
@@ -210,7 +203,7 @@ class View:
         ):
             self._printed_step = lead.step
             print(
-                f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {_f(lead.loss, '.5f')}  "
+                f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {num(lead.loss, '.5f')}  "
                 f"participants {lead.participants}  quorum {lead.quorum_id}",
                 flush=True,
             )
@@ -250,135 +243,6 @@ class View:
         return s
 
 
-def sync_stats(reps: list[Replica]) -> tuple[int, float | None]:
-    # One sync is led by its source, which reports it once (the policy leader, or a
-    # rollout replica that relayed); rollout replicas report their side of the same
-    # sync, so count the leader's lines and the relays.
-    policy = [r for r in reps if r.role == "policy"]
-    src = policy if any(r.syncs for r in policy) else reps
-    ms = [m for r in src for m in r.sync_ms]
-    relayed = sum(r.relayed for r in reps) if src is policy else 0
-    return sum(r.syncs for r in src) + relayed, (round(sum(ms) / len(ms), 2) if ms else None)
-
-
-def ft_summary(job: LocalJob) -> dict[str, Any]:
-    reps = job.all_replicas()
-    lead = max(reps, key=lambda r: r.step, default=None)
-    gaps = [b - a for a, b in zip(job.commit_times, job.commit_times[1:], strict=False)]
-    return {
-        "event": "summary",
-        "job": job.cfg.job.id,
-        "ok": job.error is None,
-        "error": job.error,
-        "steps": lead.step if lead else 0,
-        "loss": lead.loss if lead else None,
-        "kills": sum(r.kills for r in reps),
-        "heals": sum(r.heals for r in reps),
-        "controller_restarts": job.controller.restarts if job.controller else 0,
-        "longest_gap_s": round(max(gaps), 3) if gaps else 0.0,
-        "wall_s": round(time.monotonic() - job.started, 2),
-        "run_dir": str(job.run_dir),
-    }
-
-
-def ft_line(job: LocalJob, s: dict[str, Any]) -> str:
-    what = f"{s['steps']} steps"
-    if job.cfg.diloco is not None:
-        what = f"{s['steps']} DiLoCo rounds ({s['steps'] * job.cfg.diloco.sync_every} inner steps)"
-    ctl = _controller_restarts(s)
-    return (
-        f"job {s['job']}: {what} committed in {s['wall_s']:.1f} s, final loss "
-        f"{_f(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s){ctl}; "
-        f"longest gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: "
-        f"{s['run_dir']}" + (f". FAILED: {s['error']}" if s["error"] else "")
-    )
-
-
-def _controller_restarts(s: dict[str, Any]) -> str:
-    n = s.get("controller_restarts", 0)
-    return f", controller restarted {n} time(s)" if n else ""
-
-
-def rl_summary(job: LocalJob) -> dict[str, Any]:
-    reps = job.all_replicas()
-    poller = job.poller
-    st = poller.latest if poller is not None else None
-    rl = st.rl if st is not None else None
-    hit = poller.target_hit if poller else None
-    best = poller.best if poller else None
-    best_r = poller.best_reward if poller else None
-    last = rl.last if rl is not None else None
-    syncs, sync_ms = sync_stats(reps)
-    return {
-        "event": "summary",
-        "job": job.cfg.job.id,
-        "ok": job.error is None and rl is not None and rl.finished,
-        "error": job.error,
-        "target": job.cfg.rl.loop.target_exact_match if job.cfg.rl else None,
-        "target_reward": job.cfg.rl.loop.target_reward if job.cfg.rl else None,
-        "reached": hit is not None,
-        "reached_metric": poller.target_metric if poller and hit else None,
-        "seconds_to_target": round(hit.at - job.started_wall, 2) if hit else None,
-        "target_batch": hit.batch if hit else None,
-        "target_step": hit.step if hit else None,
-        "steps": rl.policy_step if rl else 0,
-        "batches": last.batch + 1 if last else 0,
-        "exact_match_avg": last.exact_match_avg if last else None,
-        "reward_avg": last.reward_avg if last else None,
-        "best_exact_match_avg": best.exact_match_avg if best else None,
-        "best_reward_avg": best_r.reward_avg if best_r else None,
-        "prompts": rl.prompts.issued if rl else 0,
-        "trained": rl.rollouts.trained if rl else 0,
-        "discarded": dict(rl.rollouts.discarded) if rl else {},
-        "duplicates": rl.rollouts.duplicates_dropped if rl else 0,
-        "ledger_ok": rl.ok if rl else None,
-        "kills": sum(r.kills for r in reps),
-        "heals": sum(r.heals for r in reps),
-        "restarts": sum(max(0, r.starts - 1) for r in reps),
-        "controller_restarts": job.controller.restarts if job.controller else 0,
-        "syncs": syncs,
-        "sync_ms_mean": sync_ms,
-        "replicas": {role: sum(1 for r in reps if r.role == role) for role in job.cfg.roles},
-        "wall_s": round(time.monotonic() - job.started, 2),
-        "run_dir": str(job.run_dir),
-    }
-
-
-def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
-    targets = {"exact match": s["target"], "reward": s.get("target_reward")}
-    if s["reached"]:
-        metric = s.get("reached_metric") or "exact match"
-        head = (
-            f"{metric} {targets[metric]} reached at batch {s['target_batch']} (step "
-            f"{s['target_step']}) in {s['seconds_to_target']:.1f} s"
-        )
-    elif any(v is not None for v in targets.values()):
-        best = {"exact match": s["best_exact_match_avg"], "reward": s.get("best_reward_avg")}
-        set_ = [k for k, v in targets.items() if v is not None]
-        head = (
-            f"{' or '.join(f'{k} {targets[k]}' for k in set_)} not reached in {s['batches']} "
-            f"batches (best trailing mean {', '.join(f'{k} {_f(best[k])}' for k in set_)}) "
-            f"after {s['wall_s']:.1f} s"
-        )
-    else:
-        head = (
-            f"{s['batches']} batches trained in {s['wall_s']:.1f} s, trailing exact match "
-            f"{_f(s['exact_match_avg'])}"
-        )
-    discarded = sum(s["discarded"].values())
-    sync = f"syncs {s['syncs']}" + (
-        f" (mean {s['sync_ms_mean']:.1f} ms)" if s["sync_ms_mean"] is not None else ""
-    )
-    tail = "" if s["ledger_ok"] in (True, None) else "; LEDGER UNBALANCED"
-    if s["error"]:
-        tail += f". FAILED: {s['error']}"
-    return (
-        f"job {s['job']}: {head}; prompts {s['prompts']}, rollouts trained {s['trained']}, "
-        f"discarded {discarded} ({_discards(s['discarded'])}); {s['kills']} replica(s) killed, "
-        f"{s['heals']} heal(s){_controller_restarts(s)}, {sync}. Logs: {s['run_dir']}{tail}"
-    )
-
-
 def status_text(st: Status) -> str:
     """``phalanx status`` without ``--json``: a few lines a person can read at a glance."""
     lines = [f"job {st.job_id} (controller epoch {st.epoch})"]
@@ -394,6 +258,17 @@ def status_text(st: Status) -> str:
             + (f", {suspects} suspect" if suspects else "")
             + (f", step {info.step}, quorum {info.quorum_id}" if quorate else "")
         )
+    for role, info in st.roles.items():
+        for rb in info.rollbacks[-3:]:
+            lines.append(
+                f"  {role} ROLLED BACK from step {rb.from_step} to step {rb.to_step}"
+                + (
+                    f": {rb.batches} batches, {rb.prompts} prompts issued again"
+                    if rb.batches is not None
+                    else ""
+                )
+                + " (no replica and no checkpoint held it)"
+            )
     ck = st.checkpoints.latest
     if ck is not None:
         lines.append(
@@ -415,7 +290,7 @@ def status_text(st: Status) -> str:
         lines.append(
             f"  rollouts: accepted {ro.accepted} = pending {ro.pending} + batched "
             f"{ro.batched} + trained {ro.trained} + discarded "
-            f"{sum(ro.discarded.values())} ({_discards(ro.discarded)}); duplicates "
+            f"{sum(ro.discarded.values())} ({discard_text(ro.discarded)}); duplicates "
             f"dropped {ro.duplicates_dropped}; ledger " + ("balanced" if rl.ok else "UNBALANCED")
         )
         last = rl.last
@@ -429,7 +304,7 @@ def status_text(st: Status) -> str:
         lines.append(
             f"  queue {name}: pending {q.pending} (leased {q.leased}), put {q.put}, "
             f"acked {q.acked}, discarded {sum(q.discarded.values())} "
-            f"({_discards(q.discarded)}), corrupt {q.corrupt}, duplicates dropped "
+            f"({discard_text(q.discarded)}), corrupt {q.corrupt}, duplicates dropped "
             f"{q.duplicates}"
         )
     return "\n".join(lines)

@@ -30,6 +30,14 @@ def _count(role: RoleState) -> int:
     return len(role.member_ids)
 
 
+def _rollbacks(role: RoleState) -> int:
+    return len(role.rollbacks)
+
+
+def _rolled_back_steps(role: RoleState) -> int:
+    return sum(rb["from_step"] - rb["to_step"] for rb in role.rollbacks)
+
+
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
@@ -204,10 +212,25 @@ class Metrics:
         replicas = Gauge("phalanx_replicas", "Live replicas.", ["role"], registry=r)
         quorum_id = Gauge("phalanx_quorum_id", "Current quorum id.", ["role"], registry=r)
         step = Gauge("phalanx_step", "Highest committed step seen.", ["role"], registry=r)
+        rollbacks = Gauge(
+            "phalanx_rollbacks",
+            "Explicit rollbacks of the role's step: no replica and no checkpoint held it "
+            "(journaled, the last 64).",
+            ["role"],
+            registry=r,
+        )
+        rolled_back = Gauge(
+            "phalanx_rolled_back_steps",
+            "Committed steps those rollbacks took back (trained again).",
+            ["role"],
+            registry=r,
+        )
         epoch = Gauge("phalanx_controller_epoch", "Controller epoch.", registry=r)
         epoch.set_function(lambda: service.state.epoch)
         for role in service.state.roles.values():
             replicas.labels(role.name).set_function(partial(_count, role))
             quorum_id.labels(role.name).set_function(partial(getattr, role, "quorum_id"))
             step.labels(role.name).set_function(partial(getattr, role, "step"))
+            rollbacks.labels(role.name).set_function(partial(_rollbacks, role))
+            rolled_back.labels(role.name).set_function(partial(_rolled_back_steps, role))
         r.register(OverviewCollector(service))

@@ -19,10 +19,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.config import JobConfig
+from phalanx.controller.core import shapes
 from phalanx.controller.core.state import ControllerState, Tick
 from phalanx.controller.journal import Journal
 from phalanx.controller.metrics import Metrics
 from phalanx.controller.payloads import PayloadLog
+from phalanx.controller.statedir import CannotStart
 from phalanx.net import connect
 from phalanx.transport.base import store_name
 
@@ -61,9 +63,17 @@ class ControllerService:
         """Drops payloads from a rollout store outside the controller (None: the
         controller's own payload log is the store)."""
         payloads.load()
+        tables = journal.load()
+        try:
+            shapes.check(tables)
+        except shapes.BadRecord as e:
+            raise CannotStart(
+                f"journal {journal.path} is damaged: {e}. Restore the journal from a backup, "
+                "or start with --fresh to set it aside and begin the job again at epoch 1."
+            ) from None
         self.state = ControllerState.restore(
             cfg,
-            journal.load(),
+            tables,
             clock(),
             run=uuid.uuid4().hex[:12],
             payload_of=payloads.get,

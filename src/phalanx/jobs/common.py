@@ -38,9 +38,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx.train")
 
 
-def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors under stable names (for comparing replicas)."""
+def flat_state(manager: Manager, optimizer: bool = True) -> dict[str, torch.Tensor]:
+    """Model and (with ``optimizer``) optimizer tensors under stable names (for
+    comparing replicas)."""
     out = {f"model.{k}": v.detach().clone() for k, v in manager.model.state_dict().items()}
+    if not optimizer:
+        return out
     for pid, st in manager.optimizer.state_dict()["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
@@ -48,12 +51,14 @@ def flat_state(manager: Manager) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_final(path: Path, manager: Manager) -> None:
+def save_final(path: Path, manager: Manager, optimizer: bool = True) -> None:
+    """The final state as one safetensors file: the same bytes on every replica that
+    holds the job's last step (each replica of one job writes its own)."""
     from phalanx.tensorfile import save_file
 
     cursor = manager.sampler.cursor if manager.sampler is not None else 0
     meta = {"step": str(manager.step), "cursor": str(cursor)}
-    save_file(flat_state(manager), path, metadata=meta)
+    save_file(flat_state(manager, optimizer), path, metadata=meta)
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -87,14 +92,39 @@ def keep_freed_memory() -> bool:
 
 def register(client: ControllerClient) -> None:
     """Register ``client``; a replica whose layout the controller refuses (it spans
-    another number of ranks than the role's live replicas), or whose advertised
-    address it cannot connect to, cannot run: JobError, in the controller's one line."""
+    another number of ranks than the role's live replicas), whose advertised address it
+    cannot connect to, or whose checkpoint root is not its peers', cannot run:
+    JobError, in the controller's one line."""
+    refusals = ("ranks", "address", "state_root")
     try:
         client.register()
     except Rejected as e:
-        if e.status in (409, 422) and any(f.field in ("ranks", "address") for f in e.body.fields):
+        if e.status in (409, 422) and any(f.field in refusals for f in e.body.fields):
             raise JobError(f"the controller refused this replica: {e.body.error}") from e
         raise
+
+
+def use_root(
+    client: ControllerClient,
+    url: str | None,
+    *,
+    what: str,
+    storage_options: dict[str, Any] | None = None,
+    resume: bool = True,
+) -> None:
+    """Give ``client`` (before it registers) the checkpoint root ``url`` it saves to,
+    named by ``what`` in errors, with the newest step it can resume from there
+    (:mod:`phalanx.checkpoint.root`). None or '': no root. JobError in one line when
+    the root cannot be written."""
+    if not url:
+        return
+    from phalanx.checkpoint.root import RootError, identify
+
+    try:
+        root = identify(url, what=what, storage_options=storage_options, resume=resume)
+    except RootError as e:
+        raise JobError(str(e)) from None
+    client.set_root(root.url, root.root_id, root.latest)
 
 
 def make_checkpointer(cfg: JobConfig, client: ControllerClient) -> Checkpointer | None:
@@ -196,6 +226,14 @@ def setup_replica(
     torch.set_num_threads(tc.threads)
     store, address = serve_store()
     client = ControllerClient(controller, "policy", name, address=address)
+    cc = cfg.checkpoint
+    use_root(
+        client,
+        cc.url,
+        what="checkpoint.url",
+        storage_options=cc.storage_options,
+        resume=cc.resume,
+    )
     register(client)
     job_step = client.status().role_step("policy")
     total = cfg.job_steps
@@ -240,9 +278,12 @@ def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
     )
 
 
-def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
+def finish_replica(
+    cfg: JobConfig, s: ReplicaSetup, out: Path | None, optimizer: bool = True
+) -> None:
     """End of the job: the last step durable in a checkpoint, the final state
-    written, ``done`` printed."""
+    written (without the optimizer's when it is each replica's own: DiLoCo's inner
+    optimizer), ``done`` printed."""
     if s.ckpt is not None:
         # The last step is always durable before ``done``: a save in flight
         # (the final step may be a multiple of every_steps) is waited for.
@@ -250,7 +291,7 @@ def finish_replica(cfg: JobConfig, s: ReplicaSetup, out: Path | None) -> None:
         if s.saved != s.manager.step:
             save_checkpoint(s.ckpt, cfg, s.manager, final=True)
     if out is not None:
-        save_final(out, s.manager)
+        save_final(out, s.manager, optimizer)
     emit(
         {
             "event": "done",

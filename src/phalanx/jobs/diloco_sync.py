@@ -25,8 +25,8 @@ from phalanx.jobs.common import (
     setup_replica,
     start_checkpoints,
 )
+from phalanx.train.base import JobFinished
 from phalanx.train.diloco_sync import SyncDiLoCo
-from phalanx.train.manager import JobFinished
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -79,7 +79,9 @@ def run(args: ReplicaArgs) -> int:
             )
             if after_commit(cfg, s, r.round):
                 return 0
-        finish_replica(cfg, s, args.out)
+        # The final file is the job's output: θ_global, the same on every replica. The
+        # inner optimizer's state is each replica's own (it saw its own data).
+        finish_replica(cfg, s, args.out, optimizer=False)
     finally:
         close_replica(s)
     return 0

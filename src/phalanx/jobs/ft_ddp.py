@@ -25,7 +25,7 @@ from phalanx.jobs.common import (
     start_checkpoints,
     state_hash,
 )
-from phalanx.train.manager import JobFinished
+from phalanx.train.base import JobFinished
 
 log = logging.getLogger("phalanx.train")
 

@@ -42,9 +42,11 @@ from phalanx.jobs.common import (
     make_checkpointer,
     resume,
     save_checkpoint,
+    use_root,
 )
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
+from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import (
     HSDPManager,
     LayoutMismatch,
@@ -52,7 +54,6 @@ from phalanx.train.hsdp import (
     ReplicaRanks,
     local,
 )
-from phalanx.train.manager import JobFinished
 from phalanx.train.orders import Orders
 from phalanx.train.shards import shard_model
 
@@ -92,6 +93,13 @@ def run(args: ReplicaArgs) -> int:
         args.name,
         ranks,
         lambda c: {"job_step": c.status().role_step("policy")},
+        lambda c: use_root(
+            c,
+            cfg.checkpoint.url,
+            what="checkpoint.url",
+            storage_options=cfg.checkpoint.storage_options,
+            resume=cfg.checkpoint.resume,
+        ),
     )
     job_step = int(facts["job_step"])
     total = cfg.job_steps

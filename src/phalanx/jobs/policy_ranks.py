@@ -20,7 +20,9 @@ carries it out on every rank:
 - ``batch`` and ``rows``: the step's rollouts, read by the leader (from the
   controller or the rollout store), so that every rank trains its part of
   the same rows; ``abstain`` when some could not be read;
-- ``finished`` and ``drain``: every rank leaves the loop at the same step.
+- ``finished``, ``at_end`` and ``drain``: every rank leaves the loop at the same
+  step (``at_end``: the job's last step is reached; the replica waits for a save
+  to hold it, :mod:`phalanx.jobs.policy_end`).
 
 A replica of one rank (:class:`~phalanx.jobs.replica_ranks.OneRank`) broadcasts nothing: ``agree`` only
 carries the plan out.
@@ -62,6 +64,8 @@ class Plan:
     rows: Rows = field(default_factory=list)
     abstain: str | None = None
     drain: bool = False
+    at_end: bool = False
+    """The job's last step is reached: train no more (:mod:`phalanx.jobs.policy_end`)."""
     more: bool = False
     """(closing) a save was started: the ranks meet again once it is waited for."""
 
@@ -74,6 +78,7 @@ class Plan:
             "rows": [[i, p.model_dump_json()] for i, p in self.rows],
             "abstain": self.abstain,
             "drain": self.drain,
+            "at_end": self.at_end,
             "more": self.more,
         }
 
@@ -87,6 +92,7 @@ class Plan:
             rows=[(int(i), RolloutPayload.model_validate_json(p)) for i, p in d["rows"]],
             abstain=d["abstain"],
             drain=bool(d["drain"]),
+            at_end=bool(d["at_end"]),
             more=bool(d["more"]),
         )
 
@@ -197,6 +203,8 @@ class Coordinator:
         p = Plan(**fields)
         for r in replies:
             p.finished = p.finished or bool(r.finished)
+            final = r.final_step
+            p.at_end = p.at_end or (final is not None and self.manager.step >= final)
             if r.sync is not None:
                 p.sync = r.sync
         p.save = self.acks.take_started()

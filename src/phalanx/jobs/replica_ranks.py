@@ -62,13 +62,16 @@ def register_ranks(
     name: str,
     ranks: OneRank | ReplicaRanks,
     facts: Callable[[ControllerClient], dict[str, Any]],
+    root: Callable[[ControllerClient], None] | None = None,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Rank 0 registers the replica (with its number of ranks) and tells every rank
     the replica's id and ``facts(client)`` (what each rank must know before it
-    starts: e.g. whether the job is already finished). Returns (client, store,
-    facts): the client is a :class:`RankClient` on the other ranks, which never
-    talk to the controller, and the store only rank 0's. A refused registration
-    raises JobError on every rank."""
+    starts: e.g. whether the job is already finished). ``root(client)`` gives the
+    client its checkpoint root first (:func:`~phalanx.jobs.common.use_root`).
+    Returns (client, store, facts): the client is a :class:`RankClient` on the other
+    ranks, which never talk to the controller, and the store only rank 0's. A
+    refused registration (or a root that cannot be used) raises JobError on every
+    rank."""
     if not ranks.leader:
         msg = ranks.broadcast_json()
         if "refused" in msg:
@@ -80,6 +83,8 @@ def register_ranks(
     store, address = serve_store()
     client = ControllerClient(controller, role, name, address=address, ranks=ranks.size)
     try:
+        if root is not None:
+            root(client)
         register(client)
     except JobError as e:  # refused: every rank says so and stops
         ranks.broadcast_json({"refused": str(e)})

@@ -58,8 +58,9 @@ import torch.distributed as dist
 from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.config.rl import RLConfig
+from phalanx.jobs import policy_end
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume
+from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume, use_root
 from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_optimizer_state, full_weights
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.log import ReplicaLogger
@@ -70,6 +71,7 @@ from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
+from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
@@ -157,7 +159,12 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     rl, g = cfg.rl, cfg.rl.grpo
     lead = ranks.leader
     client, store, facts = register_ranks(
-        str(args.controller), "policy", args.name, ranks, _finished
+        str(args.controller),
+        "policy",
+        args.name,
+        ranks,
+        _finished,
+        lambda c: use_root(c, str(state) if state is not None else None, what="--state"),
     )
     finished = bool(facts["finished"])
     if finished:
@@ -224,20 +231,28 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
             }
         )
     orders = Orders(client, kinds=("drain",)) if lead else None
-    drained = False
+    drained = at_end = behind = False
     batch: Batch | None = None  # (the leader's: the ledger's summary of the rows)
     index: int | None = None
     rows: Rows = []
     try:
-        while not finished and not drained:
+        while not finished and not drained and not at_end:
             try:
                 manager.start_quorum()
                 q = manager.wait_quorum()
             except QuorumTimeout as e:
                 rlog.warning("%s; asking again", e)
                 continue
+            except JobFinished as e:  # behind a finished job, with no peer to heal from
+                rlog.info("%s; nothing left to do", e)
+                acks.stop_saving()
+                finished = behind = True
+                break
             healed = client.replica_id in q.heal
-            finished = coord.agree(coord.plan(acks.poll()) if lead else None).finished or finished
+            top = coord.agree(coord.plan(acks.poll()) if lead else None)
+            finished, at_end = top.finished or finished, top.at_end or at_end
+            if at_end:
+                break
             manager.grads.zero()
             t0 = time.perf_counter()
             if index is None or index != manager.step // g.inner_epochs:
@@ -260,7 +275,9 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                                 client.lost_payloads(lost)
                                 plan.abstain = f"{len(lost)} payload(s) of batch {batch.index} lost"
                     plan = coord.agree(plan)
-                    finished = plan.finished or finished
+                    finished, at_end = plan.finished or finished, plan.at_end or at_end
+                    if at_end:
+                        break  # the job's last step: no batch past it
                     index, rows = plan.batch, plan.rows
                     if plan.abstain is not None:
                         manager.abstain(plan.abstain)
@@ -305,6 +322,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                         plan.drain = orders.drain
                 plan = coord.agree(plan)
                 finished, drained = plan.finished or finished, plan.drain
+                at_end = plan.at_end or at_end
             t3 = time.perf_counter()
             if not lead:
                 continue
@@ -350,12 +368,17 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "t": time.time(),
                 }
             )
+        if at_end and not finished and not drained:
+            finished = True
+            behind = not policy_end.finish(coord, manager, acks, client)
         finished = coord.close() or finished
         if weights is not None and weights.pending is not None:
             # A drained leader too: the rollout replicas of its last sync wait for it.
             weights.pending.result(timeout=rl.loop.sync_timeout_s * 2)
         if drained:
             rlog.info("drained at step %d: leaving the job", manager.step)
+        elif behind:
+            rlog.info("the job finished at a later step than this replica's: no final file")
         elif out is not None:
             whole = full_weights(model, keep=lead)  # (collectives when sharded)
             optim = full_optimizer_state(opt, keep=lead)
@@ -370,6 +393,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "step": manager.step,
                     "heals": manager.heals,
                     **({"drained": True} if drained else {}),
+                    **({"finished_elsewhere": True} if behind else {}),
                 }
             )
     finally:

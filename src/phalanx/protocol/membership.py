@@ -33,6 +33,17 @@ class RegisterReq(Wire):
     """Processes (ranks) the replica spans."""
     address: Address = ""
     capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)] = {}
+    step: Count = 0
+    """The newest committed step this replica holds, or that its checkpoint root can
+    load (a restarting replica reads its root before it joins): a quorum whose newest
+    step is behind the job's waits for it instead of rolling the job back."""
+    state_root: Annotated[str, Field(max_length=4096)] = ""
+    """The checkpoint root this replica saves to and resumes from ('' for none). Every
+    live replica of a role must name the same one: a batch is durable only once a save
+    holding it commits where every later restart of the role will read it."""
+    root_id: Annotated[str, Field(max_length=64)] = ""
+    """The id in the root's marker file (:mod:`phalanx.checkpoint.root`): the same path
+    on two hosts' local disks is two roots, which the same string would hide."""
 
 
 class RegisterReply(Reply):
@@ -119,8 +130,17 @@ class Quorum(Wire):
     """Lagging replica id -> the up-to-date replica id that heals it."""
     formed_at: Wall
     job_step: Count = 0
-    """Highest step the role ever committed (survives restarts). A quorum whose
-    ``max_step`` is below it means no live replica holds the job's latest state."""
+    """Highest step the role committed (survives restarts; it goes back only with an
+    explicit rollback). ``max_step`` below it: the job finished at ``final_step`` and
+    this quorum's replicas are behind it (they have nothing left to train)."""
+    final_step: Count | None = None
+    """The job's last step, once known (the FT job's configured steps; the RL job's
+    once its ledger decided it): a replica behind it, with no peer that holds it in
+    the quorum, stops instead of training the finished job again."""
+    rolled_back_from: Count | None = None
+    """Set on the quorum that rolled the job back: no live replica and no checkpoint
+    held the job's step, which went back from this to ``max_step`` (journaled as a
+    ``rollback`` event, and followed by the RL ledger)."""
 
     @property
     def replica_ids(self) -> list[str]:

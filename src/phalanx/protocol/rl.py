@@ -254,6 +254,11 @@ class BatchLeaseReply(Reply):
     batch: Batch | None = None
     sync: SyncOrder | None = None
     finished: bool
+    """The job's last step is durable: every policy replica leaves."""
+    final_step: Count | None = None
+    """The job's last step, once the ledger decided it (its last batch, or the reward
+    target reached, as of a commit): a replica at it trains no more, and waits for a
+    save to hold it (``finished``)."""
 
 
 Rate = Annotated[float, Field(ge=0, le=1e15)]
@@ -294,6 +299,8 @@ class BatchAckReq(Wire):
 class BatchAckReply(Reply):
     sync: SyncOrder | None = None
     finished: bool
+    final_step: Count | None = None
+    """As in :class:`BatchLeaseReply`."""
 
 
 class LostRollout(Wire):

@@ -60,6 +60,8 @@ class MemberStatus(Wire):
     capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)]
     registered_at: Wall
     step: Count
+    state_root: Annotated[str, Field(max_length=4096)] = ""
+    root_id: Annotated[str, Field(max_length=64)] = ""
     last_request_id: Annotated[str, Field(max_length=64)] | None
     last_round: Count | None
     active_at: Wall | None
@@ -68,11 +70,28 @@ class MemberStatus(Wire):
     commands_pending: Count
 
 
+class Rollback(Wire):
+    """The job's step went back: no live replica and no checkpoint held it any more."""
+
+    quorum_id: Count
+    """The quorum that rolled back: a state committed in an older one past ``to_step``
+    is of the abandoned branch."""
+    from_step: Count
+    to_step: Count
+    at: Wall
+    batches: Count | None = None
+    """RL: the trained batches the lineage lost (None: a training job, no ledger)."""
+    prompts: Count | None = None
+    """RL: the prompts of those batches, issued again."""
+
+
 class RoleStatus(Wire):
     quorum_id: Count
     round: Count
     step: Count
     force_bump: bool
+    rollbacks: Annotated[list[Rollback], Field(max_length=64)] = []
+    """The role's explicit rollbacks, oldest first (the last 64)."""
     config: RoleRules
     pending: Ids
     """Replicas waiting for the next quorum."""
@@ -166,6 +185,9 @@ class LedgerStatus(Wire):
     run: Annotated[str, Field(max_length=64)]
     leased_by: Annotated[dict[ReplicaId, Count], Many]
     finished: bool
+    """The job's last step is durable (a committed save holds it)."""
+    final_step: Count | None = None
+    """The job's last step, once a commit decided it (finished once it is durable)."""
     last: BatchRecord | None
     history: Annotated[list[BatchRecord], Field(max_length=10_000)]
     weights: WeightsStatus

@@ -114,6 +114,25 @@ class DurableAcks:
                     log.error("could not start the checkpoint of step %d: %s", m.step, e)
         return replies
 
+    def finish(self, manager: Manager) -> list[BatchAckReply]:
+        """The job's last step is reached and not yet durable (called at each round of
+        the end, :mod:`phalanx.jobs.policy_end`): on the quorum's rank 0, make sure a
+        save holds it, polling the one in flight or starting one. A replica that
+        became rank 0 since (the saver died) saves it itself. Returns the replies of
+        the acks sent."""
+        if self.ckpt is None or manager.rank != 0:
+            return []
+        self.manager = manager
+        if manager.step > self.durable and self.saving != manager.step:
+            self.behind = True
+        return self.poll()
+
+    def stop_saving(self) -> None:
+        """This replica's state is behind the job's (it finished elsewhere): no save
+        starts any more, so that the root's newest checkpoint stays the job's. A save
+        in flight is still waited for at :meth:`close`."""
+        self.behind = False
+
     def take_started(self) -> int | None:
         """The step of the save started since the last call, if any (cleared)."""
         started, self.started = self.started, None

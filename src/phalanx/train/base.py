@@ -42,3 +42,9 @@ class JobFinished(RuntimeError):
 class NonFiniteGradient(RuntimeError):
     """A step's gradient held a NaN or an Inf in every attempt: an exact reduction
     cannot sum it, and retrying the same samples on the same model will not help."""
+
+
+class BranchAbandoned(RuntimeError):
+    """This replica's state is of a branch the job rolled back (the controller refused
+    its quorum request): it must restart, to resume from the checkpoint root or heal
+    from a peer. The process exits (status 1) and its launcher starts it again."""

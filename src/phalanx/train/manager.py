@@ -31,17 +31,18 @@ from typing import Any
 
 import torch
 
-from phalanx.client import ControllerClient, QuorumTimeout
+from phalanx.client import ControllerClient, QuorumTimeout, Rejected
 from phalanx.comm.base import CommError, Communicator
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.net import unreachable, wait_for_most
 from phalanx.protocol.membership import Quorum
-from phalanx.train.base import Compute, JobFinished, StepResult
+from phalanx.train.base import Compute, StepResult
 from phalanx.train.batch import micro_batches
 from phalanx.train.exact_grads import ExactGrads, ExactShardedGrads
 from phalanx.train.grads import GradBuffer
 from phalanx.train.heal import PrefaultedBuffer, heal_in_quorum, prefault_if_joining
+from phalanx.train.lineage import abandoned, check_quorum
 from phalanx.train.rng import rng_state, set_rng_state
 from phalanx.train.share import Accumulator
 
@@ -195,22 +196,7 @@ class Manager:
         me, inc = self._identity()
         self.quorum = q
         self._ok, self._error, self._abstained = True, None, None
-        if self.total_steps is not None and q.job_step >= self.total_steps > q.max_step:
-            # The job ended (its last step committed by replicas that left)
-            # while this one waited: training from its own older state would
-            # redo finished steps, alone.
-            raise JobFinished(
-                f"the job committed its {self.total_steps} steps while this replica waited "
-                f"for a quorum (the quorum's newest step is {q.max_step})"
-            )
-        if q.max_step < q.job_step and self.step == q.max_step:
-            self.log.error(
-                "no live replica holds the job's step %d (the quorum's newest is %d): that "
-                "state was lost with its replicas; going on from step %d",
-                q.job_step,
-                q.max_step,
-                q.max_step,
-            )
+        check_quorum(q, self.total_steps, self.log)
         if me not in q.replica_ids:
             # Evicted (e.g. SIGSTOPped past the timeouts) while the request was in
             # flight: the client re-registered, and this quorum was formed for the
@@ -269,10 +255,14 @@ class Manager:
         return self.client.quorum(step, self.quorum_timeout_s, self.lineage)
 
     def _take_quorum(self) -> Quorum:
-        """The quorum asked for by :meth:`start_quorum` (waits for it)."""
+        """The quorum asked for by :meth:`start_quorum` (waits for it). Raises
+        :class:`~phalanx.train.base.BranchAbandoned` when the controller refused this
+        replica's state as one of a branch the job rolled back."""
         assert self._pending is not None
         try:
             return self._pending.result()
+        except Rejected as e:
+            raise abandoned(e) or e from None
         finally:
             self._pending = None
 

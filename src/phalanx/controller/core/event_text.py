@@ -23,6 +23,7 @@ EVENT_TEXT = {
     "scale": "scale {role} to {replicas}",
     "drain": "drain {who}",
     "rl_finished": "RL job finished",
+    "rl_final_step": "RL job's last step is {step} (batch {batch}): finished once a save holds it",
     "journal_record_dropped": "journal record {table}/{key} dropped at restart: {reason}",
 }
 """Timeline events said in one line from their fields."""
@@ -63,6 +64,11 @@ def _describe(e: dict[str, Any], k: str, who: str) -> str:
             for r in e.get("recovered", [])
         ]
         return ", ".join(parts)
+    if k == "rollback":
+        text = f"rolled back from step {e['from_step']} to step {e['to_step']}"
+        if "batches" in e:
+            text += f": {e['batches']} batches, {e['prompts']} prompts issued again"
+        return text + (f" ({e['reason']})" if e.get("reason") else "")
     if k == "checkpoint":
         return f"checkpoint of step {e['step']} at {e['url']} ({e['nbytes'] / 1e6:.1f} MB)"
     if k == "sync_done":

@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.config import JobConfig
 from phalanx.controller.core.base import ChangeLog, Conflict, StateError, UnknownReplica
+from phalanx.controller.core.overview import detector_of
 from phalanx.controller.core.records import Member, RoleState, save_role
 
 
@@ -85,9 +86,14 @@ class Membership:
         ranks: int,
         address: str,
         capabilities: dict[str, Any],
+        step: int = 0,
+        state_root: str = "",
+        root_id: str = "",
     ) -> tuple[Member, str | None]:
         """Add a replica; returns it and the live older incarnation of the same role
-        and name, which the caller must evict."""
+        and name, which the caller must evict. ``step``: what it holds or its root can
+        load; ``state_root``/``root_id``: the checkpoint root it saves to, which must be
+        its live peers' (:meth:`_check_root`)."""
         rs = self.role(role)
         rid = f"{name}:{incarnation}"
         # Checked before anything changes: a reused id must be refused without side
@@ -108,18 +114,75 @@ class Membership:
                 "checkpoint, resharded)",
                 field="ranks",
             )
-        m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall)
+        self._check_root(rs, name, old, state_root, root_id)
+        m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall, step=step)
+        m.state_root, m.root_id = state_root, root_id
         m.last_seen = now
         cut = self._cut_off.pop((role, name), None)
         if cut is not None and now - cut < self.cfg.timeouts.quorum_s:
             self.cut_off.add(rid)
         return m, old
 
+    def _check_root(
+        self, rs: RoleState, name: str, old: str | None, root: str, root_id: str
+    ) -> None:
+        """Refuse a replica whose checkpoint root is not its live peers' (the old
+        incarnation of the same name aside). One root per role is what makes "durable"
+        mean something: the ledger drops a batch once a save holding it commits, and
+        only a root every later restart reads keeps that save. Replicas with roots of
+        their own (local disks of two hosts) each resume from their own, older save
+        when the other's is newer: the job silently went back, and the ledger counted
+        both branches as trained (issue 34). A root shared at last restart is not
+        pinned: with no live peer, a replica may bring another (the job then waits for,
+        or explicitly rolls back to, what that root holds)."""
+        for rid in sorted(rs.member_ids):
+            peer = self.members[rid]
+            if rid == old or (peer.state_root, peer.root_id) == (root, root_id):
+                continue
+            if peer.state_root != root:
+                got = f"{root or 'none'} on {name} and {peer.state_root or 'none'} on {peer.name}"
+                why = ""
+            else:
+                got = f"{root} on {name} is not the root {peer.name} writes"
+                why = " (its marker file holds another id: the same path on another host's disk?)"
+            raise Conflict(
+                f"{rs.name} replicas must share one state root: got {got}{why}. Start "
+                f"every {rs.name} replica with the same root, on storage they all reach "
+                "(a shared filesystem or a storage URL), so that any restart resumes from "
+                "the newest save.",
+                field="state_root",
+            )
+
     def admit(self, m: Member, wall: float) -> None:
         """Record a member made by :meth:`add` (after its old incarnation left)."""
         self._add(m)
         self.log.put("members", m.replica_id, m.record())
         self.log.event("join", wall, role=m.role, replica_id=m.replica_id)
+
+    def evict(self, replica_id: str, reason: str, now: float, wall: float) -> Member:
+        """Remove a member for ``reason``: the ``evict`` event, and, unless it left or an
+        operator evicted it, a failure record that the role's next quorum reports the
+        recovery time of. Returns the removed member."""
+        m = self.remove(replica_id)
+        # When it failed, as the controller can tell: suspected, else last seen, else now.
+        detector = detector_of(reason)
+        since = m.suspect_since if m.suspect_since is not None else m.last_seen
+        failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
+        if detector not in ("left", "operator"):
+            self.roles[m.role].failures.append(
+                {"replica_id": replica_id, "detector": detector, "failed_at": failed_at}
+            )
+        self.log.event(
+            "evict",
+            wall,
+            role=m.role,
+            replica_id=replica_id,
+            reason=reason,
+            detector=detector,
+            failed_at=round(failed_at, 3),
+            uptime_s=round(wall - m.registered_at, 3),
+        )
+        return m
 
     def save(self, m: Member) -> None:
         self.log.put("members", m.replica_id, m.record())

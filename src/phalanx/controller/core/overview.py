@@ -46,7 +46,9 @@ TIMELINE_KINDS = (
     "sync_short",
     "scale",
     "drain",
+    "rl_final_step",
     "rl_finished",
+    "rollback",
     "journal_record_dropped",
 )
 DETECTORS = ("failure_report", "heartbeat", "disconnect", "agent", "replaced", "operator", "left")

@@ -6,15 +6,33 @@ the same answer. ``quorum_id`` changes iff the membership changed or a commit
 failed, so that the participants know when to rebuild their process group;
 replicas behind the quorum's ``max_step`` are each assigned an up-to-date peer
 to heal from (DESIGN.md, Main flows).
+
+**The role's step never goes back by accident.** A round whose newest step is
+behind the role's committed step (every replica that held it is gone, or
+restarting) waits up to ``timeouts.lost_step_wait_s`` for a replica that holds
+it, a restarting one whose checkpoint root can load it included (it says so
+when it registers). Only then does it form, as an explicit *rollback*: a new
+``quorum_id``, a ``rollback`` event, and the hook that makes the RL ledger
+follow. A state committed before that quorum past the step rolled back to is of
+the abandoned branch (:meth:`RoleState.orphaned`): a replica that asks with
+one is refused, so that it restarts from the checkpoint root or heals.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from phalanx.controller.core.base import ChangeLog
+from phalanx.controller.core.base import ChangeLog, Conflict
 from phalanx.controller.core.membership import Membership
-from phalanx.controller.core.records import Member, Pending, RoleState, quorum_of, save_role
+from phalanx.controller.core.records import (
+    ROLLBACKS_KEPT,
+    Member,
+    Pending,
+    RoleState,
+    quorum_of,
+    save_role,
+)
+from phalanx.controller.core.steps import StepRules
 from phalanx.protocol.membership import Quorum, QuorumMember
 
 QUORUM_HISTORY = 8
@@ -22,8 +40,15 @@ QUORUM_HISTORY = 8
 
 
 class Quorums:
-    def __init__(self, log: ChangeLog, roles: dict[str, RoleState], members: Membership):
+    def __init__(
+        self,
+        log: ChangeLog,
+        roles: dict[str, RoleState],
+        members: Membership,
+        rules: StepRules | None = None,
+    ):
         self.log, self.roles, self.members = log, roles, members
+        self.rules = rules or StepRules()
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
         meta = tables.get("meta", {})
@@ -32,6 +57,7 @@ class Quorums:
             if m:
                 role.quorum_id, role.round = m["quorum_id"], m["round"]
                 role.step, role.force_bump = m["step"], m["force_bump"]
+                role.rollbacks = list(m.get("rollbacks", []))
         for key in sorted(tables.get("quorums", {})):
             q = quorum_of(tables["quorums"][key])
             if q.role in self.roles:
@@ -55,6 +81,16 @@ class Quorums:
         if done is not None:
             return done, None
         rs = self.roles[m.role]
+        rb = rs.orphaned(step, lineage) if self.rules.guarded(rs) else None
+        if rb is not None:
+            raise Conflict(
+                f"this replica's state must be of the job's lineage: it holds step {step}, "
+                f"committed in quorum {lineage}, but quorum {rb['quorum_id']} rolled the job "
+                f"back from step {rb['from_step']} to {rb['to_step']}, and the steps after it "
+                "were trained again. Restart the replica: it resumes from the checkpoint "
+                "root, or heals from a peer.",
+                field="step",
+            )
         req = Pending(step, request_id, now + timeout_s, lineage)
         self.members.cut_off.discard(m.replica_id)
         rs.add_pending(m.replica_id, req, now)
@@ -98,6 +134,8 @@ class Quorums:
         if rs.quorate_since is None:
             rs.quorate_since = now
         quorate_since = rs.quorate_since
+        if self._waits_for_step(rs, now):
+            return False
         if pend == n_alive:
             return True  # everyone who is alive has asked
         if self._newer_elsewhere(rs, now):
@@ -147,6 +185,35 @@ class Quorums:
             if rid in rs.member_ids and rid not in rs.pending and rid not in self.members.cut_off
         )
 
+    def done(self, rs: RoleState) -> bool:
+        """Whether the role reached the job's last step: a replica behind it is
+        answered at once (it stops), never made to wait, never rolled back to."""
+        final = self.rules.final_step(rs)
+        return final is not None and rs.step >= final
+
+    def behind(self, rs: RoleState) -> bool:
+        """Whether this round's newest step is behind the role's committed step, in a
+        job that is not done: forming it would take the job's step back."""
+        if not rs.pending or not self.rules.guarded(rs) or self.done(rs):
+            return False
+        return max(p.step for p in rs.pending.values()) < rs.step
+
+    def _waits_for_step(self, rs: RoleState, now: float) -> bool:
+        """Whether the round waits for a replica that holds the role's step: every
+        replica that held it may be gone for good, or restarting (a process whose
+        checkpoint root holds it says so when it registers, and is waited for as long
+        as it is a member: :meth:`_newer_elsewhere`). Up to
+        ``timeouts.lost_step_wait_s`` from when the round could first have formed;
+        after that the round forms, and the job rolls back explicitly."""
+        if not self.behind(rs):
+            rs.lost_since = None
+            return False
+        if self._newer_elsewhere(rs, now):
+            return True
+        if rs.lost_since is None:
+            rs.lost_since = now
+        return now - rs.lost_since < self.rules.wait_s
+
     def _newer_elsewhere(self, rs: RoleState, now: float) -> bool:
         """Whether a live member that has not asked holds a
         newer committed step than every request: a quorum without it would go on
@@ -161,12 +228,19 @@ class Quorums:
             return None
         ids = sorted(rs.pending)
         last = rs.last_quorum
-        if last is None or rs.force_bump or ids != sorted(last.replica_ids):
+        rolled_from = rs.step if self.behind(rs) else None
+        steps = {rid: rs.pending[rid].step for rid in ids}
+        max_step = max(steps.values())
+        if (
+            last is None
+            or rs.force_bump
+            or rolled_from is not None
+            or ids != sorted(last.replica_ids)
+        ):
             rs.quorum_id += 1
         rs.force_bump = False
         rs.round += 1
-        steps = {rid: rs.pending[rid].step for rid in ids}
-        max_step = max(steps.values())
+        figures = self._roll_back(rs, max_step, wall) if rolled_from is not None else {}
         # At the newest step, the newest lineage is up to date: a replica that
         # committed that step in a quorum the others did not follow is healed.
         newest = max(rs.pending[rid].lineage for rid in ids if steps[rid] == max_step)
@@ -194,13 +268,15 @@ class Quorums:
             heal=heal,
             formed_at=wall,
             job_step=max(rs.step, max_step),
+            final_step=self.rules.final_step(rs),
+            rolled_back_from=rolled_from,
         )
         ready = []
         for rid in ids:
             m = members[rid]
             m.last_request_id = rs.pending[rid].request_id
             m.last_round = q.round
-            m.step = max(m.step, steps[rid])
+            m.step = steps[rid]  # what it asked with is what it holds (a load may fall back)
             if m.active_at is None and rid not in heal:
                 m.active_at = wall
                 ready.append(m)
@@ -214,8 +290,41 @@ class Quorums:
             rs.steps_seen.append((now, max_step))
         rs.step = max(rs.step, max_step)
         save_role(self.log, rs)
+        if rolled_from is not None:
+            self.log.event(
+                "rollback",
+                wall,
+                role=rs.name,
+                from_step=rolled_from,
+                to_step=max_step,
+                quorum_id=q.quorum_id,
+                waited_s=round(now - rs.lost_since, 3) if rs.lost_since is not None else 0.0,
+                **figures,
+            )
+        rs.lost_since = None
         self._formed_events(rs, q, len(ids), wall, ready)
         return q
+
+    def _roll_back(self, rs: RoleState, to_step: int, wall: float) -> dict[str, Any]:
+        """Take the role's step back to ``to_step``, on the record: no live replica and
+        no checkpoint holds it any more (the round waited for one). Every state
+        committed before this quorum past ``to_step`` is of the abandoned branch from
+        now on. Returns the figures of what the ledger took back."""
+        from_step = rs.step
+        rs.step = to_step
+        rs.steps_seen.clear()
+        figures = self.rules.rollback(rs, from_step, to_step, wall)
+        rs.rollbacks.append(
+            {
+                "quorum_id": rs.quorum_id,
+                "from_step": from_step,
+                "to_step": to_step,
+                "at": wall,
+                **figures,
+            }
+        )
+        del rs.rollbacks[:-ROLLBACKS_KEPT]
+        return figures
 
     def _formed_events(
         self, rs: RoleState, q: Quorum, size: int, wall: float, ready: list[Member]

@@ -27,6 +27,12 @@ class Member:
     registered_at: float
     """Wall-clock time of registration (for people; never used in decisions)."""
     step: int = 0
+    """Its newest committed step: reported, asked a quorum with, or, at registration,
+    what it holds or its checkpoint root can load."""
+    state_root: str = ""
+    """The checkpoint root it saves to and resumes from ('' for none)."""
+    root_id: str = ""
+    """The id in that root's marker file (:mod:`phalanx.checkpoint.root`)."""
     last_request_id: str | None = None
     last_round: int | None = None
     active_at: float | None = None
@@ -92,6 +98,13 @@ class RoleState:
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Evictions not yet followed by a quorum: the next quorum reports, for each,
     the time from the failure to it (not durable)."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """Explicit rollbacks of the role's step, oldest first (durable, the last
+    :data:`ROLLBACKS_KEPT`): ``quorum_id``, ``from_step``, ``to_step``, ``at``."""
+    lost_since: float | None = None
+    """Since when a quorum could have formed but only behind the role's step (monotonic;
+    not durable: a restarted controller waits afresh). It waits
+    ``timeouts.lost_step_wait_s`` from here for a replica that holds the step."""
     steps_seen: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
     """(monotonic time, step) whenever the role's step grew: the steps-per-second rate."""
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=500))
@@ -134,7 +147,18 @@ class RoleState:
             "round": self.round,
             "step": self.step,
             "force_bump": self.force_bump,
+            "rollbacks": self.rollbacks,
         }
+
+    def orphaned(self, step: int, lineage: int) -> dict[str, Any] | None:
+        """The rollback that abandoned a state at ``step`` committed last in quorum
+        ``lineage``, if one did: one after that quorum, to a step below ``step``. Such a
+        state holds steps the job no longer has (the ledger took their batches back);
+        it must never be healed from, nor trained on."""
+        for rb in reversed(self.rollbacks):
+            if rb["quorum_id"] > lineage and step > rb["to_step"]:
+                return rb
+        return None
 
     def bump_step(self, step: int, now: float) -> bool:
         """Raise the role's step (the saver of a checkpoint, a heartbeat); True if it grew."""
@@ -143,6 +167,11 @@ class RoleState:
             self.steps_seen.append((now, step))
             return True
         return False
+
+
+ROLLBACKS_KEPT = 64
+"""Rollbacks remembered per role (each one decides, for the rest of the job, which
+states are of an abandoned branch: :meth:`RoleState.orphaned`)."""
 
 
 def save_role(log: ChangeLog, rs: RoleState) -> None:

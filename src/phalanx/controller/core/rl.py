@@ -173,6 +173,7 @@ class RLRequests:
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         discarded_before = sum(led.rollouts.discarded.values())
+        end_before = (led.final_step, led.finished)
         # The asker committed ``step`` steps: batches those cover are trained even if
         # the ack was lost (the replica died between its commit and its ack), as far
         # as a checkpoint holds them: a step no checkpoint holds is not yet trained.
@@ -181,11 +182,14 @@ class RLRequests:
         tick = self.maybe_sync(now, wall)
         if sum(led.rollouts.discarded.values()) != discarded_before:
             tick.ledger_for |= self.roles["rollout"].member_ids
+        if (led.final_step, led.finished) != end_before:  # the others' asks end too
+            tick.ledger_for |= self.roles["policy"].member_ids
         reply = BatchLeaseReply.model_construct(
             **self.envelope(),
             batch=self._batch(led, batch) if batch is not None else None,
             sync=led.weights.order_for(replica_id),
             finished=led.finished,
+            final_step=led.final_step,
         )
         return reply, self._tick(led, tick)
 
@@ -240,13 +244,17 @@ class RLRequests:
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         tick = Tick()
+        end_before = (led.final_step, led.finished)
         if led.ack(step, wall=wall, metrics=metrics, durable=durable):
             tick.ledger_for |= self.roles["rollout"].member_ids
-            if led.finished:
-                tick.ledger_for |= self.roles["policy"].member_ids
+        if (led.final_step, led.finished) != end_before:
+            tick.ledger_for |= self.roles["policy"].member_ids
         tick.merge(self.maybe_sync(now, wall))
         reply = BatchAckReply.model_construct(
-            **self.envelope(), sync=led.weights.order_for(replica_id), finished=led.finished
+            **self.envelope(),
+            sync=led.weights.order_for(replica_id),
+            finished=led.finished,
+            final_step=led.final_step,
         )
         return reply, self._tick(led, tick)
 

@@ -36,12 +36,12 @@ from phalanx.controller.core.base import ChangeLog, Conflict, StateError, Tick, 
 from phalanx.controller.core.commands import CheckpointBook, Commands
 from phalanx.controller.core.ledger import Ledger, payload_key
 from phalanx.controller.core.membership import Membership
-from phalanx.controller.core.overview import detector_of
 from phalanx.controller.core.queues import PayloadOf, RolloutQueues
 from phalanx.controller.core.quorum import Quorums
 from phalanx.controller.core.records import Member, RoleState, save_role
 from phalanx.controller.core.rl import RLRequests
 from phalanx.controller.core.status import status_of
+from phalanx.controller.core.steps import step_rules
 from phalanx.protocol.commands import CheckpointRecord, Command
 from phalanx.protocol.membership import Quorum
 from phalanx.protocol.status import Status
@@ -70,7 +70,12 @@ class ControllerState:
         self.log = ChangeLog(cfg.controller.history)
         self.roles = {name: RoleState(name, rc) for name, rc in cfg.roles.items()}
         self.membership = Membership(cfg, self.log, self.roles)
-        self.quorums = Quorums(self.log, self.roles, self.membership)
+        self.quorums = Quorums(
+            self.log,
+            self.roles,
+            self.membership,
+            step_rules(cfg, lambda: self.ledger),
+        )
         self.commands = Commands(self.log)
         self.checkpoints = CheckpointBook(self.log)
         self.desired: dict[str, int] = {}
@@ -173,9 +178,14 @@ class ControllerState:
         ranks: int = 1,
         address: str = "",
         capabilities: dict[str, Any] | None = None,
+        step: int = 0,
+        state_root: str = "",
+        root_id: str = "",
     ) -> tuple[Member, Tick]:
         """Add a replica. A live member with the same role and name is an older
-        incarnation of the same process: it is evicted first."""
+        incarnation of the same process: it is evicted first. ``step`` is the newest
+        committed step it holds or its checkpoint root can load (a quorum behind the
+        role's step waits for it); its ``state_root`` must be its live peers'."""
         m, old = self.membership.add(
             role,
             name,
@@ -185,6 +195,9 @@ class ControllerState:
             ranks=ranks,
             address=address,
             capabilities=capabilities or {},
+            step=step,
+            state_root=state_root,
+            root_id=root_id,
         )
         tick = Tick()
         if old is not None:
@@ -218,28 +231,12 @@ class ControllerState:
         return self._evict(replica_id, f"left: {reason}" if reason else "left", now, wall)
 
     def _evict(self, replica_id: str, reason: str, now: float, wall: float) -> Tick:
-        m = self.membership.remove(replica_id)
+        m = self.membership.evict(replica_id, reason, now, wall)
         self.commands.drop_for(replica_id)
         rs = self.roles[m.role]
         rs.drop_pending(replica_id)
-        # When it failed, as the controller can tell: suspected, else last seen, else now.
-        detector = detector_of(reason)
-        since = m.suspect_since if m.suspect_since is not None else m.last_seen
-        failed_at = wall - (now - since) if detector not in ("agent", "operator") else wall
-        if detector not in ("left", "operator"):
-            rs.failures.append(
-                {"replica_id": replica_id, "detector": detector, "failed_at": failed_at}
-            )
-        self.log.event(
-            "evict",
-            wall,
-            role=m.role,
-            replica_id=replica_id,
-            reason=reason,
-            detector=detector,
-            failed_at=round(failed_at, 3),
-            uptime_s=round(wall - m.registered_at, 3),
-        )
+        if not rs.member_ids:
+            rs.lost_since = None  # whoever comes next is waited for afresh
         tick = Tick(evicted=[replica_id])
         tick.merge(self.rl.evicted(replica_id, wall))
         # One fewer live member can complete a waiting quorum.

@@ -63,6 +63,9 @@ async def register(api: Api, req: RegisterReq) -> RegisterReply:
         ranks=req.ranks,
         address=req.address,
         capabilities=dict(req.capabilities),
+        step=req.step,
+        state_root=req.state_root,
+        root_id=req.root_id,
     )
     t = st.cfg.timeouts
     return RegisterReply(

@@ -155,6 +155,19 @@ class Ledger:
     def policy_step(self) -> int:
         return self.rollouts.policy_step
 
+    @property
+    def final_step(self) -> int | None:
+        return self.rollouts.final_step
+
+    def rollback(self, from_step: int, to_step: int, *, wall: float) -> dict[str, int]:
+        """The policy's step went back from ``from_step`` to ``to_step`` (no replica and
+        no checkpoint holds the steps past it): the ledger follows
+        (:meth:`RolloutBook.rollback`), and the weight versions rewind with it."""
+        figures = self.rollouts.rollback(to_step, wall=wall)
+        self.weights.rewind(to_step)
+        self.save()
+        return figures
+
     def balance(self) -> dict[str, Any]:
         """Where every prompt and rollout is. ``ok`` is the ledger's invariant."""
         states = self.prompts.states()
@@ -198,6 +211,7 @@ class Ledger:
                 "run": self.run,
                 "leased_by": self.prompts.leased_by(),
                 "finished": self.rollouts.finished,
+                "final_step": self.rollouts.final_step,
                 "last": hist[-1] if hist else None,
                 "history": hist[-200:],
                 "weights": self.weights.status(),

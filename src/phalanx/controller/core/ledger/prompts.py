@@ -230,6 +230,14 @@ class PromptBook:
         self.requeue.append(p.index)
         self._save_prompt(p)
 
+    def reissue(self, index: int, attempt: int) -> None:
+        """A trained prompt left the lineage (the job rolled back past its batch):
+        dispatch it again, as ``attempt`` (a late copy of an older one is a duplicate)."""
+        p = Prompt(index, attempt, held_by=[])
+        self.by_index[index] = p
+        self.requeue.append(index)
+        self._save_prompt(p)
+
     def trained(self, index: int) -> None:
         self.by_index.pop(index)
         self.log.put("prompts", str(index), None)

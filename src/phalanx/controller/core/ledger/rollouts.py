@@ -7,6 +7,13 @@ itself lives in the store. A **batch** is the ``prompts_per_step`` rollouts one
 policy step trains on: frozen the first time a policy replica asks for that
 step, so every member of the quorum (and a retry after a failed commit) gets
 the same batch, and trained once the step commits.
+
+**The end.** The job's last step (``final_step``) is decided as soon as a step
+that covers its last batch commits: the batch count, or the reward target met
+over the window of the lineage's latest batches. No batch is frozen past it, so
+every policy replica stops at the same step. The job is *finished* once a save
+holds that step (its ack), not before: a last step lost before that is rolled
+back like any other.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from typing import Any
 
 from phalanx.config.rl import RLConfig
 from phalanx.controller.core.base import ChangeLog
+from phalanx.controller.core.ledger.lineage import LineageBook
 from phalanx.controller.core.ledger.prompts import PromptBook
 from phalanx.controller.core.ledger.sync import WeightSync
+from phalanx.protocol.rl import parse_rollout_id
 
 Drop = Callable[[str, str], None]
 """``drop(ref, reason)``: a rollout's payload is no longer needed."""
@@ -54,7 +63,12 @@ class RolloutBook:
         self.policy_step = 0
         self.discarded: dict[str, int] = {}
         self.history: list[dict[str, Any]] = []
+        """The figures of the lineage's batches, as each committed (the last
+        ``loop.history``)."""
         self.finished = False
+        self.final_step: int | None = None
+        """The job's last step, once a commit decided it (module doc)."""
+        self.lineage = LineageBook(log)
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -63,6 +77,7 @@ class RolloutBook:
             "policy_step": self.policy_step,
             "discarded": self.discarded,
             "finished": self.finished,
+            "final_step": self.final_step,
             "reopened": sorted(self.reopened),
         }
 
@@ -74,6 +89,8 @@ class RolloutBook:
         the payload log, and the record rewritten with its ``ref``."""
         self.seq, self.next_batch = meta["seq"], meta["next_batch"]
         self.policy_step, self.finished = meta["policy_step"], meta["finished"]
+        self.final_step = meta.get("final_step")
+        self.lineage.restore(tables)
         self.discarded = dict(meta["discarded"])
         self.reopened = set(meta.get("reopened", []))
         self.records = dict(tables.get("rollouts", {}))
@@ -159,6 +176,8 @@ class RolloutBook:
         oldest pending rollouts if this is the first ask. None: not enough fresh
         rollouts yet (ask again). Rollouts too old for the batch are discarded."""
         b = step // self.grpo.inner_epochs
+        if self.final_step is not None and step >= self.final_step:
+            return None  # the job's last step: every replica stops here
         if b in self.batches:
             return self.batches[b]
         if self.finished:
@@ -168,7 +187,20 @@ class RolloutBook:
             # ack waits for its checkpoint: nothing more is frozen meanwhile.
             return None
         if b < self.next_batch and b not in self.reopened:
-            self._rewind(b, step, wall)
+            # Below the ledger, with no rollback on record: quorum formation makes
+            # sure this cannot happen. Never silently: it is a rollback all the same.
+            frm = self.next_batch * self.grpo.inner_epochs
+            figures = self.rollback(step, wall=wall)
+            self.weights.rewind(step)
+            self.log.event(
+                "rollback",
+                wall,
+                role="policy",
+                from_step=frm,
+                to_step=step,
+                reason=f"a policy replica asked for batch {b}, behind the ledger's {frm}",
+                **figures,
+            )
         floor = b * self.grpo.inner_epochs - self.loop.max_staleness
         for rid in [rid for rid, r in self.pending.items() if r["version"] < floor]:
             self.discard(rid, "stale", wall)
@@ -194,45 +226,77 @@ class RolloutBook:
         self.save()
         return batch
 
-    def _rewind(self, b: int, step: int, wall: float) -> list[int]:
-        """Every replica that trained batch ``b`` is gone and the state went with
-        them: training restarts from an older step and gets fresh batches. Returns
-        the batches unfrozen (their rollouts go back to pending)."""
-        self.log.event("policy_rewind", wall, from_batch=self.next_batch, to_batch=b)
-        self.next_batch = b
-        self.policy_step = min(self.policy_step, step)
-        self.weights.rewind(step)
-        # The metrics of the lost training go too: the journal keys history by
-        # batch, so a retrained batch would overwrite its entry there but not
-        # here, and the finish test must only average the surviving lineage.
-        while self.history and self.history[-1]["batch"] >= b:
+    def rollback(self, to_step: int, *, wall: float) -> dict[str, int]:
+        """The policy's step went back to ``to_step``: every replica and checkpoint that
+        held the later steps is gone (:mod:`..quorum` waited for one). What they trained
+        leaves the lineage: a batch trained durably past ``to_step`` is taken back, its
+        prompts issued again (a new attempt each) and its rollouts counted as discarded
+        (``rolled_back``). The batch ``to_step`` trains next stays frozen when it still
+        is (its payloads are there: the steps on it are retrained), and the batches
+        frozen past it are unfrozen, their rollouts pending again, oldest first. Returns
+        the figures: ``batches`` the lineage lost, ``prompts`` issued again."""
+        inner = self.grpo.inner_epochs
+        first = to_step // inner  # the first batch the lineage no longer holds whole
+        lost = sum(1 for b, batch in self.batches.items() if b >= first and "trained_at" in batch)
+        again = 0
+        taken = self.lineage.take_back(first)
+        for ids in taken.values():
+            for rid in ids:
+                idx, attempt = parse_rollout_id(rid)
+                self.prompts.reissue(idx, attempt + 1)
+                again += 1
+        n = again
+        self.counts["trained_prompts"] -= n
+        self.counts["trained_rollouts"] -= n
+        self.counts["trained_completions"] -= n * self.grpo.group_size
+        if n:
+            self.discarded["rolled_back"] = self.discarded.get("rolled_back", 0) + n
+        for k in sorted(self.batches):
+            if k > first:
+                self.reopen(k)
+                self.reopened.discard(k)  # frozen again from the pending, in order
+            elif k == first and "trained_at" in self.batches[k]:
+                batch = self.batches[k]
+                batch.pop("trained_at")
+                batch.pop("metrics", None)
+                self.log.put("batches", str(k), batch)
+        self.next_batch = first + 1 if first in self.batches else first
+        self.policy_step = min(self.policy_step, to_step)
+        if self.final_step is not None and self.final_step > to_step:
+            self.final_step = None  # the lineage that met the target is gone
+        # The figures of the lost training go too: the finish test averages the
+        # lineage's batches, and a retrained batch gets an entry of its own.
+        while self.history and self.history[-1]["batch"] >= first:
             self.log.put("rl_history", str(self.history.pop()["batch"]), None)
-        # Batches the lost replicas froze ahead are unfrozen, so that next_batch
-        # stays past every frozen batch (else a later ask would freeze a second
-        # batch under an index already used) and their rollouts, oldest first,
-        # go through the staleness check of the new lineage.
-        ahead = [k for k in self.batches if k > b]
-        for k in ahead:
-            self.reopen(k)
-        self.reopened -= set(ahead)
-        return ahead
+        self.save()
+        return {"batches": len(taken) + lost, "prompts": again}
 
     def trained(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> None:
         """Policy step count ``step`` is committed but maybe not yet in a checkpoint:
-        the batches it covers keep when they were trained and what the policy measured
-        (``metrics``), for the ack that drops them (:meth:`ack`). Idempotent."""
+        each batch it covers joins the history, with when it was trained and what the
+        policy measured (``metrics``, of the newest batch it covers), and the job's last
+        step is decided when one meets the end (module doc). Idempotent; metrics that
+        come after the batch was marked (another replica's ask reported the step
+        first) are added to it then."""
         inner = self.grpo.inner_epochs
-        for b, batch in self.batches.items():
-            if (b + 1) * inner <= step and "trained_at" not in batch:
+        covered = sorted(b for b in self.batches if (b + 1) * inner <= step)
+        for b in covered:
+            batch = self.batches[b]
+            fresh = "trained_at" not in batch
+            if fresh:
                 batch["trained_at"] = wall
-                if metrics:
-                    batch["metrics"] = dict(metrics)
-                self.log.put("batches", str(b), batch)
+            if metrics and b == covered[-1] and "metrics" not in batch:
+                batch["metrics"] = dict(metrics)
+            elif not fresh:
+                continue
+            self.log.put("batches", str(b), batch)
+            self._record(batch, wall)
 
     def ack(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> bool:
         """Policy step count ``step`` is committed and durable: every batch it covers
-        is trained, and dropped. Returns True when this moved the ledger (idempotent
-        per step)."""
+        is trained (in the lineage), and dropped; once that reaches the job's last
+        step, the job is finished. Returns True when this moved the ledger
+        (idempotent per step)."""
         self.trained(step, wall=wall, metrics=metrics)
         inner = self.grpo.inner_epochs
         if step <= self.policy_step and not any((b + 1) * inner <= step for b in self.batches):
@@ -251,20 +315,36 @@ class RolloutBook:
                 self.counts["trained_prompts"] += 1
                 self.counts["trained_rollouts"] += 1
                 self.counts["trained_completions"] += self.grpo.group_size
-            self._record(batch, wall)
+            self.lineage.add(b, batch["rollout_ids"], (b + 1) * inner)
+        final = self.final_step
+        if not self.finished and final is not None and self.policy_step >= final:
+            self.finished = True
+            last = self.history[-1] if self.history else {}
+            self.log.event(
+                "rl_finished",
+                wall,
+                batch=last.get("batch"),
+                step=final,
+                exact_match_avg=last.get("exact_match_avg"),
+            )
         return True
 
     def _record(self, batch: dict[str, Any], wall: float) -> None:
-        """The history entry of a trained batch, stamped with when it was trained (its
-        ack may come later, with the checkpoint), with the policy's figures of it."""
+        """The history entry of a batch just trained (committed: its ack, with the
+        checkpoint, may come later), with the policy's figures of it; an entry for it
+        already there (marked before its metrics came) is replaced. Decides the job's
+        last step when this batch ends it."""
         at, metrics = batch.get("trained_at", wall), batch.get("metrics")
+        if self.history and self.history[-1]["batch"] == batch["index"]:
+            self.history.pop()
         w = self.loop.window
         prev = self.history[-(w - 1) :] if w > 1 else []  # history[-0:] would be all of it
         recent = [h["exact_match"] for h in prev] + [batch["exact_match"]]
         recent_r = [h["reward"] for h in prev] + [batch["reward"]]
+        step = (batch["index"] + 1) * self.grpo.inner_epochs
         h = {
             "batch": batch["index"],
-            "step": self.policy_step,
+            "step": step,
             "reward": round(batch["reward"], 5),
             "exact_match": round(batch["exact_match"], 5),
             "reward_avg": round(sum(recent_r) / len(recent_r), 5),
@@ -285,16 +365,18 @@ class RolloutBook:
             self.log.put("rl_history", str(old["batch"]), None)
         target, target_r = self.loop.target_exact_match, self.loop.target_reward
         full = len(recent) == w
-        if not self.finished and (
+        if self.final_step is None and (
             (target is not None and full and h["exact_match_avg"] >= target)
             or (target_r is not None and full and h["reward_avg"] >= target_r)
             or batch["index"] + 1 >= self.grpo.steps
         ):
-            self.finished = True
+            self.final_step = step
             self.log.event(
-                "rl_finished",
+                "rl_final_step",
                 wall,
                 batch=batch["index"],
-                step=self.policy_step,
+                step=step,
                 exact_match_avg=h["exact_match_avg"],
+                reward_avg=h["reward_avg"],
             )
+            self.save()
