@@ -9,6 +9,7 @@ process group (by pid, never by name) in :meth:`FTJob.cleanup`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,79 @@ class FTJob:
                     except OSError:
                         pass
         assert not bad, "\n".join(bad)
+
+
+# -- replicas of several ranks (HSDP) ------------------------------------------
+
+HELD_TIMEOUTS = {"heartbeat_s": 30.0, "suspect_grace_s": 1.0, "quorum_s": 60.0}
+HELD_POLICY = {"n_init_replicas": 2, "join_timeout_s": 30.0}
+"""For the failure tests. A failed replica is found by the survivor's failed
+collective (and a probe it cannot answer), so these do not slow its eviction.
+They let the test hold the survivor (SIGSTOP) while the failed replica comes
+back, which takes seconds on a loaded 2-core machine: the survivor is not taken
+for dead meanwhile, and the returning replica's quorum waits for it instead of
+starting alone from an old step."""
+
+
+@contextlib.contextmanager
+def held(p: Replica) -> Iterator[None]:
+    """``p``'s process group stopped (SIGSTOP) for the duration."""
+    p.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        p.signal(signal.SIGCONT)
+
+
+def wait_registered(job: FTJob, name: str, other_than: str) -> str:
+    """Wait until the controller lists a replica ``name`` whose id is not ``other_than``
+    (a new incarnation); return its id."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for m in job.status()["roles"]["policy"]["replicas"]:
+            rid = m["replica_id"]
+            if rid.split(":")[0] == name and rid != other_than:
+                return str(rid)
+        time.sleep(0.1)
+    raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
+
+
+def kill_a_rank_and_heal(
+    job: FTJob, survivor: Replica, victim: Replica, spare: Replica, at: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SIGKILL rank 1 of ``victim`` (a replica of several ranks) at its step ``at``:
+    the replica fails whole and ``survivor`` commits alone; then ``spare`` (the
+    victim's restart, warm: a cold start of several ranks takes longer on a loaded
+    2-core machine than the survivor needs to finish) is released while the
+    survivor is held, and heals shard by shard. Returns the survivor's first step
+    alone and the restart's first (healed) step."""
+    from phalanx.launch.ranks import rank_pids
+
+    victim.wait_step(at)
+    os.kill(rank_pids(victim.popen.pid)[1], signal.SIGKILL)
+    # The other rank fails on its own (its next collective inside the replica) or is
+    # stopped by the launcher, which exits with a failing status either way.
+    assert victim.popen.wait(timeout=60) != 0
+    gone = survivor.wait_event(
+        lambda e: e["event"] == "step" and e["participants"] == 1, "a step alone"
+    )
+    with held(survivor):
+        spare.release()
+        wait_registered(job, victim.name, other_than=gone["replica"])
+    healed = spare.wait_event(lambda e: e["event"] == "step" and e["healed"], "the heal")
+    return gone, healed
+
+
+def cleanup_jobs(jobs: list[FTJob], exit_grace_s: float = 0.0) -> None:
+    """Clean up every job even if one's check fails; then raise the first failure."""
+    errors = []
+    for j in jobs:
+        try:
+            j.cleanup(exit_grace_s)
+        except AssertionError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 # -- checks -----------------------------------------------------------------

@@ -32,6 +32,7 @@ from ftjob import (
     assert_same_files,
     check_samples,
     check_steps,
+    cleanup_jobs,
     step_lines,
     write_job,
 )
@@ -43,18 +44,6 @@ SEED = 7  # ftjob.write_job's job.seed
 ATOL = 1e-9
 
 MakeJob = Callable[..., FTJob]
-
-
-def _cleanup(jobs: list[FTJob], exit_grace_s: float = 0.0) -> None:
-    """Clean up every job even if one's check fails; then raise the first failure."""
-    errors = []
-    for j in jobs:
-        try:
-            j.cleanup(exit_grace_s)
-        except AssertionError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
 
 
 def _job(root: Path, name: str, jobs: list[FTJob], **kw: Any) -> FTJob:
@@ -75,7 +64,7 @@ def make_job(tmp_path: Path) -> Iterator[MakeJob]:
     try:
         yield lambda name="job", **kw: _job(tmp_path, name, jobs, **kw)
     finally:
-        _cleanup(jobs)
+        cleanup_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +92,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
             out[n] = finals[0]
         yield out
     finally:
-        _cleanup(jobs, exit_grace_s=15.0)
+        cleanup_jobs(jobs, exit_grace_s=15.0)
 
 
 def check_run(
@@ -193,7 +182,7 @@ def kill_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillResta
         assert_job_finished(job)
         yield run
     finally:
-        _cleanup(jobs, exit_grace_s=15.0)
+        cleanup_jobs(jobs, exit_grace_s=15.0)
 
 
 def test_kill_and_restart(kill_restart: KillRestart, reference: dict[str, dict[str, Any]]):

@@ -12,10 +12,6 @@ the split over ranks do not change the numbers either.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from ftjob import (
+    HELD_POLICY,
+    HELD_TIMEOUTS,
     TRAIN,
     WAIT_S,
     FTJob,
@@ -32,12 +30,13 @@ from ftjob import (
     assert_same_files,
     check_samples,
     check_steps,
+    held,
+    kill_a_rank_and_heal,
     step_lines,
     write_job,
 )
 
 from phalanx.checkpoint import CheckpointStore
-from phalanx.launch.ranks import rank_pids
 
 STEPS = 30
 LONG = 60
@@ -48,37 +47,6 @@ ATOL = 1e-9
 PACE = {"step_delay_s": 0.05}
 """Per micro-batch: 3 micro-batches per rank and step, so a step lasts long
 enough for a kill to land inside it, and the steps left after it take seconds."""
-HELD_TIMEOUTS = {"heartbeat_s": 30.0, "suspect_grace_s": 1.0, "quorum_s": 60.0}
-HELD_POLICY = {"n_init_replicas": 2, "join_timeout_s": 30.0}
-"""For the failure tests. A failed replica is found by the survivor's failed
-collective (and a probe it cannot answer), so these do not slow its eviction.
-They let the test hold the survivor (SIGSTOP) while the failed replica comes
-back, which takes seconds on a loaded 2-core machine: the survivor is not taken
-for dead meanwhile, and the returning replica's quorum waits for it instead of
-starting alone from an old step."""
-
-
-@contextlib.contextmanager
-def held(p: Replica) -> Iterator[None]:
-    """``p``'s process group stopped (SIGSTOP) for the duration."""
-    p.signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        p.signal(signal.SIGCONT)
-
-
-def wait_registered(job: FTJob, name: str, other_than: str) -> str:
-    """Wait until the controller lists a replica ``name`` whose id is not ``other_than``
-    (a new incarnation); return its id."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        for m in job.status()["roles"]["policy"]["replicas"]:
-            rid = m["replica_id"]
-            if rid.split(":")[0] == name and rid != other_than:
-                return str(rid)
-        time.sleep(0.1)
-    raise AssertionError(f"no new incarnation of {name} registered in {WAIT_S} s")
 
 
 @pytest.fixture
@@ -154,21 +122,10 @@ def test_a_rank_killed_mid_step_fails_its_replica_which_comes_back_and_heals(
         tmp_path, "kill", jobs, ranks=2, train=PACE, policy=HELD_POLICY, timeouts=HELD_TIMEOUTS
     )
     a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
-    # The restart is a warm spare (ftjob.GATED_SPARE): a cold start of two ranks takes
-    # longer on a loaded 2-core machine than the survivor needs to finish the job.
-    b2 = job.start_replica("b", ranks=2, spare=True)
-    b.wait_step(8)
-    os.kill(rank_pids(b.popen.pid)[1], signal.SIGKILL)
-    # The other rank fails on its own (its next collective inside the replica) or is
-    # stopped by the launcher, which exits with a failing status either way.
-    assert b.popen.wait(timeout=60) != 0
-    # The survivor commits without it...
-    gone = a.wait_event(lambda e: e["event"] == "step" and e["participants"] == 1, "a step alone")
-    # ...and the replica, restarted whole, heals shard by shard and trains beside it.
-    with held(a):
-        b2.release()
-        wait_registered(job, "b", other_than=gone["replica"])
-    healed = b2.wait_event(lambda e: e["event"] == "step" and e["healed"], "the heal")
+    b2 = job.start_replica("b", ranks=2, spare=True)  # (ftjob.GATED_SPARE)
+    # The survivor commits without b, and b, restarted whole, heals shard by shard
+    # and trains beside it.
+    gone, healed = kill_a_rank_and_heal(job, a, b, b2, at=8)
     assert healed["participants"] == 2 and healed["step"] > gone["step"]
     finals = [a.finish(), b2.finish()]
     check([a, b, b2], finals, reference)

@@ -362,3 +362,59 @@ def test_an_rl_job_may_have_sharded_policy_replicas():
 def test_the_hsdp_example_has_replicas_of_two_ranks_and_a_transformer():
     cfg = load_config(EXAMPLES / "ft_hsdp.toml")
     assert cfg.replica.ranks == 2 and cfg.train.model == "transformer"
+
+
+# -- exact reduction ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.exact_reduction=true", "diloco.sync_every=2", "diloco.compression=int8"],
+            "train.exact_reduction needs diloco.compression = 'none': got 'int8'",
+        ),
+        (
+            ["train.exact_reduction=true", "diloco.sync_every=2", "diloco.compression=bf16"],
+            "train.exact_reduction needs diloco.compression = 'none': got 'bf16'",
+        ),
+        (
+            ["train.exact_reduction=true", "diloco.mode=objectstore", "diloco.url=memory://x"],
+            "train.exact_reduction applies to diloco.mode = 'sync' only",
+        ),
+        (
+            [
+                "train.exact_reduction=true",
+                "train.global_batch_size=70000",
+                "train.micro_batch_size=1",
+            ],
+            "must be at most 65536 micro-batches with train.exact_reduction: got 70000",
+        ),
+    ],
+)
+def test_an_exact_reduction_refuses_what_it_cannot_honour_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        load_config(overrides=overrides)
+    assert str(e.value).count("\n") <= 2, str(e.value)
+
+
+def test_an_exact_reductions_default_micro_batch_gives_each_first_rank_one_unit():
+    cfg = load_config(
+        overrides=[
+            "train.exact_reduction=true",
+            "train.global_batch_size=25",
+            "roles.policy.n_init_replicas=3",
+            "replica.ranks=2",
+        ]
+    )
+    assert cfg.exact_micro_batch_size == 5 and cfg.exact_unit == 10  # ceil(25 / 6), x2 ranks
+    cfg = load_config(overrides=["train.exact_reduction=true", "train.micro_batch_size=4"])
+    assert cfg.exact_micro_batch_size == 4
+    assert load_config(overrides=["train.exact_reduction=true", "diloco.sync_every=2"]).diloco
+
+
+def test_an_rl_exact_reduction_refuses_more_micro_batches_than_its_headroom():
+    over = ["--rl.grpo.exact_reduction", "true", "--rl.grpo.prompts_per_step", "65537"]
+    over += ["--rl.grpo.group_size", "1", "--rl.grpo.micro_batch_size", "1"]
+    with pytest.raises(ConfigError, match="must be at most 65536 micro-batches with grpo"):
+        load_config(EXAMPLES / "sort_grpo.toml", overrides=over)

@@ -4,7 +4,8 @@ gloo only CPU ones). The same bodies run on CPU over gloo in the default run,
 and over NCCL on GPUs under the ``gpu`` mark (on the device machine):
 
 - the FT step's exchange: the gradient buckets and the vote-and-loss side
-  tensor (:class:`~phalanx.train.grads.GradBuffer`), in one all-reduce;
+  tensor (:class:`~phalanx.train.grads.GradBuffer`), in one all-reduce; and the
+  exact one (:class:`~phalanx.train.exact.ExactSum`), which gives the CPU's bits;
 - a heal: a state tree sent and received (:mod:`phalanx.comm.transfer`);
 - a weight sync by broadcast (:class:`~phalanx.transport.collective.
   CollectiveWeightChannel`), and its relay by the replica that fetched it.
@@ -19,10 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from groups import Hub
 from rank_threads import run_ranks, run_threads
 
 from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.comm.transfer import recv_state, send_state
+from phalanx.train.exact import ExactSum, Term
 from phalanx.train.grads import GradBuffer
 from phalanx.transport.base import SyncOrder, SyncResult
 from phalanx.transport.collective import CollectiveWeightChannel
@@ -86,6 +89,35 @@ def test_an_ft_steps_gradients_and_vote_are_summed_on_the_device(kind: str) -> N
         assert o["yes"] is True and o["no"] is False
         for want, got in zip(total, o["summed"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_an_exact_sum_runs_on_the_device_and_gives_the_bits_of_the_cpu(kind: str) -> None:
+    devs = rank_devices(kind, 2, 1)
+    n = len(devs)
+    comms = [TorchCommunicator(60.0, d) for d in devs]
+    g = torch.Generator().manual_seed(0)
+    terms = [
+        Term([torch.randn(1000, generator=g) * 10.0 ** (i - 2) for _ in range(2)], 0.1 * i)
+        for i in range(5)
+    ]
+    out: dict[int, Any] = {}
+
+    def body(rank: int) -> None:
+        dev = devs[rank]
+        mine = [Term([t.to(dev) for t in term.tensors], term.loss) for term in terms[rank::n]]
+        res = [torch.empty(1000, device=dev) for _ in range(2)]
+        o = ExactSum().allreduce(comms[rank], mine, res)
+        out[rank] = ([r.cpu() for r in res], o, {r.device for r in res})
+
+    run_ranks(comms, f"exact-{kind}", body)
+    want = [torch.empty(1000) for _ in range(2)]
+    alone = ExactSum().allreduce(Hub(1).comms()[0], terms, want)
+    for r in range(n):
+        got, o, on = out[r]
+        assert on == {devs[r]} and o.loss == alone.loss and o.votes == n
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
 
 
 def moved(tree: Any, dev: torch.device) -> Any:

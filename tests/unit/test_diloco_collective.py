@@ -55,3 +55,30 @@ def test_every_rank_gets_the_same_average(compression: str):
             assert torch.equal(got, acc / K)
         sent = sum(wire_bytes(encode(t, compression)) for t in tensors(0))
         assert reducers[0].bytes_sent == sent < (35 + 11) * 4
+
+
+def test_an_exact_exchange_does_not_depend_on_the_members_order():
+    """``train.exact_reduction``: each replica's pseudo-gradient is a term of an exact
+    sum, so the ranks' order in the group (it follows membership) does not matter."""
+    comms = [TorchCommunicator(10.0) for _ in range(K)]
+    reducers = [CollectiveReducer(c, exact=True) for c in comms]  # type: ignore[arg-type]
+    out: list[list[torch.Tensor]] = [[] for _ in range(K)]
+    order = [2, 0, 1]  # rank r holds replica order[r]'s pseudo-gradient
+
+    def body(rank: int) -> None:
+        out[rank], n = reducers[rank].average(tensors(order[rank]), round=0, fragment=0)
+        assert n == K
+
+    run_ranks(comms, "diloco-exact", body)
+    plain, _ = run("none")
+    want = [sum(tensors(r)[i].double() for r in range(K)).float() / K for i in range(2)]
+    for rank_out in out:
+        for a, w, p in zip(rank_out, want, plain[0], strict=True):
+            assert torch.equal(a, w)  # the exact sum, rounded once, over K
+            torch.testing.assert_close(a, p, rtol=0, atol=1e-6)
+    assert reducers[0].bytes_sent == (35 + 11) * 8 + 3 * 8 + 3 * 8  # sums, exponents, meta
+
+
+def test_an_exact_exchange_refuses_a_compressed_wire():
+    with pytest.raises(ValueError, match="exact DiLoCo exchange must be uncompressed"):
+        CollectiveReducer(TorchCommunicator(1.0), "int8", exact=True)

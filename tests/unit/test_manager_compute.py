@@ -68,7 +68,7 @@ def test_a_grown_share_computes_only_the_new_samples(setup) -> None:
     held = grads(m)
     # The same as computing the whole share at once.
     m.grads.zero()
-    m._held = None
+    m.accumulator.forget()
     calls.clear()
     again = m.compute(fn, 0, 1)
     assert len([i for c in calls for i in c]) == BATCH

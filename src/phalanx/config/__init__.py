@@ -1,7 +1,8 @@
 """Typed job config (pydantic): one TOML file per job, with dotted CLI overrides.
 
-- ``job.py``   the job's sections (job, timeouts, roles, controller, train,
-               checkpoint, diloco) and :func:`load_config`
+- ``job.py``   the job's sections (job, timeouts, roles, controller, checkpoint,
+               replica), the checks across them, and :func:`load_config`
+- ``train.py`` the training job's sections (train, diloco)
 - ``rl.py``    the RL sections (model, task, grpo, loop, transport)
 - ``file.py``  TOML reading, overrides, and errors in one line
 """

@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.rl import RLConfig
+from phalanx.config.train import DiLoCoSection, TrainSection
 from phalanx.config.urls import check_storage_url
 
 ROLE_NAMES = ("policy", "rollout")
@@ -168,59 +169,6 @@ class ControllerSection(_Section):
     """How many past events (evictions, quorums) the status API keeps."""
 
 
-class TrainSection(_Section):
-    """The FT data-parallel training job (the built-in example task)."""
-
-    model: Literal["mlp", "transformer"] = "mlp"
-    """The built-in task: an MLP regressing a fixed random function (``in_dim``,
-    ``hidden``, ``out_dim``), or a small transformer learning counting sequences
-    by next-token prediction (``vocab``, ``seq``, ``d_model``, ``n_heads``, ``n_layers``)."""
-    vocab: int = Field(64, ge=2, le=1 << 20)
-    seq: int = Field(16, ge=2, le=1 << 16)
-    d_model: int = Field(64, ge=1, le=1 << 16)
-    n_heads: int = Field(4, ge=1, le=1024)
-    n_layers: int = Field(2, ge=1, le=1024)
-
-    steps: int = Field(100, ge=1, le=10_000_000)
-    """Committed optimizer steps to run."""
-    global_batch_size: int = Field(64, ge=1, le=1 << 24)
-    """Samples per committed step, constant whatever the number of replicas."""
-    micro_batch_size: int = Field(0, ge=0, le=1 << 24)
-    """Largest forward/backward chunk; a replica's share is accumulated in such chunks. 0: whole share."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    """SGD momentum (sgd only)."""
-    dtype: Literal["float32", "float64"] = "float32"
-    threads: int = Field(1, ge=1, le=256)
-    """torch intra-op threads per replica process."""
-    in_dim: int = Field(32, ge=1, le=1 << 16)
-    hidden: list[int] = Field(default_factory=lambda: [128, 128])
-    """Hidden layer widths of the MLP."""
-    out_dim: int = Field(8, ge=1, le=1 << 16)
-    dataset_size: int = Field(8192, ge=1, le=1 << 26)
-    """Samples in the synthetic regression dataset (generated from job.seed)."""
-    bucket_mb: float = Field(25.0, gt=0, le=4096)
-    """All-reduce bucket size."""
-    step_delay_s: float = Field(0.0, ge=0, le=60)
-    """Extra time per step (a stand-in for a bigger model, for demos)."""
-    log_samples: bool = False
-    """Print the sample indices each replica trained on with every committed step (for audits)."""
-    log_state_hash: bool = False
-    """Print a digest of the replica's parameters with every committed step (for audits:
-    replicas that commit a step must hold the same state after it, partitions or not)."""
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TrainSection:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"train.d_model must divide by train.n_heads: got d_model={self.d_model}, "
-                f"n_heads={self.n_heads}. Pick a d_model that is a multiple of n_heads."
-            )
-        return self
-
-
 class CheckpointSection(_Section):
     """Universal checkpoints of the policy (``phalanx.checkpoint``)."""
 
@@ -243,110 +191,6 @@ class CheckpointSection(_Section):
     @classmethod
     def _url(cls, v: str) -> str:
         return v and check_storage_url(v, "checkpoint.url")
-
-
-class DiLoCoSection(_Section):
-    """DiLoCo / Streaming DiLoCo (``phalanx.train.diloco``). In a DiLoCo job,
-    ``train.steps`` counts inner steps (a multiple of ``sync_every``), the
-    inner optimizer is ``train.optimizer`` (the paper: AdamW, lr 4e-4, weight
-    decay 0.1) and a step of the controller (and of ``checkpoint.every_steps``)
-    is an outer round."""
-
-    mode: Literal["sync", "objectstore"] = "sync"
-    """``sync``: over the FT manager's process group, a quorum per round.
-    ``objectstore``: decoupled replicas exchange through ``url`` (no network
-    between replicas), launched by ``executor``."""
-    sync_every: int = Field(50, ge=1, le=1_000_000)
-    """H: inner steps per outer round."""
-    outer_lr: float = Field(0.7, gt=0, le=10)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
-    fragments: int = Field(1, ge=1, le=10_000)
-    """Streaming DiLoCo: parameter fragments synchronised in turn (must divide sync_every)."""
-    tau: int = Field(0, ge=0)
-    """Streaming DiLoCo overlap: inner steps between a fragment's exchange and its use."""
-    alpha: float = Field(0.0, ge=0, le=1)
-    """Streaming DiLoCo mixing of the local fragment with the new global one."""
-    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
-    """Wire format of pseudo-gradients (always accumulated in fp32)."""
-    url: str = ""
-    """objectstore: the exchange root (``file://``, ``s3://``, ``gs://``, ``memory://``)."""
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    replicas: int = Field(4, ge=1, le=10_000)
-    """objectstore: replicas the launcher starts (named r0, r1, ...; each its own data shard)."""
-    min_replicas: int = Field(1, ge=1, le=10_000)
-    """objectstore without a controller: a round is decided once this many
-    pseudo-gradients are in and ``grace_s`` has passed."""
-    grace_s: float = Field(1.0, ge=0, le=3600)
-    round_timeout_s: float = Field(120.0, gt=0, le=86400)
-    """objectstore: decide with whoever is present after this long."""
-    aggregator: str = Field("", pattern=r"^(|syncer|r\d+)$")
-    """objectstore: who writes each round's average, so that the slots read one
-    object instead of k: a slot (``r0``), or ``syncer`` (a ``phalanx syncer``
-    process that takes no part; ``phalanx run`` starts it). Empty: every slot
-    averages the k objects itself."""
-    keep_rounds: int = Field(4, ge=1, le=1_000_000)
-    """objectstore: rounds kept in storage (older ones are deleted)."""
-    executor: Literal["local", "ray"] = "local"
-    """objectstore: where ``phalanx run`` starts the replicas."""
-    ray_address: str = ""
-    """executor = ray: the cluster to join (empty: start a local Ray instance)."""
-    ray_cpus_per_replica: float = Field(1.0, ge=0, le=1024)
-    """executor = ray: Ray CPUs each slot's actor asks for."""
-    max_restarts: int = Field(3, ge=0, le=1000)
-    """objectstore: restarts of a failed replica by ``phalanx run``."""
-
-    @property
-    def slot_names(self) -> list[str]:
-        """objectstore: the replicas' names, ``r0`` .. ``r<replicas - 1>``."""
-        return [f"r{i}" for i in range(self.replicas)]
-
-    @model_validator(mode="after")
-    def _streaming(self) -> DiLoCoSection:
-        if self.sync_every % self.fragments:
-            raise ValueError(
-                f"diloco.sync_every must be divisible by diloco.fragments: got sync_every="
-                f"{self.sync_every}, fragments={self.fragments}. Pick fragments among the "
-                f"divisors of sync_every."
-            )
-        if self.tau >= self.sync_every // self.fragments:
-            raise ValueError(
-                f"diloco.tau must be < sync_every / fragments = "
-                f"{self.sync_every // self.fragments}: got {self.tau}."
-            )
-        if self.url:
-            check_storage_url(self.url, "diloco.url")
-        if self.mode == "objectstore" and not self.url:
-            raise ValueError(
-                "diloco.url must name the exchange root for mode = objectstore: got none. "
-                "Set it to a path or an fsspec URL (file://, s3://, gs://, memory://)."
-            )
-        if self.aggregator.startswith("r") and int(self.aggregator[1:]) >= self.replicas:
-            raise ValueError(
-                f"diloco.aggregator must be a slot r0 .. r{self.replicas - 1}, 'syncer' or empty: "
-                f"got {self.aggregator!r}."
-            )
-        if self.min_replicas > self.replicas:
-            raise ValueError(
-                f"diloco.min_replicas must be <= diloco.replicas: got {self.min_replicas} > "
-                f"{self.replicas}."
-            )
-        return self
-
-    def outer(self) -> Any:
-        """The :class:`~phalanx.train.diloco.DiLoCoConfig` of this section."""
-        from phalanx.train.diloco import DiLoCoConfig
-
-        return DiLoCoConfig(
-            H=self.sync_every,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-            nesterov=self.nesterov,
-            fragments=self.fragments,
-            tau=self.tau,
-            alpha=self.alpha,
-            compression=self.compression,
-        )
 
 
 class ReplicaSection(_Section):
@@ -398,6 +242,7 @@ class JobConfig(_Section):
                 "Replicas of several ranks run the FT data-parallel job and the RL policy "
                 "only, for now; set [replica] ranks = 1."
             )
+        self._check_exact()
         if self.diloco is not None:
             if self.rl is not None:
                 raise ValueError(
@@ -411,6 +256,49 @@ class JobConfig(_Section):
                     f"sync_every={self.diloco.sync_every}."
                 )
         return self
+
+    def _check_exact(self) -> None:
+        """An exact reduction refuses what it cannot honour (module doc of
+        :mod:`phalanx.train.exact`): a lossy wire format, a sum of more terms than
+        its headroom holds."""
+        from phalanx.train.exact import MAX_TERMS
+
+        if not self.train.exact_reduction:
+            return
+        dc = self.diloco
+        if dc is not None and dc.compression != "none":
+            raise ValueError(
+                f"train.exact_reduction needs diloco.compression = 'none': got "
+                f"{dc.compression!r}. A compressed exchange is not exact; set one of them."
+            )
+        if dc is not None and dc.mode != "sync":
+            raise ValueError(
+                "train.exact_reduction applies to diloco.mode = 'sync' only: got "
+                f"{dc.mode!r}. Set train.exact_reduction = false for decoupled rounds."
+            )
+        terms = -(-self.train.global_batch_size // self.exact_unit)
+        if dc is None and terms > MAX_TERMS:
+            raise ValueError(
+                f"train.global_batch_size / train.micro_batch_size must be at most {MAX_TERMS} "
+                f"micro-batches with train.exact_reduction: got {terms}. Raise "
+                f"train.micro_batch_size to at least "
+                f"{-(-self.train.global_batch_size // MAX_TERMS)}."
+            )
+
+    @property
+    def exact_micro_batch_size(self) -> int:
+        """Samples per rank in one exact unit: ``train.micro_batch_size``, or the
+        global batch cut in ``n_init_replicas x replica.ranks`` (the share of each
+        rank of a calm run, which then holds one unit per replica)."""
+        if self.train.micro_batch_size:
+            return self.train.micro_batch_size
+        n = self.roles["policy"].n_init_replicas if "policy" in self.roles else 1
+        return max(1, -(-self.train.global_batch_size // (n * self.replica.ranks)))
+
+    @property
+    def exact_unit(self) -> int:
+        """Samples of the global batch in one exact unit (every rank's micro-batch)."""
+        return self.exact_micro_batch_size * self.replica.ranks
 
     @property
     def job_steps(self) -> int:

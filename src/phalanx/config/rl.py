@@ -185,6 +185,11 @@ class GRPOSection(_Section):
     """Completions per forward and backward pass; gradients accumulate over a replica's
     share, so the step is the un-split one (within float rounding) whatever this is.
     0: the whole share in one pass. Lower it when activations do not fit."""
+    exact_reduction: bool = False
+    """Sum the policy's gradients exactly over its replicas (as ``train.exact_reduction``):
+    the micro-batches are fixed slices of the step's trainable rows, shared out whole
+    (``micro_batch_size`` 0: the rows cut in ``roles.policy.n_init_replicas x
+    replica.ranks`` of them), so that a step's result does not depend on who took part."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype of the policy's forward and backward. ``bf16`` runs them under
     autocast while the weights, gradients and AdamW moments stay fp32 (master weights):
@@ -192,6 +197,23 @@ class GRPOSection(_Section):
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them
     (HF gradient checkpointing): less memory for about a third more compute."""
+
+    @model_validator(mode="after")
+    def _exact_fits(self) -> GRPOSection:
+        from phalanx.train.exact import MAX_TERMS
+
+        rows = self.prompts_per_step * self.group_size
+        if (
+            self.exact_reduction
+            and self.micro_batch_size
+            and rows > MAX_TERMS * self.micro_batch_size
+        ):
+            raise ValueError(
+                f"grpo.prompts_per_step x grpo.group_size / grpo.micro_batch_size must be at "
+                f"most {MAX_TERMS} micro-batches with grpo.exact_reduction: got "
+                f"{-(-rows // self.micro_batch_size)}. Raise grpo.micro_batch_size."
+            )
+        return self
 
 
 class LoopSection(_Section):

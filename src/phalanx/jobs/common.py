@@ -205,6 +205,15 @@ class ReplicaSetup:
     resumed from): :func:`finish_replica` saves the final step unless it is this one."""
 
 
+def exact_options(cfg: JobConfig) -> dict[str, Any]:
+    """The manager's micro-batching and reduction for ``cfg``: in an FT data-parallel
+    job with ``train.exact_reduction``, exact units of a fixed size (a DiLoCo job sums
+    its outer round exactly instead: :class:`~phalanx.train.diloco_sync.SyncDiLoCo`)."""
+    exact = cfg.train.exact_reduction and cfg.diloco is None
+    size = cfg.exact_micro_batch_size if exact else cfg.train.micro_batch_size or None
+    return {"micro_batch_size": size, "exact_reduction": exact}
+
+
 def setup_replica(
     cfg: JobConfig, controller: str, name: str, global_batch_size: int
 ) -> ReplicaSetup | None:
@@ -242,9 +251,9 @@ def setup_replica(
         build_optimizer(tc, model),
         ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
         global_batch_size=global_batch_size,
-        micro_batch_size=tc.micro_batch_size or None,
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=cfg.timeouts.quorum_s,
+        **exact_options(cfg),
     )
     manager.total_steps = total
     compute = task.make_compute(tc, model, cfg.job.seed)

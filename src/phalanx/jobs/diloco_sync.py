@@ -41,7 +41,7 @@ def run(args: ReplicaArgs) -> int:
     s = setup_replica(cfg, str(args.controller), args.name, dc.sync_every * tc.global_batch_size)
     if s is None:
         return 0
-    loop = SyncDiLoCo(s.manager, dc.outer(), tc.global_batch_size)
+    loop = SyncDiLoCo(s.manager, dc.outer(), tc.global_batch_size, exact=tc.exact_reduction)
     start_checkpoints(cfg, s)
     m, client = s.manager, s.client
     try:

@@ -37,6 +37,7 @@ from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import (
     emit,
     emit_step,
+    exact_options,
     keep_freed_memory,
     make_checkpointer,
     resume,
@@ -119,9 +120,9 @@ def run(args: ReplicaArgs) -> int:
         build_optimizer(tc, model),
         ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
         global_batch_size=tc.global_batch_size,
-        micro_batch_size=tc.micro_batch_size or None,
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=t.quorum_s,
+        **exact_options(cfg),
     )
     manager.total_steps = total
     compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)

@@ -118,6 +118,20 @@ def full_weights(model: torch.nn.Module, keep: bool) -> Packed | None:
     return out
 
 
+def full_optimizer_state(opt: torch.optim.Optimizer, keep: bool) -> dict[str, Any] | None:
+    """The optimizer's per-parameter state, each tensor whole (gathered over the
+    replica's ranks when sharded: a collective, every rank calls it), by parameter
+    index: for the final state file. The leader (``keep``) gets it, others None."""
+    out: dict[str, Any] = {}
+    for pid, st in sorted(opt.state_dict()["state"].items()):
+        got = {}
+        for k, v in sorted(st.items()):
+            whole = v.full_tensor() if isinstance(v, DTensor) else v
+            got[k] = whole.detach().cpu().clone() if isinstance(whole, torch.Tensor) else whole
+        out[str(pid)] = got
+    return out if keep else None
+
+
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 

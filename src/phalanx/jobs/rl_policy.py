@@ -61,7 +61,7 @@ from phalanx.config.rl import RLConfig
 from phalanx.jobs import policy_end
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume, use_root
-from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_weights
+from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_optimizer_state, full_weights
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch
@@ -194,21 +194,12 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     patience = 0.0 if isinstance(ranks, ReplicaRanks) else cfg.timeouts.collective_patience_s
     comm = TorchCommunicator(cfg.timeouts.collective_s, device, patience)
     batch_size, quorum_s = g.prompts_per_step * g.group_size, cfg.timeouts.quorum_s
+    kw: dict[str, Any] = {"global_batch_size": batch_size, "quorum_timeout_s": quorum_s}
+    kw["exact_reduction"] = g.exact_reduction
     if isinstance(ranks, ReplicaRanks):
-        manager: Manager = HSDPManager(
-            client,
-            ranks,
-            comm,
-            model,
-            opt,
-            None,
-            global_batch_size=batch_size,
-            quorum_timeout_s=quorum_s,
-        )
+        manager: Manager = HSDPManager(client, ranks, comm, model, opt, None, **kw)
     else:
-        manager = Manager(
-            client, comm, model, opt, None, global_batch_size=batch_size, quorum_timeout_s=quorum_s
-        )
+        manager = Manager(client, comm, model, opt, None, **kw)
     manager.register_state("scheduler", sched.state_dict, sched.load_state_dict)
     extra = {"job_id": cfg.job.id, "kind": "rl-policy"}
     ckpt = policy_checkpointer(state)  # a collective over the replica's ranks
@@ -220,7 +211,8 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
         if resumed is not None:
             acks.durable = resumed
             rlog.info("resumed from %s at step %d", state, resumed)
-    trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref)
+    parts = cfg.roles["policy"].n_init_replicas * ranks.size
+    trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref, exact_parts=parts)
     weights = (
         weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
     )
@@ -388,9 +380,10 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
         elif behind:
             rlog.info("the job finished at a later step than this replica's: no final file")
         elif out is not None:
-            whole = full_weights(model, keep=lead)  # (a collective when sharded)
+            whole = full_weights(model, keep=lead)  # (collectives when sharded)
+            optim = full_optimizer_state(opt, keep=lead)
             if whole is not None:
-                save_state(out, {"model": dict(whole), "step": manager.step})
+                save_state(out, {"model": dict(whole), "optimizer": optim, "step": manager.step})
         if lead:
             emit(
                 {

@@ -87,8 +87,7 @@ def backward_rows(
     ``train_tokens``, the non-pad tokens the model read (prompt and completion).
     """
     device = next(model.parameters()).device
-    out: dict[str, float] = {"loss": 0.0, "num_tokens": 0.0, "ratio_max": 0.0, "train_tokens": 0.0}
-    sums = dict.fromkeys(_WEIGHTED, 0.0)
+    parts: list[dict[str, float]] = []
     chunks: list[list[int] | None] = list(micro_batches(rows, g.micro_batch_size))
     fill = max(0, passes - len(chunks))
     if fill and filler is None:
@@ -112,18 +111,28 @@ def backward_rows(
                 ref_logprobs=ref_lp,
             )
         (loss if real else loss * 0.0).backward()
-        if not real:
-            continue
+        if real:
+            parts.append({**stats, "train_tokens": float(batch.attention_mask.sum().item())})
+    return merge_stats(parts, with_ref=ref is not None)
+
+
+def merge_stats(parts: Sequence[dict[str, float]], *, with_ref: bool) -> dict[str, float]:
+    """The stats of several passes as one: the sums (``loss``, ``num_tokens``,
+    ``train_tokens``), the largest ``ratio_max``, and the per-token means weighted
+    by each pass's tokens (``kl_ref`` only ``with_ref``)."""
+    out: dict[str, float] = {"loss": 0.0, "num_tokens": 0.0, "ratio_max": 0.0, "train_tokens": 0.0}
+    sums = dict.fromkeys(_WEIGHTED, 0.0)
+    for stats in parts:
         n = stats["num_tokens"]
         out["loss"] += stats["loss"]
         out["num_tokens"] += n
         out["ratio_max"] = max(out["ratio_max"], stats["ratio_max"])
-        out["train_tokens"] += float(batch.attention_mask.sum().item())
+        out["train_tokens"] += stats.get("train_tokens", 0.0)
         for k in _WEIGHTED:
             if k in stats:
                 sums[k] += stats[k] * n
     for k in _WEIGHTED:
-        if k != "kl_ref" or ref is not None:
+        if k != "kl_ref" or with_ref:
             out[k] = sums[k] / max(out["num_tokens"], 1.0)
     return out
 

@@ -19,7 +19,7 @@ from phalanx.protocol.rl import BatchMetrics
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import group_advantages, rows_to_train
 from phalanx.rl.model import num_params
-from phalanx.rl.step import backward_rows, mfu, peak_memory_mb, peak_tflops
+from phalanx.rl.step import backward_rows, merge_stats, mfu, peak_memory_mb, peak_tflops
 from phalanx.train.batch import split
 
 if TYPE_CHECKING:
@@ -76,9 +76,20 @@ def completions_of(rows: Rows) -> tuple[list[Completion], list[float]]:
 class PolicyTrainer:
     """The GRPO step of one policy replica over the manager's quorum."""
 
-    def __init__(self, rl: RLConfig, manager: Manager, model: Any, pad_id: int, ref: Any = None):
+    def __init__(
+        self,
+        rl: RLConfig,
+        manager: Manager,
+        model: Any,
+        pad_id: int,
+        ref: Any = None,
+        exact_parts: int = 1,
+    ):
+        """``exact_parts``: with an exact reduction and ``grpo.micro_batch_size`` 0,
+        the units a step's rows are cut in (``n_init_replicas x ranks``)."""
         self.rl, self.g = rl, rl.grpo
         self.manager, self.model, self.pad_id, self.ref = manager, model, pad_id, ref
+        self.exact_parts = exact_parts
         self.params = num_params(model)
         self.peak = peak_tflops(torch.device(self.g.device), self.g.precision, rl.track.peak_tflops)
 
@@ -90,6 +101,8 @@ class PolicyTrainer:
         comps, rewards = completions_of(rows)
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         keep = rows_to_train(adv, g.kl_coef)
+        if m.exact:
+            return self._compute_units(comps, adv, keep)
         off, count = split(len(keep), m.world_size, m.rank)
         mine = keep[off : off + count]
         if not mine:
@@ -105,18 +118,56 @@ class PolicyTrainer:
             passes, filler = -(-most // per), mine[0]
             sub_off, sub_count = split(len(mine), ranks.size, ranks.rank)
             mine = mine[sub_off : sub_off + sub_count]
+        return self._backward(comps, adv, mine, n_tokens, passes, filler)
+
+    def _backward(
+        self,
+        comps: list[Completion],
+        adv: torch.Tensor,
+        rows: list[int],
+        n_tokens: int,
+        passes: int,
+        filler: int | None,
+    ) -> dict[str, float]:
         return backward_rows(
             self.model,
             comps,
             adv,
-            mine,
-            g=g,
+            rows,
+            g=self.g,
             pad_id=self.pad_id,
             num_tokens=n_tokens,
             ref=self.ref,
             passes=passes,
             filler=filler,
         )
+
+    def _compute_units(
+        self, comps: list[Completion], adv: torch.Tensor, keep: list[int]
+    ) -> dict[str, float]:
+        """The exact reduction's share: fixed units of the trainable rows
+        (:mod:`phalanx.train.exact_grads`), each backward into a slot of its own; a
+        sharded replica's ranks split each unit, one pass each."""
+        g, m = self.g, self.manager
+        grads: Any = m.grads  # (an exact buffer: ExactGrads, or ExactShardedGrads)
+        ranks = getattr(m, "ranks", None)
+        size, rank = (ranks.size, ranks.rank) if ranks is not None else (1, 0)
+        per = g.micro_batch_size or max(1, -(-len(keep) // self.exact_parts))
+        unit = per * size
+        off, count = split(-(-len(keep) // unit), m.world_size, m.rank)
+        n_tokens = sum(len(c.token_ids) for c in comps)
+        parts = []
+        for j in range(off, off + count):
+            rows = keep[j * unit : (j + 1) * unit]
+            passes, filler = (1, rows[0]) if size > 1 else (0, None)
+            sub_off, sub_count = split(len(rows), size, rank)
+            grads.begin(j)
+            stats = self._backward(
+                comps, adv, rows[sub_off : sub_off + sub_count], n_tokens, passes, filler
+            )
+            grads.end(j, stats["loss"])
+            parts.append(stats)
+        return merge_stats(parts, with_ref=self.ref is not None)
 
     def metrics(self, rows: Rows, stats: dict[str, float], seconds: float) -> BatchMetrics:
         """What this replica measured on its last step of the batch ``rows``: the

@@ -39,6 +39,11 @@ class JobFinished(RuntimeError):
     """The job committed its last step while this replica waited to join."""
 
 
+class NonFiniteGradient(RuntimeError):
+    """A step's gradient held a NaN or an Inf in every attempt: an exact reduction
+    cannot sum it, and retrying the same samples on the same model will not help."""
+
+
 class BranchAbandoned(RuntimeError):
     """This replica's state is of a branch the job rolled back (the controller refused
     its quorum request): it must restart, to resume from the checkpoint root or heal

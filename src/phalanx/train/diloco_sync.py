@@ -31,8 +31,10 @@ import torch
 from phalanx.comm.base import CommError, Communicator
 from phalanx.comm.compress import Compression, decode, encode, wire_bytes
 from phalanx.comm.transfer import flatten, unflatten
+from phalanx.train.base import NonFiniteGradient
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.diloco import DiLoCo, DiLoCoConfig
+from phalanx.train.exact import ExactSum, Term
 from phalanx.train.manager import Compute, Manager
 
 
@@ -43,19 +45,39 @@ class CollectiveReducer:
     Uncompressed: one all-reduce (sum, in the pseudo-gradient's dtype: fp32
     or fp64) of the fragment, divided by the quorum size. Compressed: every
     rank's encoded fragment is all-gathered and decoded, and summed in rank
-    order in fp32, so every rank computes the same bits.
+    order in fp32, so every rank computes the same bits. ``exact``: the sum is
+    :mod:`phalanx.train.exact`'s (each replica's pseudo-gradient one term), so
+    it does not depend on the members' order either; uncompressed only.
 
     Who calls: every participant of the quorum, in the same order of rounds
-    and fragments. Failure: raises :class:`CommError` (peer died or hung)."""
+    and fragments. Failure: raises :class:`CommError` (peer died or hung);
+    :class:`~phalanx.train.base.NonFiniteGradient` on every participant when a
+    pseudo-gradient held a NaN or an Inf under ``exact``."""
 
-    def __init__(self, comm: Communicator, compression: Compression = "none"):
+    def __init__(self, comm: Communicator, compression: Compression = "none", exact: bool = False):
+        if exact and compression != "none":
+            raise ValueError(
+                f"an exact DiLoCo exchange must be uncompressed: got compression={compression!r}."
+            )
         self.comm, self.compression = comm, compression
+        self.exact = ExactSum() if exact else None
         self.bytes_sent = 0
 
     def average(
         self, tensors: list[torch.Tensor], *, round: int, fragment: int
     ) -> tuple[list[torch.Tensor], int]:
         comm, k = self.comm, self.comm.world_size
+        if self.exact is not None:
+            out = [torch.empty_like(t) for t in tensors]
+            sent = self.exact.bytes_sent
+            summed = self.exact.allreduce(comm, [Term(tensors)], out)
+            self.bytes_sent += self.exact.bytes_sent - sent
+            if summed.nonfinite:
+                raise NonFiniteGradient(
+                    f"DiLoCo round {round}, fragment {fragment}: a pseudo-gradient must be "
+                    "finite to be summed exactly: one held a NaN or an Inf."
+                )
+            return [o.div_(k) for o in out], k
         if self.compression == "none":
             flat = torch.cat([t.reshape(-1) for t in tensors])
             comm.allreduce([flat], "sum")
@@ -113,7 +135,8 @@ class SyncDiLoCo:
 
     ``manager`` must have been built with ``global_batch_size = H * B`` (the
     samples of one round) and the inner optimizer; the outer state is
-    registered with it (heal and checkpoints carry it).
+    registered with it (heal and checkpoints carry it). ``exact``: the outer
+    all-reduce is an exact sum (``train.exact_reduction``, :class:`CollectiveReducer`).
 
     Who calls: every replica, :meth:`train_round` once per loop iteration,
     until ``manager.step`` reaches the job's rounds. Not thread-safe."""
@@ -125,6 +148,7 @@ class SyncDiLoCo:
         inner_batch_size: int,
         *,
         outer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        exact: bool = False,
     ):
         if manager.global_batch_size != cfg.H * inner_batch_size:
             raise ValueError(
@@ -132,7 +156,7 @@ class SyncDiLoCo:
                 f"samples (one outer round): got {manager.global_batch_size}."
             )
         self.manager, self.cfg, self.B = manager, cfg, inner_batch_size
-        self.reducer = CollectiveReducer(manager.comm, cfg.compression)
+        self.reducer = CollectiveReducer(manager.comm, cfg.compression, exact)
         self.diloco = DiLoCo(manager.model, cfg, self.reducer, outer_factory)
         manager.register_state("diloco", self.diloco.state_dict, self.diloco.load_state_dict)
 

@@ -25,23 +25,37 @@ class GradBuffer:
             if p.requires_grad:
                 groups.setdefault((p.dtype, p.device), []).append(p)
         self.flats: list[torch.Tensor] = []
-        self.views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self.buckets: list[torch.Tensor] = []
+        self.layout: list[tuple[torch.nn.Parameter, int, int]] = []
+        """Each parameter's place: (parameter, flat, offset in it)."""
+        self.bounds: list[tuple[int, int, int]] = []
+        """Each bucket's place: (flat, start, stop)."""
         for (dtype, device), params in groups.items():
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+            f = len(self.flats)
+            self.flats.append(
+                torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+            )
             off = 0
             for p in params:
-                self.views.append((p, flat[off : off + p.numel()].view_as(p)))
+                self.layout.append((p, f, off))
                 off += p.numel()
-            per = max(1, bucket_bytes // flat.element_size())
-            self.buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
-            self.flats.append(flat)
+            per = max(1, bucket_bytes // self.flats[f].element_size())
+            self.bounds += [(f, i, min(i + per, off)) for i in range(0, off, per)]
+        self.views = self.views_of(self.flats)
+        self.buckets = self.buckets_of(self.flats)
         self.meta = torch.zeros(2, dtype=torch.float64)
         self.vote_ok = False
         self.local = True
         """The buffers hold this replica's own gradients (zeroed or accumulated
         since), not a sum or a partial sum of an all-reduce."""
         self.bind()
+
+    def views_of(self, flats: list[torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each parameter's gradient view into ``flats`` (laid out as :attr:`flats`)."""
+        return [(p, flats[f][off : off + p.numel()].view_as(p)) for p, f, off in self.layout]
+
+    def buckets_of(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buckets of ``flats`` (laid out as :attr:`flats`)."""
+        return [flats[f][a:b] for f, a, b in self.bounds]
 
     @property
     def nbytes(self) -> int:

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from phalanx.log import Who
 from phalanx.protocol.membership import Quorum
 from phalanx.train.batch import split
+from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
@@ -187,7 +188,15 @@ class HSDPManager(Manager):
         """Rank 0's incarnation count, broadcast with the same quorum."""
 
     def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> Any:
+        if self.exact:
+            return ExactShardedGrads(model, bucket_bytes)
         return ShardedGrads(model, bucket_bytes)
+
+    def _unit_size(self) -> int:
+        """An exact unit: a micro-batch on each rank of the replica (:meth:`_run`
+        splits it over them), so that FSDP's reduce-scatter sums the same samples
+        in the same order whichever replica computes it."""
+        return self.micro_batch_size * self.ranks.size
 
     # -- state: this rank's shards ----------------------------------------
 
@@ -348,7 +357,7 @@ class HSDPManager(Manager):
                 low,
             )
             self.step = low
-            self._held = None  # (on every rank alike: their next computes pair up)
+            self.accumulator.forget()  # (on every rank alike: their next computes pair up)
             self.client.who.step = low
             if self.ranks.leader:
                 self.client.report_progress(step=low)

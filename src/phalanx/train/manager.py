@@ -37,12 +37,14 @@ from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.net import unreachable, wait_for_most
 from phalanx.protocol.membership import Quorum
-from phalanx.train.base import Compute, Held, StepResult
-from phalanx.train.batch import micro_batches, split
+from phalanx.train.base import Compute, StepResult
+from phalanx.train.batch import micro_batches
+from phalanx.train.exact_grads import ExactGrads, ExactShardedGrads
 from phalanx.train.grads import GradBuffer
 from phalanx.train.heal import PrefaultedBuffer, heal_in_quorum, prefault_if_joining
 from phalanx.train.lineage import abandoned, check_quorum
 from phalanx.train.rng import rng_state, set_rng_state
+from phalanx.train.share import Accumulator
 
 
 class Manager:
@@ -58,6 +60,7 @@ class Manager:
         micro_batch_size: int | None = None,
         bucket_bytes: int = 25 << 20,
         quorum_timeout_s: float | None = None,
+        exact_reduction: bool = False,
     ):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1: got {global_batch_size}.")
@@ -69,7 +72,12 @@ class Manager:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size or global_batch_size
         self.quorum_timeout_s = quorum_timeout_s
+        self.exact = exact_reduction
+        """Sum the gradients exactly, over fixed units (:mod:`phalanx.train.exact_grads`)."""
         self.grads = self._make_grads(model, bucket_bytes)
+        self.accumulator = Accumulator(
+            self.grads, sampler, global_batch_size, self._unit_size() if self.exact else None
+        )
         self.step = 0
         self.lineage = 0
         """The quorum in which the state was committed last (``QuorumReq.lineage``)."""
@@ -89,13 +97,16 @@ class Manager:
         self.last_heal: dict[str, Any] = {}
         self.last_indices: list[int] = []
         """Sample indices of this replica's share in the last compute."""
-        self._held: Held | None = None
         self.total_steps: int | None = None
         """The job's last step, if the loop sets it: a quorum formed after the job
         reached it raises :class:`JobFinished` instead of training alone."""
 
     def _make_grads(self, model: torch.nn.Module, bucket_bytes: int) -> GradBuffer:
-        return GradBuffer(model, bucket_bytes)
+        return ExactGrads(model, bucket_bytes) if self.exact else GradBuffer(model, bucket_bytes)
+
+    def _unit_size(self) -> int:
+        """Samples per exact unit: one micro-batch."""
+        return self.micro_batch_size
 
     # -- state -----------------------------------------------------------
 
@@ -117,7 +128,7 @@ class Manager:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._held = None
+        self.accumulator.forget()
         self._load_model(sd)
         self.step, self.lineage = int(sd["step"]), int(sd.get("lineage", 0))
         if self.sampler is not None:
@@ -266,36 +277,19 @@ class Manager:
     # -- gradients and commit --------------------------------------------
 
     def share(self) -> list[int]:
-        """This replica's sample indices of the current (uncommitted) global batch."""
-        if self.sampler is None:
-            raise RuntimeError("share() needs the manager's sampler: build it with one.")
-        off, count = split(self.global_batch_size, self.world_size, self.rank)
-        return self.sampler.positions(self.sampler.cursor + off, count)
+        """This replica's sample positions of the current (uncommitted) global batch."""
+        return self.accumulator.share(self.rank, self.world_size)
 
     def compute(self, fn: Compute, rank: int, world_size: int) -> float:
         """Accumulate the gradients of this replica's share, as ``(rank,
         world_size)`` gives it, in micro-batches; returns the share's summed loss.
         What the gradients already hold of it for this step (computed ahead of the
-        quorum, or in an attempt whose exchange failed) is not computed again; if
-        they hold anything else, they are zeroed first."""
-        if self.sampler is None:
-            raise RuntimeError("compute() needs the manager's sampler: build it with one.")
-        off, count = split(self.global_batch_size, world_size, rank)
-        share = self.sampler.positions(self.sampler.cursor + off, count)
-        held = self._held
-        if (
-            held is None
-            or held.step != self.step
-            or not self.grads.local
-            or not set(held.indices) <= set(share)
-        ):
-            self.grads.zero()
-            held = self._held = Held(self.step, [], 0.0)
-        have = set(held.indices)
-        held.loss += self._run(fn, [i for i in share if i not in have])
-        held.indices = share
-        self.last_indices = share
-        return held.loss
+        quorum, or in an attempt whose exchange failed) is not computed again
+        (:mod:`phalanx.train.share`)."""
+        loss, self.last_indices = self.accumulator.compute(
+            self.step, rank, world_size, lambda indices: self._run(fn, indices)
+        )
+        return loss
 
     def _run(self, fn: Compute, indices: list[int]) -> float:
         """``fn`` over ``indices`` in micro-batches; the summed loss."""
@@ -311,10 +305,16 @@ class Manager:
             return float("nan")
         try:
             vote = self._yes()
-            return self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=vote)
+            total = self.grads.allreduce(self.comm, self.world_size, loss_sum, vote=vote)
         except CommError as e:
             self._fail(e)
             return float("nan")
+        if isinstance(self.grads, ExactGrads | ExactShardedGrads) and self.grads.units.nonfinite:
+            # Every member learnt it in the same collective: none commits. Raises
+            # once the step was found non-finite NONFINITE_TRIES times running.
+            self.accumulator.forget()
+            self._abstained = self.grads.units.refuse_nonfinite(self.step, self.share())
+        return total
 
     def vote(self, loss_sum: float = 0.0) -> float:
         """The commit vote alone, with no gradients: for loops whose exchange is
@@ -415,7 +415,7 @@ class Manager:
         q = self.wait_quorum()
         healed = self.client.replica_id in q.heal
         if healed:
-            self._held = None  # the model changed under the gradients
+            self.accumulator.forget()  # the model changed under the gradients
         if self._ok and (guess != (self.rank, self.world_size) or healed):
             loss = self.compute(fn, self.rank, self.world_size)
         total = self.allreduce_grads(loss or 0.0)

@@ -69,11 +69,14 @@ class ShardedGrads:
     def __init__(self, model: torch.nn.Module, bucket_bytes: int):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes = bucket_bytes
-        self.flats: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        self.layout: list[tuple[tuple[torch.dtype, torch.device], int]] = []
+        """Each parameter's shard's place: (its flat's key, offset in it)."""
         for p in self.params:
             key = (p.dtype, local(p).device)
-            n = self.flats[key].numel() if key in self.flats else 0
-            self.flats[key] = torch.zeros(n + local(p).numel(), dtype=p.dtype, device=key[1])
+            self.layout.append((key, sizes.get(key, 0)))
+            sizes[key] = sizes.get(key, 0) + local(p).numel()
+        self.flats = {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
         self.meta = torch.zeros(2, dtype=torch.float64)
         self.vote_ok = False
         self.local = True
@@ -81,6 +84,26 @@ class ShardedGrads:
         :meth:`publish`, once the whole replica voted yes): a failed exchange
         leaves the step's gradients whole, for the retry to build on."""
         self._views: list[torch.Tensor] = []
+
+    def views_of(
+        self, flats: dict[tuple[torch.dtype, torch.device], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Each parameter's shard's view into ``flats`` (laid out as :attr:`flats`)."""
+        views = []
+        for p, (key, off) in zip(self.params, self.layout, strict=True):
+            shard = local(p)
+            views.append(flats[key][off : off + shard.numel()].view_as(shard))
+        return views
+
+    def buckets_of(
+        self, flats: dict[tuple[torch.dtype, torch.device], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The buckets of ``flats`` (laid out as :attr:`flats`)."""
+        buckets = []
+        for flat in flats.values():
+            per = max(1, self.bucket_bytes // flat.element_size())
+            buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
+        return buckets
 
     @property
     def nbytes(self) -> int:
@@ -96,23 +119,9 @@ class ShardedGrads:
     ) -> float:
         if self.meta.device != comm.device:
             self.meta = torch.zeros(2, dtype=torch.float64, device=comm.device)
-        offsets = dict.fromkeys(self.flats, 0)
-        views = []
-        for p in self.params:
-            shard = local(p)
-            key = (p.dtype, shard.device)
-            flat, off = self.flats[key], offsets[key]
-            view = flat[off : off + shard.numel()].view_as(shard)
-            offsets[key] = off + shard.numel()
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(local(p.grad))
-            views.append(view)
-        buckets = []
-        for flat in self.flats.values():
-            per = max(1, self.bucket_bytes // flat.element_size())
-            buckets += [flat[i : i + per] for i in range(0, flat.numel(), per)]
+        views = self.views_of(self.flats)
+        take_grads(self.params, views)
+        buckets = self.buckets_of(self.flats)
         self.meta[0] = 1.0 if vote else 0.0
         self.meta[1] = loss_sum
         self.vote_ok = False
@@ -129,6 +138,15 @@ class ShardedGrads:
                 p.grad = torch.zeros_like(p)
             local(p.grad).copy_(view)
         self.local = False
+
+
+def take_grads(params: list[torch.nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Copy each parameter's gradient shard into its view (zeros where it has none)."""
+    for p, view in zip(params, views, strict=True):
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(local(p.grad))
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
