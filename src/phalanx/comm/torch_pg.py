@@ -54,17 +54,25 @@ def serve_store(host: str | None = None) -> tuple[dist.TCPStore, str]:
 
 
 class TorchCommunicator(Communicator):
-    """``patience_s`` (gloo only; 0: off): how long a collective may run past
+    """``backend``: ``nccl`` or ``gloo`` (default: NCCL on a GPU, gloo on the CPU; gloo
+    moves CUDA tensors too). ``patience_s`` (gloo on the CPU only; 0: off): how long a
+    collective may run past
     ``timeout_s`` while every peer of the group answers liveness pings as a member
     (:mod:`phalanx.comm.liveness`; the peers' addresses come from :meth:`watch`).
     Without it, or without peers watched, a collective is given up at ``timeout_s``."""
 
     def __init__(
-        self, timeout_s: float, device: torch.device | None = None, patience_s: float = 0.0
+        self,
+        timeout_s: float,
+        device: torch.device | None = None,
+        patience_s: float = 0.0,
+        backend: str | None = None,
     ):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.connect_timeout = datetime.timedelta(seconds=max(timeout_s, CONNECT_S))
         self.device = device or torch.device("cpu")
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        """``nccl``, or ``gloo`` (also with the tensors on a GPU: ``train.data_plane``)."""
         gloo = self.device.type == "cpu"
         self.patience_s = max(patience_s, timeout_s) if patience_s > 0 and gloo else 0.0
         self._watch = liveness.Watch() if self.patience_s else None
@@ -89,7 +97,7 @@ class TorchCommunicator(Communicator):
         liveness.join(self._held_group)
         try:
             store = dist.PrefixStore(prefix, self._store_client(store_addr))
-            if self.device.type == "cuda":
+            if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from phalanx.config.model import ModelSection
 from phalanx.config.urls import check_storage_url
 
 
@@ -17,12 +18,39 @@ class _Section(BaseModel):
 
 
 class TrainSection(_Section):
-    """The FT data-parallel training job (the built-in example task)."""
+    """The FT data-parallel training job: your model and data, or a built-in task."""
 
-    model: Literal["mlp", "transformer"] = "mlp"
-    """The built-in task: an MLP regressing a fixed random function (``in_dim``,
-    ``hidden``, ``out_dim``), or a small transformer learning counting sequences
-    by next-token prediction (``vocab``, ``seq``, ``d_model``, ``n_heads``, ``n_layers``)."""
+    model: Literal["mlp", "transformer"] | ModelSection = "mlp"
+    """Your model: a ``[train.model]`` table naming a local Hugging Face causal-LM
+    directory (``path``), the same model spec as ``[rl.model]``, trained on
+    ``[train.data]``. Or a built-in task, for tests and the quick demo: ``mlp``, an
+    MLP regressing a fixed random function (``in_dim``, ``hidden``, ``out_dim``), or
+    ``transformer``, a small transformer learning counting sequences by next-token
+    prediction (``vocab``, ``seq``, ``d_model``, ``n_heads``, ``n_layers``)."""
+    script: str = ""
+    """Your own training loop instead: a Python file that builds its model, optimizer
+    and data and drives :class:`phalanx.Replica` (``examples/own_loop.py``). ``phalanx
+    replica`` runs it as ``python FILE`` would, so ``phalanx run``, the agent and Ray
+    start it like any replica."""
+    script_args: list[str] = Field(default_factory=list, max_length=256)
+    """Its command-line arguments (``sys.argv[1:]``)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the replica's tensors live: ``auto`` takes a GPU when the process sees one
+    (``cuda:LOCAL_RANK``: one GPU per rank), else the CPU."""
+    data_plane: Literal["auto", "nccl", "gloo"] = "auto"
+    """The collectives' backend between replicas: ``auto`` is NCCL on a GPU and gloo on
+    the CPU; ``gloo`` keeps gloo with the tensors on the GPU (a replica whose NCCL could
+    hang on a dead peer, and the only way to run two replicas on one GPU)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Your model's compute dtype: ``bf16`` runs forward and backward under autocast
+    while the weights, their gradients and the optimizer's moments stay fp32 (master
+    weights)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass (your model; HF's gradient
+    checkpointing, non-reentrant): less memory for more compute."""
+    peak_tflops: float | None = Field(None, gt=0, le=1e6)
+    """The device's peak TFLOP/s, for MFU; None: a known GPU's data-sheet figure (a CPU
+    has none, and reports no MFU)."""
     vocab: int = Field(64, ge=2, le=1 << 20)
     seq: int = Field(16, ge=2, le=1 << 16)
     d_model: int = Field(64, ge=1, le=1 << 16)
@@ -72,6 +100,28 @@ class TrainSection(_Section):
             raise ValueError(
                 f"train.d_model must divide by train.n_heads: got d_model={self.d_model}, "
                 f"n_heads={self.n_heads}. Pick a d_model that is a multiple of n_heads."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _your_model(self) -> TrainSection:
+        if isinstance(self.model, ModelSection) and self.model.path is None:
+            raise ValueError(
+                "train.model must name your model's directory: got a [train.model] table "
+                "without path. Set [train.model] path = DIR (a local Hugging Face causal LM), "
+                "or train.model = 'mlp' for the built-in task."
+            )
+        builtin = not isinstance(self.model, ModelSection) and not self.script
+        if builtin and (self.precision != "fp32" or self.activation_checkpointing):
+            raise ValueError(
+                "train.precision and train.activation_checkpointing apply to your model: got "
+                f"train.model = {self.model!r} (a built-in task). Set [train.model] path, or "
+                "leave them at fp32 and false."
+            )
+        if self.script and isinstance(self.model, ModelSection):
+            raise ValueError(
+                f"train.script and [train.model] are two ways to say what trains: got both "
+                f"(script {self.script!r}). Keep one."
             )
         return self
 

@@ -15,21 +15,15 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.client import ControllerClient, ControllerError, Rejected
-from phalanx.comm.torch_pg import TorchCommunicator, serve_store
 from phalanx.config import JobConfig
-from phalanx.data.sampler import ElasticSampler
-from phalanx.jobs import task
 from phalanx.jobs.base import JobError
-from phalanx.jobs.mlp import build_optimizer
-from phalanx.train.manager import Compute, Manager
-from phalanx.train.orders import Orders
+from phalanx.train.manager import Manager
 from phalanx.transport.base import store_name
 
 if TYPE_CHECKING:
@@ -188,120 +182,6 @@ def save_checkpoint(ckpt: Checkpointer, cfg: JobConfig, manager: Manager, *, fin
         ckpt.save_async(manager.step, manager.checkpoint_state(), extra)
 
 
-@dataclass
-class ReplicaSetup:
-    """What every replica of the training job holds once it has joined."""
-
-    client: ControllerClient
-    store: Any
-    """This replica's rendezvous store (kept alive for the replica's lifetime)."""
-    manager: Manager
-    compute: Compute
-    ckpt: Checkpointer | None
-    resumed: int | None
-    orders: Orders
-    saved: int | None = None
-    """The last step durable in a checkpoint by this replica's doing (saved, or
-    resumed from): :func:`finish_replica` saves the final step unless it is this one."""
-
-
-def exact_options(cfg: JobConfig) -> dict[str, Any]:
-    """The manager's micro-batching and reduction for ``cfg``: in an FT data-parallel
-    job with ``train.exact_reduction``, exact units of a fixed size (a DiLoCo job sums
-    its outer round exactly instead: :class:`~phalanx.train.diloco_sync.SyncDiLoCo`)."""
-    exact = cfg.train.exact_reduction and cfg.diloco is None
-    size = cfg.exact_micro_batch_size if exact else cfg.train.micro_batch_size or None
-    return {"micro_batch_size": size, "exact_reduction": exact}
-
-
-def setup_replica(
-    cfg: JobConfig, controller: str, name: str, global_batch_size: int
-) -> ReplicaSetup | None:
-    """Register with the controller and build the model, data, inner optimizer,
-    manager and checkpointer (resuming from the latest checkpoint); print the
-    ``start`` line. None (after printing ``done``) when the job already
-    committed its steps."""
-    tc = cfg.train
-    keep_freed_memory()
-    torch.set_num_threads(tc.threads)
-    store, address = serve_store()
-    client = ControllerClient(controller, "policy", name, address=address)
-    cc = cfg.checkpoint
-    use_root(
-        client,
-        cc.url,
-        what="checkpoint.url",
-        storage_options=cc.storage_options,
-        resume=cc.resume,
-    )
-    register(client)
-    job_step = client.status().role_step("policy")
-    total = cfg.job_steps
-    if job_step >= total:
-        emit({"event": "done", "replica": client.replica_id, "step": job_step, "heals": 0})
-        log.info("the job already committed its %d steps; nothing to do", total)
-        client.close("job already finished")
-        return None
-    client.start_heartbeat()
-    model = task.build_model(tc, cfg.job.seed)
-    manager = Manager(
-        client,
-        TorchCommunicator(cfg.timeouts.collective_s, patience_s=cfg.timeouts.collective_patience_s),
-        model,
-        build_optimizer(tc, model),
-        ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
-        global_batch_size=global_batch_size,
-        bucket_bytes=int(tc.bucket_mb * (1 << 20)),
-        quorum_timeout_s=cfg.timeouts.quorum_s,
-        **exact_options(cfg),
-    )
-    manager.total_steps = total
-    compute = task.make_compute(tc, model, cfg.job.seed)
-    return ReplicaSetup(
-        client, store, manager, compute, ckpt=None, resumed=None, orders=Orders(client)
-    )
-
-
-def start_checkpoints(cfg: JobConfig, s: ReplicaSetup) -> None:
-    """Make the checkpointer, resume from the latest checkpoint, print ``start``.
-    Call after every piece of state is registered with the manager."""
-    s.ckpt = make_checkpointer(cfg, s.client)
-    if s.ckpt is not None and cfg.checkpoint.resume:
-        s.resumed = s.saved = resume(s.ckpt, s.manager)
-    emit(
-        {
-            "event": "start",
-            "replica": s.client.replica_id,
-            "params": sum(p.numel() for p in s.manager.model.parameters()),
-            "resumed_from": s.resumed,
-        }
-    )
-
-
-def finish_replica(
-    cfg: JobConfig, s: ReplicaSetup, out: Path | None, optimizer: bool = True
-) -> None:
-    """End of the job: the last step durable in a checkpoint, the final state
-    written (without the optimizer's when it is each replica's own: DiLoCo's inner
-    optimizer), ``done`` printed."""
-    if s.ckpt is not None:
-        # The last step is always durable before ``done``: a save in flight
-        # (the final step may be a multiple of every_steps) is waited for.
-        s.ckpt.wait()
-        if s.saved != s.manager.step:
-            save_checkpoint(s.ckpt, cfg, s.manager, final=True)
-    if out is not None:
-        save_final(out, s.manager, optimizer)
-    emit(
-        {
-            "event": "done",
-            "replica": s.client.replica_id,
-            "step": s.manager.step,
-            "heals": s.manager.heals,
-        }
-    )
-
-
 def state_hash(model: torch.nn.Module) -> str:
     """A digest (CRC32, hex) of this replica's parameters, in name order: replicas
     holding the same state print the same one."""
@@ -333,74 +213,3 @@ def emit_step(
             "t": time.time(),
         }
     )
-
-
-def emit_finished_elsewhere(s: ReplicaSetup) -> None:
-    """``done`` for a replica that found the job finished by others (no final
-    state of its own to write: it holds none of the job's last step)."""
-    emit(
-        {
-            "event": "done",
-            "replica": s.client.replica_id,
-            "step": s.manager.step,
-            "heals": s.manager.heals,
-            "finished_elsewhere": True,
-        }
-    )
-
-
-def emit_drained(s: ReplicaSetup) -> None:
-    """``done`` for a replica drained by the operator: it leaves after a commit
-    (the others go on; the next quorum re-forms without it)."""
-    log.info("drained at step %d: leaving the job", s.manager.step)
-    emit(
-        {
-            "event": "done",
-            "replica": s.client.replica_id,
-            "step": s.manager.step,
-            "heals": s.manager.heals,
-            "drained": True,
-        }
-    )
-
-
-def emit_retry(s: ReplicaSetup, step: int, error: str | None) -> None:
-    """``retry`` for a step (or round) that did not commit: it runs again with the
-    next quorum."""
-    emit(
-        {
-            "event": "retry",
-            "replica": s.client.replica_id,
-            "step": step,
-            "error": (error or "")[:200],
-            "t": time.time(),
-        }
-    )
-
-
-def close_replica(s: ReplicaSetup) -> None:
-    if s.ckpt is not None:
-        s.ckpt.close()
-    s.manager.close()
-    s.client.close("finished")
-
-
-def after_commit(cfg: JobConfig, s: ReplicaSetup, step: int) -> bool:
-    """The step boundary after a committed ``step`` (an FT-DDP step or a DiLoCo
-    round): take in operator commands, save a checkpoint when one is due
-    (``checkpoint.every_steps``) or was ordered, and leave if drained. Call it on
-    every replica of the quorum, after printing the ``step`` line. Returns True
-    when the replica must leave the job (its ``done`` line already printed)."""
-    s.orders.poll(step)
-    ckpt, every = s.ckpt, cfg.checkpoint.every_steps
-    scheduled = ckpt is not None and bool(every) and step % every == 0
-    # An order for a step that a scheduled save covers stays pending, and saves
-    # again at the next commit: redundant, not wrong.
-    ordered = not scheduled and s.orders.checkpoint_due(step)
-    if ckpt is not None and (scheduled or ordered):
-        save_checkpoint(ckpt, cfg, s.manager, final=False)
-        s.saved = step
-    if s.orders.drain:
-        emit_drained(s)
-        return True
-    return False

@@ -15,10 +15,10 @@ import time
 
 from phalanx.client import QuorumTimeout
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import (
+from phalanx.jobs.common import emit
+from phalanx.jobs.training import (
     after_commit,
     close_replica,
-    emit,
     emit_finished_elsewhere,
     emit_retry,
     finish_replica,

@@ -11,19 +11,20 @@ committed.
 from __future__ import annotations
 
 import logging
+import time
 
 from phalanx.client import QuorumTimeout
 from phalanx.jobs.base import JobError, ReplicaArgs
-from phalanx.jobs.common import (
+from phalanx.jobs.common import emit_step, state_hash
+from phalanx.jobs.training import (
     after_commit,
     close_replica,
     emit_finished_elsewhere,
     emit_retry,
-    emit_step,
     finish_replica,
     setup_replica,
     start_checkpoints,
-    state_hash,
+    task_figures,
 )
 from phalanx.train.base import JobFinished
 
@@ -31,7 +32,8 @@ log = logging.getLogger("phalanx.train")
 
 
 def run(args: ReplicaArgs) -> int:
-    """Train the built-in FT job as one replica until the job's last step."""
+    """Train the job's model (yours, or the built-in task) as one replica until the
+    job's last step."""
     cfg, tc = args.cfg, args.cfg.train
     s = setup_replica(cfg, str(args.controller), args.name, tc.global_batch_size)
     if s is None:
@@ -40,6 +42,7 @@ def run(args: ReplicaArgs) -> int:
     manager, client, sampler = s.manager, s.client, s.manager.sampler
     if sampler is None:  # unreachable: setup_replica gives the manager its sampler
         raise JobError("the FT-DDP replica needs a sampler")
+    last = time.perf_counter()
     try:
         while manager.step < tc.steps:
             try:
@@ -52,10 +55,13 @@ def run(args: ReplicaArgs) -> int:
                 emit_finished_elsewhere(s)
                 return 0
             if r.committed:
+                now = time.perf_counter()
                 client.report_progress(loss=r.loss)
                 samples = manager.last_indices if tc.log_samples else None
                 digest = {"state_hash": state_hash(manager.model)} if tc.log_state_hash else {}
-                emit_step(client.replica_id, r, sampler.cursor, samples, **digest)
+                extra = {**digest, **task_figures(s, now - last)}
+                last = now
+                emit_step(client.replica_id, r, sampler.cursor, samples, **extra)
                 if after_commit(cfg, s, r.step):
                     return 0
             else:

@@ -37,7 +37,6 @@ from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import (
     emit,
     emit_step,
-    exact_options,
     keep_freed_memory,
     make_checkpointer,
     resume,
@@ -46,6 +45,7 @@ from phalanx.jobs.common import (
 )
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
+from phalanx.jobs.training import exact_options
 from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import (
     HSDPManager,

@@ -18,8 +18,6 @@ the single-process baseline: both take one GRPO step the same way.
 from __future__ import annotations
 
 import contextlib
-import resource
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +26,16 @@ import torch
 from phalanx.config.rl import GRPOSection
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import collate, grpo_loss, reference_logprobs
+from phalanx.train.perf import PEAK_TFLOPS, mfu, peak_memory_mb, peak_tflops
+
+__all__ = [
+    "PEAK_TFLOPS",
+    "backward_rows",
+    "merge_stats",
+    "mfu",
+    "peak_memory_mb",
+    "peak_tflops",
+]
 
 _WEIGHTED = ("ratio_mean", "clip_frac", "kl_behaviour", "entropy", "kl_ref")
 """Stats that are per-token means of a micro-batch: merged weighted by its tokens."""
@@ -135,45 +143,3 @@ def merge_stats(parts: Sequence[dict[str, float]], *, with_ref: bool) -> dict[st
         if k != "kl_ref" or with_ref:
             out[k] = sums[k] / max(out["num_tokens"], 1.0)
     return out
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, in MiB: the CUDA caching allocator's peak
-    on a GPU, else the peak resident set size (all of the process, not only tensors)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-PEAK_TFLOPS = {
-    # Dense peak per GPU from NVIDIA's data sheets: (bf16 tensor core, fp32 non-tensor).
-    "H200": (989.4, 66.9),
-    "H100": (989.4, 66.9),
-    "A100": (312.0, 19.5),
-    "L40S": (362.1, 91.6),
-}
-
-
-def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
-    """Peak TFLOP/s of ``device`` in ``precision``: ``override`` if given, else the
-    data-sheet figure of a known GPU, else None (a CPU has no agreed peak)."""
-    if override is not None:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, (bf16, fp32) in PEAK_TFLOPS.items():
-        if key in name:
-            return bf16 if precision == "bf16" else fp32
-    return None
-
-
-def mfu(params: int, tokens: float, seconds: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: 6 N FLOPs per token trained (forward 2N, backward 4N;
-    Kaplan et al. 2020), over ``seconds`` at ``peak`` TFLOP/s. Recomputation under
-    activation checkpointing is not counted: it is overhead, not model work."""
-    if peak is None or seconds <= 0:
-        return None
-    return 6.0 * params * tokens / seconds / (peak * 1e12)
