@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from phalanx.config.data import DataSection
 from phalanx.config.urls import check_storage_url
 
 
@@ -65,6 +66,10 @@ class TrainSection(_Section):
     log_state_hash: bool = False
     """Print a digest of the replica's parameters with every committed step (for audits:
     replicas that commit a step must hold the same state after it, partitions or not)."""
+    data: DataSection | None = None
+    """The training data for a Hugging Face model (``train.model`` a model spec):
+    ``[train.data]``, read, tokenized and cached by :mod:`phalanx.data.text`. None:
+    the built-in task's synthetic data."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TrainSection:
