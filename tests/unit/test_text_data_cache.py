@@ -213,7 +213,7 @@ def test_the_data_section_checks_its_fields_together(tmp_path):
     data = load_config(cfg).train.data
     assert data is not None and data.has_validation and data.seq_len == 512
     cfg.write_text('[train.data]\npath = "d.jsonl"\nval_every = 5\n')
-    with pytest.raises(ConfigError, match="train.data.val_every needs a validation set"):
+    with pytest.raises(ConfigError, match=r"train\.data\.val_every needs a validation set"):
         load_config(cfg)
     cfg.write_text("[train]\nsteps = 3\n")
     assert load_config(cfg).train.data is None
