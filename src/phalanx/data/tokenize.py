@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,10 +65,10 @@ class Skips:
 
 
 def tokenizer_identity(directory: Path) -> str:
-    """A digest of the tokenizer in ``directory``: its files' names and bytes, and the
-    versions of the libraries that run it. Two directories with the same digest
-    tokenize alike, so cached tokens are keyed by it. Raises :class:`DataError` when
-    the directory holds no tokenizer."""
+    """A digest of the tokenizer in ``directory``: its files' names and bytes, the model
+    type in its ``config.json``, and the versions of the libraries that run it. Two
+    directories with the same digest tokenize alike, so cached tokens are keyed by it.
+    Raises :class:`DataError` when the directory holds no tokenizer."""
     if not directory.is_dir():
         raise DataError(
             f"the tokenizer directory must be an existing local directory: got "
@@ -85,11 +86,21 @@ def tokenizer_identity(directory: Path) -> str:
     h = hashlib.sha256()
     for lib in ("transformers", "tokenizers"):
         h.update(f"{lib}={importlib.metadata.version(lib)}\n".encode())
+    # AutoTokenizer picks the class by the model's type, and a class may rebuild the
+    # tokenizer from its vocabulary with its own pre-tokenizer (Qwen2Tokenizer does).
+    h.update(f"model_type={_model_type(directory)}\n".encode())
     for f in files:
         data = f.read_bytes()
         h.update(f"{f.name}\n{len(data)}\n".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _model_type(directory: Path) -> str:
+    try:
+        return str(json.loads((directory / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def load_tokenizer(directory: Path) -> Any:
