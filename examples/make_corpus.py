@@ -51,9 +51,10 @@ def source(path: Path) -> str | None:
     return text if text.strip() else None
 
 
-def write(out: Path, val_fraction: float) -> dict[str, list[int]]:
-    """Write the two splits; {split: [files, bytes]}, and [files left out] under "skipped"."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def write(out: Path, val_fraction: float, root: Path | None = None) -> dict[str, list[int]]:
+    """Write the two splits of the sources under ``root`` (None: the stdlib);
+    {split: [files, bytes]}, and [files left out, 0] under "skipped"."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         (f for f in root.rglob("*.py") if not SKIP_DIRS & set(f.relative_to(root).parts)),
         key=lambda f: f.relative_to(root).as_posix(),
