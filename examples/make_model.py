@@ -1,19 +1,29 @@
-"""Build a small causal LM and its tokenizer, for running the math examples
-offline when you have no checkpoint: point ``rl.model.path`` and
-``rl.task.tokenizer_path`` at the directory it writes (or at a real
-checkpoint's directory instead).
+"""Build a causal LM and its tokenizer from nothing: the ~20M-parameter Qwen2 model of
+``examples/pretrain_code.toml``, trained on the corpus of ``examples/make_corpus.py``,
+or a small one for running the math examples offline when you have no checkpoint
+(point ``rl.model.path`` and ``rl.task.tokenizer_path`` at the directory it writes,
+or at a real checkpoint's directory instead).
 
+    python examples/make_model.py [--corpus data/stdlib] [OUT_DIR]   # models/qwen2-20m
     python examples/make_model.py OUT_DIR [--arch qwen2|llama] [--data FILE.jsonl]
-        [--vocab 512] [--hidden 128] [--layers 4] [--heads 4] [--max-len 512] [--seed 0]
+        [--vocab 512] [--hidden 128] [--layers 4] [--heads 4] [--kv-heads 4]
+        [--intermediate 512] [--max-len 512] [--seed 0]
 
-The tokenizer is a byte-level BPE trained with ``tokenizers`` on the text of
-``--data`` (every string field of every row) or, without it, on a few built-in
-sentences, with ``<pad>``, ``<bos>``, ``<eos>`` and a ChatML chat template
-(``<|im_start|>role ... <|im_end|>``). The model is a ``Qwen2ForCausalLM`` or
-``LlamaForCausalLM`` built from config with random weights (seeded), vocabulary
-padded above the tokenizer's to a multiple of 64, head size ``hidden / heads`` (vLLM's CPU attention
-needs 32, 64, 80, 96, 112, 128, ...), both written with ``save_pretrained``:
-any tool that loads a Hugging Face checkpoint loads it.
+The tokenizer is a byte-level BPE trained with ``tokenizers`` on the ``text`` field
+of ``--corpus``'s ``train.jsonl`` (all of it, or its first ``--tokenizer-mb`` MB of
+files in a fixed order), on the text of ``--data`` (every string field of every
+row) or, without either, on a few built-in sentences, with ``<pad>``, ``<bos>``,
+``<eos>`` and a ChatML chat template (``<|im_start|>role ... <|im_end|>``). The model
+is a ``Qwen2ForCausalLM`` or ``LlamaForCausalLM`` built from config with random
+weights (seeded), vocabulary padded above the tokenizer's to a multiple of 64, head
+size ``hidden / heads`` (vLLM's CPU attention needs 32, 64, 80, 96, 112, 128, ...),
+both written with ``save_pretrained``: any tool that loads a Hugging Face checkpoint
+loads it (``AutoTokenizer`` and ``AutoModelForCausalLM``, ``local_files_only=True``).
+
+With ``--corpus`` the shape defaults to the ~20M model (``CODE_SHAPE``: vocabulary
+8192, hidden 384, 8 layers, 6 heads, 2 KV heads, MLP 1536, 1024 positions, tied
+embeddings); without it, to the small one (``SMALL_SHAPE``). Any flag overrides.
+With no arguments at all, it builds ``models/qwen2-20m`` from ``data/stdlib``.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
@@ -35,6 +46,31 @@ BUILTIN_TEXT = [
 ]
 
 
+CODE_SHAPE = dict(
+    vocab=8192, hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1536, max_len=1024
+)
+"""The model of examples/pretrain_code.toml: ~20M parameters (3.2M of them the embedding)."""
+SMALL_SHAPE = dict(vocab=512, hidden=128, layers=4, heads=4, max_len=512)
+"""The math examples' model (KV heads: as many as heads; MLP: 4 x hidden)."""
+CODE_OUT = Path("models/qwen2-20m")
+CODE_CORPUS = Path("data/stdlib")
+
+
+def corpus_texts(corpus: Path, limit_mb: float) -> list[str]:
+    """The ``text`` of every row of ``corpus/train.jsonl``, or of its first rows up to
+    ``limit_mb`` MB (0: all)."""
+    out, size = [], 0
+    with (corpus / "train.jsonl").open() as f:
+        for line in f:
+            text = json.loads(line).get("text")
+            if isinstance(text, str):
+                out.append(text)
+                size += len(text)
+                if limit_mb and size >= limit_mb * 1e6:
+                    break
+    return out
+
+
 def texts(data: Path | None) -> list[str]:
     if data is None:
         return BUILTIN_TEXT * 50
@@ -46,16 +82,39 @@ def texts(data: Path | None) -> list[str]:
     return out + BUILTIN_TEXT
 
 
-def build_tokenizer(corpus: list[str], vocab: int):  # -> PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# What transformers' Qwen2Tokenizer splits text with before byte-level BPE: AutoTokenizer
+# rebuilds a Qwen2 directory's tokenizer from its vocabulary and merges with this
+# normalizer and pre-tokenizer (whatever tokenizer.json says), so the merges must be
+# learnt under the same split or the loaded tokenizer cuts text into more tokens.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_EXTRA = ["<|endoftext|>"]
+"""The token Qwen2Tokenizer adds as its unknown token when the vocabulary lacks it."""
+
+
+def build_tokenizer(
+    corpus: list[str], vocab: int, arch: str = "qwen2"
+):  # -> PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if arch == "qwen2":
+        tk.normalizer = normalizers.NFC()
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=SPECIALS,
+        special_tokens=SPECIALS + (QWEN2_EXTRA if arch == "qwen2" else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -67,7 +126,17 @@ def build_tokenizer(corpus: list[str], vocab: int):  # -> PreTrainedTokenizerFas
     return fast
 
 
-def build_model(arch: str, tok, hidden: int, layers: int, heads: int, max_len: int, seed: int):
+def build_model(
+    arch: str,
+    tok,
+    hidden: int,
+    layers: int,
+    heads: int,
+    max_len: int,
+    seed: int,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -76,10 +145,10 @@ def build_model(arch: str, tok, hidden: int, layers: int, heads: int, max_len: i
     common = dict(
         vocab_size=(len(tok) + 64) // 64 * 64,
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
+        intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=max_len,
         tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id,
@@ -94,29 +163,73 @@ def build_model(arch: str, tok, hidden: int, layers: int, heads: int, max_len: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
+    ap.add_argument(
+        "out", type=Path, nargs="?", help=f"output directory ({CODE_OUT} with --corpus)"
+    )
     ap.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    ap.add_argument("--corpus", type=Path, help="a make_corpus.py directory: the ~20M code model")
+    ap.add_argument(
+        "--tokenizer-mb",
+        type=float,
+        default=0,
+        help="--corpus text the tokenizer learns from, in MB (0: all)",
+    )
     ap.add_argument("--data", type=Path, help="JSONL whose text trains the tokenizer")
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    ap.add_argument("--intermediate", type=int, help="MLP width")
+    ap.add_argument("--max-len", type=int)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.out is None and a.corpus is None and a.data is None:
+        a.corpus = CODE_CORPUS  # no arguments: the code model of pretrain_code.toml
+    shape = CODE_SHAPE if a.corpus is not None else SMALL_SHAPE
+    for k, v in shape.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.out is None:
+        if a.corpus is None:
+            print("make_model: OUT_DIR must be given without --corpus: got none.")
+            return 2
+        a.out = CODE_OUT
+    if a.corpus is not None and a.data is not None:
+        print("make_model: --corpus and --data must not both be given: pick one text source.")
+        return 2
+    if a.corpus is not None and not (a.corpus / "train.jsonl").is_file():
+        print(
+            f"make_model: --corpus must be a directory with train.jsonl: got {str(a.corpus)!r}. "
+            f"Write one with: python examples/make_corpus.py --out {a.corpus}"
+        )
+        return 2
     if a.data is not None and not a.data.is_file():
         print(f"make_model: --data must be an existing JSONL file: got {str(a.data)!r}.")
         return 2
     if a.hidden % a.heads:
         print(f"make_model: --hidden must be divisible by --heads: got {a.hidden}, {a.heads}.")
         return 2
-    tok = build_tokenizer(texts(a.data), a.vocab)
-    model = build_model(a.arch, tok, a.hidden, a.layers, a.heads, a.max_len, a.seed)
+    if a.kv_heads is not None and a.heads % a.kv_heads:
+        print(f"make_model: --heads must be divisible by --kv-heads: got {a.heads}, {a.kv_heads}.")
+        return 2
+    start = time.monotonic()
+    corpus = corpus_texts(a.corpus, a.tokenizer_mb) if a.corpus is not None else texts(a.data)
+    tok = build_tokenizer(corpus, a.vocab, a.arch)
+    learnt = time.monotonic() - start
+    model = build_model(
+        a.arch, tok, a.hidden, a.layers, a.heads, a.max_len, a.seed, a.kv_heads, a.intermediate
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(a.out)
     tok.save_pretrained(a.out)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    print(f"wrote a {a.arch} model of {n:,} parameters and a {len(tok)}-token tokenizer to {a.out}")
+    size = sum(len(t) for t in corpus) / 1e6
+    print(
+        f"wrote a {a.arch} model of {n:,} parameters and a {len(tok)}-token tokenizer (learnt "
+        f"from {len(corpus)} texts, {size:.1f} MB, in {learnt:.0f} s) to {a.out} in "
+        f"{time.monotonic() - start:.0f} s"
+    )
     return 0
 
 

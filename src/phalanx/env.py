@@ -22,3 +22,8 @@ for the process and everything it starts."""
 CA_FILE = "PHALANX_CA_FILE"
 """A PEM file of the certificate authorities that clients trust for the
 controller's HTTPS (``--ca-file``). Unset: the system's."""
+
+RUN_DIR = "PHALANX_RUN_DIR"
+"""The run directory of the job a replica belongs to. The launchers set it for their
+replicas; tokenized training data is cached under it (``data-cache``) unless
+``train.data.cache_dir`` says otherwise, so a restarted replica finds it."""

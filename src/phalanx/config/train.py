@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from phalanx.config.data import DataSection
 from phalanx.config.model import ModelSection
 from phalanx.config.urls import check_storage_url
 
@@ -93,6 +94,10 @@ class TrainSection(_Section):
     log_state_hash: bool = False
     """Print a digest of the replica's parameters with every committed step (for audits:
     replicas that commit a step must hold the same state after it, partitions or not)."""
+    data: DataSection | None = None
+    """The training data for a Hugging Face model (``train.model`` a model spec):
+    ``[train.data]``, read, tokenized and cached by :mod:`phalanx.data.text`. None:
+    the built-in task's synthetic data."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TrainSection:
@@ -110,6 +115,18 @@ class TrainSection(_Section):
                 "train.model must name your model's directory: got a [train.model] table "
                 "without path. Set [train.model] path = DIR (a local Hugging Face causal LM), "
                 "or train.model = 'mlp' for the built-in task."
+            )
+        if isinstance(self.model, ModelSection) and self.data is None:
+            raise ValueError(
+                "train.model (your model) must come with its data: got no [train.data]. "
+                "Add [train.data] path = FILE_OR_DIR (text, JSONL, Parquet, Arrow or a "
+                "save_to_disk directory)."
+            )
+        if self.data is not None and not isinstance(self.model, ModelSection):
+            raise ValueError(
+                f"[train.data] is for your model: got train.model = {self.model!r} (a built-in "
+                "task, whose data is synthetic). Add [train.model] path = DIR, or drop "
+                "[train.data]."
             )
         builtin = not isinstance(self.model, ModelSection) and not self.script
         if builtin and (self.precision != "fp32" or self.activation_checkpointing):
