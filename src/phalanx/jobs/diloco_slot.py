@@ -40,6 +40,7 @@ from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs import task
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, keep_freed_memory
+from phalanx.jobs.device import resolve_device
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.diloco import DiLoCo
@@ -81,10 +82,10 @@ class DecoupledReplica:
         self.index = slot_index(name, dc.replicas)
         self.fs, root = fsspec.core.url_to_fs(dc.url, **dc.storage_options)
         self.root = root.rstrip("/")
-        self.model = task.build_model(tc, cfg.job.seed)
-        self.compute = task.make_compute(tc, self.model, cfg.job.seed)
+        job = task.build(tc, cfg.job.seed, resolve_device(tc.device))
+        self.model, self.compute = job.model, job.compute
         self.optimizer = build_optimizer(tc, self.model)
-        self.sampler = ElasticSampler(tc.dataset_size, seed=cfg.job.seed)
+        self.sampler = ElasticSampler(job.dataset_size, seed=cfg.job.seed)
         self.exchange = ObjectStoreAllReduce(
             f"{dc.url.rstrip('/')}/rounds",
             name,

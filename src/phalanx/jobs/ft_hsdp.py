@@ -43,6 +43,7 @@ from phalanx.jobs.common import (
     save_checkpoint,
     use_root,
 )
+from phalanx.jobs.device import data_plane, nccl_env, resolve_device
 from phalanx.jobs.mlp import build_optimizer
 from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
 from phalanx.jobs.training import exact_options
@@ -84,7 +85,9 @@ def run(args: ReplicaArgs) -> int:
     keep_freed_memory()
     torch.set_num_threads(tc.threads)
     t = cfg.timeouts
-    ranks = replica_ranks(cfg)
+    device = resolve_device(tc.device)
+    backend = data_plane(device, tc.data_plane)
+    ranks = replica_ranks(cfg, device)
     if not isinstance(ranks, ReplicaRanks):
         raise JobError("ft_hsdp runs replicas of several ranks: [replica] ranks must be > 1")
     client, store, facts = register_ranks(
@@ -111,21 +114,26 @@ def run(args: ReplicaArgs) -> int:
         return 0
     if ranks.leader:
         client.start_heartbeat()
-    model = shard_model(task.build_model(tc, cfg.job.seed), ranks.mesh)
+    if backend == "nccl":
+        nccl_env(t.quorum_s)
+    job = task.build(
+        tc, cfg.job.seed, device, always_forward=True, wrap=lambda m: shard_model(m, ranks.mesh)
+    )
+    model = job.model
     manager = HSDPManager(
         client,
         ranks,
-        TorchCommunicator(t.collective_s),
+        TorchCommunicator(t.collective_s, device, backend=backend),
         model,
         build_optimizer(tc, model),
-        ElasticSampler(tc.dataset_size, seed=cfg.job.seed),
+        ElasticSampler(job.dataset_size, seed=cfg.job.seed),
         global_batch_size=tc.global_batch_size,
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=t.quorum_s,
         **exact_options(cfg),
     )
     manager.total_steps = total
-    compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
+    compute = job.compute
     # Every rank makes the checkpointer (its group is a collective) and loads its
     # shards of the latest checkpoint, saved by replicas of any size.
     ckpt = make_checkpointer(cfg, client)

@@ -46,14 +46,23 @@ class Task:
     """Steps between validation losses (``data.val_every``; 0: never)."""
 
 
-def build(tc: TrainSection, seed: int, device: torch.device, always_forward: bool = False) -> Task:
-    """The task of ``tc`` on ``device``. With ``always_forward`` an empty micro-batch
-    still runs forward and backward (a sharded model's ranks must all take part in
-    each one's collectives). JobError in one line for a bad model or data."""
+def build(
+    tc: TrainSection,
+    seed: int,
+    device: torch.device,
+    always_forward: bool = False,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> Task:
+    """The task of ``tc`` on ``device``. ``wrap`` replaces the model before anything
+    uses it (a sharded replica shards it with FSDP2). With ``always_forward`` an empty
+    micro-batch still runs forward and backward (a sharded model's ranks must all take
+    part in each one's collectives). JobError in one line for a bad model or data."""
     if isinstance(tc.model, ModelSection):
         from phalanx.jobs import hf_task
 
         t = hf_task.build(tc, seed, device)
+        if wrap is not None:
+            t.model = wrap(t.model)
 
         def compute(indices: list[int], scale: float) -> float:
             return t.compute(indices, scale, always_forward)
@@ -61,6 +70,8 @@ def build(tc: TrainSection, seed: int, device: torch.device, always_forward: boo
         every = tc.data.val_every if tc.data is not None else 0
         return Task(t.model, len(t.data), compute, t.figures, t.val_loss, every)
     model = build_model(tc, seed).to(device)
+    if wrap is not None:
+        model = wrap(model)
     return Task(model, tc.dataset_size, make_compute(tc, model, seed, always_forward, device))
 
 
