@@ -27,3 +27,12 @@ RUN_DIR = "PHALANX_RUN_DIR"
 """The run directory of the job a replica belongs to. The launchers set it for their
 replicas; tokenized training data is cached under it (``data-cache``) unless
 ``train.data.cache_dir`` says otherwise, so a restarted replica finds it."""
+
+REPLICA_NAME = "PHALANX_REPLICA_NAME"
+"""The stable name of a replica started by a launcher that is not ``phalanx replica``
+(torchrun-style): :class:`phalanx.Replica` registers under it (default
+``policy-<pid>``)."""
+
+CONFIG = "PHALANX_CONFIG"
+"""The job TOML that :class:`phalanx.Replica` reads its timeouts, checkpoint root and
+seed from, when nothing passes it a config (torchrun-style launchers)."""

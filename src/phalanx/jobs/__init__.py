@@ -12,6 +12,7 @@ kind               loop
 ``rl_rollout``     an RL rollout replica: lease, generate, submit (``rl_rollout.py``)
 ``rl_single``      single-process GRPO, the RL baseline (``rl_single.py``)
 ``tp_worker``      one rank of a tensor-parallel replica (``tp_worker.py``)
+``script``         your own training loop, ``[train] script`` (``script.py``)
 =================  =====================================================================
 
 ``common.py`` holds what the FT loops share (setup, checkpoints, the step
@@ -82,6 +83,7 @@ JOBS: dict[str, JobSpec] = {
             needs_controller=False,
             takes_out=False,
         ),
+        JobSpec("script", "phalanx.jobs.script", "your own training loop ([train] script)"),
         JobSpec(
             "tp_worker",
             "phalanx.jobs.tp_worker",
@@ -97,6 +99,8 @@ def job_kind(cfg: JobConfig, role: str) -> str:
     """The kind of replica ``phalanx replica --role ROLE`` starts for this job config."""
     if cfg.rl is not None:
         return "rl_rollout" if role == "rollout" else "rl_policy"
+    if cfg.train.script:
+        return "script"
     if cfg.diloco is not None:
         return "diloco_slot" if cfg.diloco.mode == "objectstore" else "diloco_sync"
     return "ft_hsdp" if cfg.replica.ranks > 1 else "ft_ddp"
