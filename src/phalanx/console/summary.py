@@ -26,6 +26,25 @@ def discard_text(d: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "none"
 
 
+def perf_text(r: Replica) -> str:
+    """``  12.3k tok/s  MFU 0.31  peak 540 MB  val 3.1021`` from a training replica's
+    latest step lines ('' for a built-in task, which reports none)."""
+    parts = []
+    if r.tokens_per_s:
+        parts.append(f"{_si(r.tokens_per_s[-1])} tok/s")
+    if r.mfu is not None:
+        parts.append(f"MFU {r.mfu:.3f}")
+    if r.peak_mem_mb is not None:
+        parts.append(f"peak {r.peak_mem_mb:.0f} MB")
+    if r.val_loss is not None:
+        parts.append(f"val {r.val_loss:.4f}")
+    return "".join(f"  {p}" for p in parts)
+
+
+def _si(x: float) -> str:
+    return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:.0f}"
+
+
 def rollbacks(st: Status | None) -> list[dict[str, Any]]:
     """The policy's explicit rollbacks, as the controller journaled them."""
     rs = st.roles.get("policy") if st is not None else None
@@ -71,8 +90,25 @@ def ft_summary(job: LocalJob) -> dict[str, Any]:
         "controller_restarts": job.controller.restarts if job.controller else 0,
         "longest_gap_s": round(max(gaps), 3) if gaps else 0.0,
         "rollbacks": rollbacks(job.status()),
+        **perf_summary(reps, lead),
         "wall_s": round(time.monotonic() - job.started, 2),
         "run_dir": str(job.run_dir),
+    }
+
+
+def perf_summary(reps: list[Replica], lead: Replica | None) -> dict[str, Any]:
+    """A training job's figures for its summary (your model; none for a built-in task):
+    the median committed tokens per second over the leading replica's steps, its last
+    MFU and validation loss, and the largest peak memory of any replica."""
+    if lead is None or not lead.tokens_per_s:
+        return {}
+    rates = sorted(lead.tokens_per_s)
+    peaks = [r.peak_mem_mb for r in reps if r.peak_mem_mb is not None]
+    return {
+        "tokens_per_s": rates[len(rates) // 2],
+        "mfu": lead.mfu,
+        "peak_mem_mb": max(peaks) if peaks else None,
+        "val_loss": lead.val_loss,
     }
 
 
@@ -81,9 +117,15 @@ def ft_line(job: LocalJob, s: dict[str, Any]) -> str:
     if job.cfg.diloco is not None:
         what = f"{s['steps']} DiLoCo rounds ({s['steps'] * job.cfg.diloco.sync_every} inner steps)"
     ctl = _controller_restarts(s)
+    perf = ""
+    if s.get("tokens_per_s") is not None:
+        perf = f"; {s['tokens_per_s']:.0f} tokens/s"
+        perf += f", MFU {s['mfu']:.3f}" if s.get("mfu") is not None else ", MFU - (no peak rate)"
+        perf += f", peak memory {s['peak_mem_mb']:.0f} MB" if s.get("peak_mem_mb") else ""
+        perf += f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else ""
     return (
         f"job {s['job']}: {what} committed in {s['wall_s']:.1f} s, final loss "
-        f"{num(s['loss'], '.5f')}; {s['kills']} replica(s) killed, {s['heals']} heal(s){ctl}"
+        f"{num(s['loss'], '.5f')}{perf}; {s['kills']} replica(s) killed, {s['heals']} heal(s){ctl}"
         f"{rollback_text(s.get('rollbacks', []))}; "
         f"longest gap between commits {s['longest_gap_s']:.2f} s. Logs and final states: "
         f"{s['run_dir']}" + (f". FAILED: {s['error']}" if s["error"] else "")

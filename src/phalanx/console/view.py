@@ -14,7 +14,15 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from phalanx.console.summary import discard_text, ft_line, ft_summary, num, rl_line, rl_summary
+from phalanx.console.summary import (
+    discard_text,
+    ft_line,
+    ft_summary,
+    num,
+    perf_text,
+    rl_line,
+    rl_summary,
+)
 
 if TYPE_CHECKING:
     from phalanx.launch.local import LocalJob
@@ -204,7 +212,7 @@ class View:
             self._printed_step = lead.step
             print(
                 f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {num(lead.loss, '.5f')}  "
-                f"participants {lead.participants}  quorum {lead.quorum_id}",
+                f"participants {lead.participants}  quorum {lead.quorum_id}{perf_text(lead)}",
                 flush=True,
             )
 

@@ -48,6 +48,11 @@ class Replica:
     relayed: int = 0
     """Syncs this rollout replica was the source of (it relayed its weights)."""
     sync_ms: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    """A training job's committed tokens per second, per step line (your model)."""
+    mfu: float | None = None
+    peak_mem_mb: float | None = None
+    val_loss: float | None = None
     last: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -81,9 +86,13 @@ class Replica:
             self.step, self.loss = ev.get("step", self.step), ev.get("loss")
             self.participants = ev.get("participants", 0)
             self.quorum_id = ev.get("quorum_id", 0)
-            for k in ("version", "reward", "exact_match", "staleness"):
+            for k in ("version", "reward", "exact_match", "staleness", "mfu", "val_loss"):
                 if k in ev:
                     setattr(self, k, ev[k])
+            if "tokens_per_s" in ev:
+                self.tokens_per_s.append(float(ev["tokens_per_s"]))
+            if "peak_mem_mb" in ev:
+                self.peak_mem_mb = max(self.peak_mem_mb or 0.0, float(ev["peak_mem_mb"]))
             if ev.get("healed"):
                 self.heals += 1
                 return f"{self.name} healed to step {self.step}"
