@@ -224,6 +224,7 @@ def _build(
     if spec.kind == "pretrain":
         field = TEXT_COLUMN if source.format == "text" else spec.text_field
         tokenize.pretrain(tok, labelled(), field, skips, stream.write)
+        _check_held_out(what, spec, keep, seen[0], rows.count)
         n = stream.count // spec.seq_len
         if n == 0:
             raise DataError(
@@ -235,6 +236,7 @@ def _build(
         arrays, samples, tokens = ["input_ids.npy"], n, n * spec.seq_len
     else:
         lengths = tokenize.sft(tok, labelled(), spec, skips, stream.write)
+        _check_held_out(what, spec, keep, seen[0], rows.count)
         if not lengths:
             raise DataError(
                 f"{what} must hold at least one usable row: got {seen[0]} rows, none usable"
@@ -262,6 +264,16 @@ def _build(
         "tokens": tokens,
         **tokenize.special_ids(tok),
     }
+
+
+def _check_held_out(what: str, spec: DataSection, keep: bool | None, kept: int, rows: int) -> None:
+    """A split of a fraction must keep a row (a small fraction of few rows may not)."""
+    if keep is not None and rows and not kept:
+        raise DataError(
+            f"{what} must hold at least one row: validation_fraction "
+            f"{spec.validation_fraction} of {rows} rows gives it none. Change "
+            f"train.data.validation_fraction, or name held-out data in train.data.validation."
+        )
 
 
 def _why(skips: tokenize.Skips) -> str:
