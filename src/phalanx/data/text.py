@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from phalanx.config.data import DataSection
 from phalanx.data import cache, tokenize
 from phalanx.data.errors import DataError
 from phalanx.data.formats import TEXT_COLUMN, Rows, Source, disk_splits, resolve
+
+if TYPE_CHECKING:
+    import torch  # imported when a batch is made: reading data needs no torch
 
 __all__ = ["DataError", "TextData", "held_out", "load_text_data"]
 
@@ -92,7 +95,7 @@ class TextData:
             )
         return idx
 
-    def batch(self, indices: Sequence[int]) -> tuple[Any, Any]:
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), both int64 [len(indices), seq_len] on the CPU; labels are
         -100 where there is no loss (SFT prompts and padding; pretraining has none).
         The model shifts labels itself (Hugging Face convention: labels = input_ids)."""
