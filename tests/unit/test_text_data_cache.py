@@ -166,6 +166,11 @@ def bad_inputs(tmp: Path, tok: Path) -> list[tuple[dict, dict, str]]:
         ({"path": str(odd / "a.csv")}, {}, "must end in one of"),
         ({"path": str(docs), "seq_len": 4096}, {}, "must hold at least seq_len = 4096 tokens"),
         ({"path": str(docs)}, {"split": "validation"}, "to load the validation split"),
+        (
+            {"path": str(docs), "validation_fraction": 0.01},
+            {"split": "validation"},
+            "validation_fraction 0.01 of 20 rows gives it none",
+        ),
         ({"path": str(docs), "validation": "nope"}, {"split": "validation"}, "existing file"),
         ({"path": str(tmp / "dd")}, {}, "with a 'train' split (or a single split): got splits"),
         ({"path": str(tmp / "dd"), "validation": "c"}, {"split": "validation"}, "splits are"),

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from phalanx.config.data import DataSection
 from phalanx.data import cache, tokenize
 from phalanx.data.errors import DataError
 from phalanx.data.formats import TEXT_COLUMN, Rows, Source, disk_splits, resolve
+
+if TYPE_CHECKING:
+    import torch  # imported when a batch is made: reading data needs no torch
 
 __all__ = ["DataError", "TextData", "held_out", "load_text_data"]
 
@@ -92,7 +95,7 @@ class TextData:
             )
         return idx
 
-    def batch(self, indices: Sequence[int]) -> tuple[Any, Any]:
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), both int64 [len(indices), seq_len] on the CPU; labels are
         -100 where there is no loss (SFT prompts and padding; pretraining has none).
         The model shifts labels itself (Hugging Face convention: labels = input_ids)."""
@@ -224,6 +227,7 @@ def _build(
     if spec.kind == "pretrain":
         field = TEXT_COLUMN if source.format == "text" else spec.text_field
         tokenize.pretrain(tok, labelled(), field, skips, stream.write)
+        _check_held_out(what, spec, keep, seen[0], rows.count)
         n = stream.count // spec.seq_len
         if n == 0:
             raise DataError(
@@ -235,6 +239,7 @@ def _build(
         arrays, samples, tokens = ["input_ids.npy"], n, n * spec.seq_len
     else:
         lengths = tokenize.sft(tok, labelled(), spec, skips, stream.write)
+        _check_held_out(what, spec, keep, seen[0], rows.count)
         if not lengths:
             raise DataError(
                 f"{what} must hold at least one usable row: got {seen[0]} rows, none usable"
@@ -262,6 +267,16 @@ def _build(
         "tokens": tokens,
         **tokenize.special_ids(tok),
     }
+
+
+def _check_held_out(what: str, spec: DataSection, keep: bool | None, kept: int, rows: int) -> None:
+    """A split of a fraction must keep a row (a small fraction of few rows may not)."""
+    if keep is not None and rows and not kept:
+        raise DataError(
+            f"{what} must hold at least one row: validation_fraction "
+            f"{spec.validation_fraction} of {rows} rows gives it none. Change "
+            f"train.data.validation_fraction, or name held-out data in train.data.validation."
+        )
 
 
 def _why(skips: tokenize.Skips) -> str:
