@@ -13,6 +13,7 @@ pid's group; nothing is ever killed by name.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from phalanx import env
 from phalanx.client import find_token
 from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
@@ -199,6 +201,9 @@ class LocalJob:
         the job finished, 1 when it failed, 130 when interrupted (SIGINT/SIGTERM);
         in every case the children are stopped first."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Every replica started from here (forked by the zygote or not) caches its
+        # tokenized training data in the run directory: a restart tokenizes nothing.
+        os.environ[env.RUN_DIR] = str(self.run_dir.resolve())
         if self.cfg.rl is not None:
             try:
                 self.tracker = trackers(
