@@ -192,7 +192,8 @@ class Replica:
         if r.committed:
             s.client.report_progress(loss=r.loss)
             cursor = s.manager.sampler.cursor if s.manager.sampler is not None else 0
-            emit_step(s.client.replica_id, r, cursor, None)
+            samples = s.manager.last_indices if self.cfg.train.log_samples else None
+            emit_step(s.client.replica_id, r, cursor, samples)
             if after_commit(self.cfg, s, r.step):
                 self.drained = True  # the operator's drain: leave at this step
         else:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,8 @@ class HFTask:
         """Forward and backward of samples ``indices``; returns their summed loss. With
         ``always_forward`` an empty micro-batch still runs one (its loss times zero): a
         sharded replica's ranks must all take part in each other's collectives."""
+        if self.tc.step_delay_s:
+            time.sleep(self.tc.step_delay_s)  # a stand-in for a bigger model (tests, demos)
         if not indices and not always_forward:
             return 0.0
         ids, labels = self.data.batch(indices or [0])
@@ -165,5 +168,13 @@ def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
         )
     except DataError as e:
         raise JobError(str(e)) from e
+    rows = model.get_input_embeddings().num_embeddings
+    if data.max_token_id >= rows:
+        raise JobError(
+            f"train.model.path's vocabulary must cover the data's token ids: the model has "
+            f"{rows} embedding rows, the data (tokenized with the tokenizer in "
+            f"{spec.path}) holds id {data.max_token_id}. Save the model and its tokenizer "
+            "together (the model's own tokenizer), or resize the model's embeddings."
+        )
     peak = peak_tflops(device, tc.precision, tc.peak_tflops)
     return HFTask(tc, model, data, val, device, num_params(model), peak)

@@ -109,6 +109,10 @@ def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrain
             f"model.path {str(p)!r} must hold a causal LM: its config.json names {archs}. "
             f"Point it at a *ForCausalLM checkpoint."
         )
+    from transformers.utils import logging as hf_logging
+
+    # Its progress bar goes to stderr, where a replica's errors must stay one line.
+    hf_logging.disable_progress_bar()
     try:
         # fp32 whatever the checkpoint's dtype: these weights are the optimizer's
         # masters (AdamW on bf16 weights loses small updates to rounding);
