@@ -206,6 +206,10 @@ def test_decoupled_diloco_trains_the_hf_model(hf: HF, tmp_path: Path):
     root every 4 inner steps, on the Qwen2, and end with the same parameters."""
     import threading
 
+    # transformers resolves its lazy names on first use, which two threads racing
+    # for them can break (ImportError): resolve them here first.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
     from phalanx.jobs.diloco_slot import DecoupledReplica
 
     secs = sections(hf, steps=12)
@@ -268,9 +272,9 @@ def test_a_checkpoint_of_3_replicas_of_2_ranks_loads_into_2_of_1_bit_identical(
     loaded = [loader.start_replica(n).finish() for n in "de"]
     for st in loaded:
         model = {k.removeprefix("model."): v for k, v in st.items() if k.startswith("model.")}
-        assert model.keys() == {k.removeprefix("model.") for k in saved}
+        assert model.keys() == saved.keys()
         for k, v in model.items():
-            assert torch.equal(v, saved[f"model.{k}"] if f"model.{k}" in saved else saved[k]), k
+            assert torch.equal(v, saved[k]), k
     # And training goes on from it.
     go_on = sections(hf, steps=6)
     go_on["roles.policy"]["n_init_replicas"] = 2
@@ -299,8 +303,37 @@ def test_own_loop_under_chaos_trains_every_step_once(tmp_path: Path):
             if line.startswith("{") and json.loads(line)["event"] == "step":
                 e = json.loads(line)
                 lines.setdefault(e["step"], {})[e["replica"]] = e
-    check_steps(lines, 1500, 64)
-    check_samples(lines, 4096, 0, 64)
+    check_chaos_steps(lines, 1500, 64, kills=summary["kills"])
+
+
+def check_chaos_steps(
+    lines: dict[int, dict[str, dict[str, Any]]], steps: int, batch: int, kills: int
+) -> None:
+    """Every step 1..steps committed once (its printers agree on it), and its printed
+    shares are disjoint parts of the sampler's global batch for that step, the whole
+    of it where every participant printed. A replica SIGKILLed between its commit and
+    its step line leaves that step short of one line: at most one step per kill."""
+    from phalanx.data.sampler import ElasticSampler
+
+    sampler = ElasticSampler(4096, seed=0)
+    assert sorted(lines) == list(range(1, steps + 1)), "a step is missing"
+    short = 0
+    for step, by_id in lines.items():
+        evs = list(by_id.values())
+        first = evs[0]
+        assert all(
+            (e["quorum_id"], e["participants"], e["cursor"], e["loss"])
+            == (first["quorum_id"], first["participants"], step * batch, first["loss"])
+            for e in evs
+        ), (step, evs)
+        want = sampler.positions((step - 1) * batch, batch)
+        got = [i for rid in sorted(by_id) for i in by_id[rid]["samples"]]
+        if len(evs) == first["participants"]:
+            assert got == want, step
+        else:
+            short += 1
+            assert sorted(got) == sorted(set(got)) and set(got) <= set(want), step
+    assert short <= kills, (short, kills)
 
 
 def test_bad_model_and_data_are_one_line(hf: HF, tmp_path: Path):
