@@ -214,7 +214,7 @@ def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _agent(args: argparse.Namespace, overrides: list[str]) -> int:
-    from phalanx.launch.agent import main as agent_main
+    from phalanx.launch.agent.supervisor import main as agent_main
 
     return agent_main(args)
 

@@ -1,5 +1,5 @@
 """The options of ``phalanx agent`` (its parser; the command itself is
-:mod:`phalanx.launch.agent`). Standard library only, like :mod:`phalanx.cli`."""
+:mod:`phalanx.launch.agent.supervisor`). Standard library only, like :mod:`phalanx.cli`."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ from ftjob import (
 )
 from procs import PROGRESS_S, Controller, wait_for
 
-from phalanx.launch.agent_files import request_resize
-from phalanx.launch.agent_options import LATEST_POINTER, latest_step
+from phalanx.launch.agent.files import request_resize
+from phalanx.launch.agent.options import LATEST_POINTER, latest_step
 from phalanx.train.snapshot import load_state as load_snapshot
 
 STEPS = 30

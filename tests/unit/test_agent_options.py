@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from phalanx import cli, env
-from phalanx.launch.agent_files import RESIZE_FILE, request_resize, take_resize
-from phalanx.launch.agent_options import (
+from phalanx.launch.agent.files import RESIZE_FILE, request_resize, take_resize
+from phalanx.launch.agent.options import (
     CKPT,
     REPLICA_NAME,
     RESTART_COUNT,

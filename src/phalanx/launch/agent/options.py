@@ -1,7 +1,7 @@
 """The elastic agent's pure parts: its options (``options_from_args``), the restart
 backoff, the workers' environment and command placeholders. No processes are
 started here, and nothing heavy is imported. The run dir's control files are
-:mod:`phalanx.launch.agent_files`'.
+:mod:`phalanx.launch.agent.files`'.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import env
-from phalanx.launch.agent_files import default_run_dir, resize_main
+from phalanx.launch.agent.files import default_run_dir, resize_main
 
 REPLICA_NAME = "PHALANX_REPLICA_NAME"
 """Set by the agent on every worker: the stable name of the replica it belongs to

@@ -1,7 +1,7 @@
 """``phalanx agent``: the elastic agent, one per node and replica.
 
 It launches the worker processes (ranks) of one replica on this node with a
-torchrun-style environment (:func:`phalanx.launch.agent_options.worker_env`)
+torchrun-style environment (:func:`phalanx.launch.agent.options.worker_env`)
 and watches them:
 
 - **A worker fails** (non-zero exit or a signal): the agent reports it to the
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
-from phalanx.launch.agent_files import PID_FILE, read_pid, take_resize, write_atomic
-from phalanx.launch.agent_options import (
+from phalanx.launch.agent.files import PID_FILE, read_pid, take_resize, write_atomic
+from phalanx.launch.agent.options import (
     AgentOptions,
     backoff_delay,
     latest_step,
@@ -54,7 +54,7 @@ from phalanx.launch.agent_options import (
 from phalanx.launch.procs import last_line, signal_proc, stop_all
 from phalanx.launch.report import controller_problem, report_exit
 from phalanx.launch.supervise import ControllerDown, ControllerProcess
-from phalanx.launch.workers import AgentError, Worker, start_workers
+from phalanx.launch.agent.workers import AgentError, Worker, start_workers
 
 log = logging.getLogger("phalanx.agent")
 

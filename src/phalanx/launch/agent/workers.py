@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.launch.agent_files import WORKERS_FILE, write_atomic
-from phalanx.launch.agent_options import AgentOptions, expand, placeholders, worker_env
+from phalanx.launch.agent.files import WORKERS_FILE, write_atomic
+from phalanx.launch.agent.options import AgentOptions, expand, placeholders, worker_env
 from phalanx.net import free_port
 
 
