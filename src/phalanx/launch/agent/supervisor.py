@@ -51,10 +51,10 @@ from phalanx.launch.agent.options import (
     latest_step,
     options_from_args,
 )
+from phalanx.launch.agent.workers import AgentError, Worker, start_workers
 from phalanx.launch.procs import last_line, signal_proc, stop_all
 from phalanx.launch.report import controller_problem, report_exit
 from phalanx.launch.supervise import ControllerDown, ControllerProcess
-from phalanx.launch.agent.workers import AgentError, Worker, start_workers
 
 log = logging.getLogger("phalanx.agent")
 

@@ -45,13 +45,20 @@ class Worker:
 
 
 def start_workers(
-    opts: AgentOptions, slots: list[int], generation: int, restarts: int, reason: str
+    opts: AgentOptions,
+    slots: list[int],
+    generation: int,
+    restarts: int,
+    reason: str,
+    port: int | None = None,
 ) -> tuple[list[Worker], dict[str, Any]]:
     """Start generation ``generation`` of the replica's workers, one per slot, each
     in its own process group with a torchrun-style environment on a fresh master
-    port; record them in the run dir's workers file. Returns the workers and the
-    record (what the agent's ``start`` event says)."""
-    port = free_port()  # fresh per generation: never a broken generation's store
+    port (``port``: the one node rank 0's agent picked, on a node that follows it);
+    record them in the run dir's workers file. Returns the workers and the record
+    (what the agent's ``start`` event says)."""
+    if port is None:
+        port = free_port()  # fresh per generation: never a broken generation's store
     gdir = opts.run_dir / f"gen{generation}"
     gdir.mkdir(parents=True, exist_ok=True)
     n = len(slots)
@@ -77,6 +84,7 @@ def start_workers(
                 ) from None
         workers.append(Worker(rank, slot, proc, out))
     record = {
+        **({"node_rank": opts.node_rank} if opts.nnodes > 1 else {}),
         "generation": generation,
         "reason": reason,
         "restart": restarts,
