@@ -1,5 +1,6 @@
-"""The options of ``phalanx agent`` (its parser; the command itself is
-:mod:`phalanx.launch.agent.supervisor`). Standard library only, like :mod:`phalanx.cli`."""
+"""``phalanx agent``'s parser and entry (the agent itself is
+:mod:`phalanx.launch.agent.supervisor`). Standard library only at import, like
+:mod:`phalanx.cli`: the agent is imported when the command runs."""
 
 from __future__ import annotations
 
@@ -86,3 +87,20 @@ def add_agent_parser(sub: Any, fn: Callable[[argparse.Namespace, list[str]], int
     add_advertise_host(a)
     a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
     a.set_defaults(fn=fn)
+
+
+def run_agent(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``phalanx agent [OPTIONS] -- CMD ...`` and ``phalanx agent resize ...``."""
+    from phalanx.launch.agent.options import options_from_args
+    from phalanx.launch.agent.supervisor import Agent
+    from phalanx.launch.agent.workers import AgentError
+    from phalanx.log import setup
+
+    opts = options_from_args(args)
+    if opts is None:
+        return 0  # a resize request, sent
+    setup()
+    try:
+        return Agent(opts).run()
+    except AgentError as e:
+        raise SystemExit(f"phalanx agent: {e}") from None

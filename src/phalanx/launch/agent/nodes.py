@@ -287,3 +287,45 @@ class Follower:
                 )
             time.sleep(POLL_S)
         return None
+
+
+class NodeLink:
+    """An agent's place in its replica's nodes: the leader's side, a follower's, or
+    neither (a replica on one node: every call is then a no-op). Who calls: the
+    agent's main loop. Raises :class:`NodeError` when node 0's agent cannot listen."""
+
+    def __init__(
+        self, name: str, nnodes: int, nproc: int, node_rank: int, master: tuple[str, int] | None
+    ):
+        self.leader: Leader | None = None
+        self.follower: Follower | None = None
+        if nnodes > 1 and master is not None:
+            if node_rank == 0:
+                self.leader = Leader(name, nnodes, nproc, *master)
+            else:
+                self.follower = Follower(name, nnodes, nproc, node_rank, *master)
+        self._asked_at = 0.0
+
+    def started(self, generation: int, port: int) -> None:
+        """The leader started ``generation``, its store on ``port``: say so."""
+        if self.leader is not None:
+            self.leader.publish(generation, port)
+
+    def news(self, generation: int) -> Failure | str | None:
+        """The leader: a follower's failure report of the current generation. A
+        follower: ``"follow"`` once node 0 started a generation newer than
+        ``generation`` or ended badly (asked every :data:`POLL_S`)."""
+        if self.leader is not None:
+            return self.leader.failure()
+        if self.follower is None or time.monotonic() < self._asked_at + POLL_S:
+            return None
+        self._asked_at = time.monotonic()
+        r = self.follower.ask()
+        if r is not None and (r.generation > generation or r.state in ("failed", "stopped")):
+            return "follow"
+        return None
+
+    def end(self, code: int, reason: str) -> None:
+        """The leader's agent exits with ``code``: tell the followers how it ended."""
+        if self.leader is not None:
+            self.leader.end({0: "done", 1: "failed"}.get(code, "stopped"), reason)
