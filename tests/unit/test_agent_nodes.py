@@ -4,6 +4,7 @@ launcher alike), the options' one-line errors, and the agents' rendezvous
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -37,11 +38,17 @@ def test_workers_on_node_k_are_ranks_k_times_nproc_on_with_node_0s_address(tmp_p
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"node_rank": 3}, "--node-rank must be in [0, --nnodes): got --node-rank 3 with --nnodes 3"),
+        (
+            {"node_rank": 3},
+            "--node-rank must be in [0, --nnodes): got --node-rank 3 with --nnodes 3",
+        ),
         ({"nnodes": 0}, "--nnodes must be >= 1: got 0"),
         ({"master": None}, "--master-addr must name node rank 0's address"),
         ({"min_nproc": 1}, "--min-nproc applies to a replica on one node"),
-        ({"track": "job.toml", "node_rank": 1}, "--track must be given to the agent of node rank 0"),
+        (
+            {"track": "job.toml", "node_rank": 1},
+            "--track must be given to the agent of node rank 0",
+        ),
     ],
 )
 def test_bad_node_options_are_one_line(tmp_path: Path, kw: dict, message: str):
@@ -118,7 +125,7 @@ def test_the_leaders_end_reaches_its_followers_before_it_stops_serving(leader: L
     ending.join(timeout=5.0)  # it lingered until both were told, not its 30 s
     assert not ending.is_alive()
     assert {(r.state, r.reason) for r in told} == {("failed", "rank 0 cannot run")}
-    with pytest.raises(NodeError, match="must start a generation within 0.3 s"):
+    with pytest.raises(NodeError, match=r"must start a generation within 0\.3 s"):
         follower(leader).wait(0, timeout_s=0.3, stopped=lambda: False)
 
 
@@ -131,3 +138,20 @@ def test_a_follower_with_no_leader_gives_up_after_its_timeout():
     f = Follower("rep", 2, 1, 1, LOOPBACK, 1)  # nothing listens on port 1
     with pytest.raises(NodeError, match=r"it cannot be reached"):
         f.wait(-1, timeout_s=0.3, stopped=lambda: False)
+
+
+def test_an_agent_whose_node_0_never_answers_says_so_in_one_line(tmp_path: Path):
+    """``phalanx agent`` of node 1 with nothing at --master-addr: exit 1, one line."""
+    import subprocess
+    import sys
+
+    from phalanx.net import free_port
+
+    argv = [sys.executable, "-m", "phalanx.cli", "agent", "--name", "r", "--run-dir", str(tmp_path)]
+    argv += ["--nnodes", "2", "--node-rank", "1", "--master-addr", f"127.0.0.1:{free_port()}"]
+    argv += ["--rdzv-timeout-s", "0.5", "--", sys.executable, "-c", "pass"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "the replica's node rank 0 agent must start a generation within 0.5 s" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert json.loads(done.stdout.splitlines()[-1])["event"] == "failed"

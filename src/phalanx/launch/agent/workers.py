@@ -63,9 +63,10 @@ def start_workers(
     gdir.mkdir(parents=True, exist_ok=True)
     n = len(slots)
     workers = []
-    for rank, slot in enumerate(slots):
-        ids = {"rank": rank, "world_size": n, "slot": slot, "port": port}
+    for local, slot in enumerate(slots):
+        ids = {"rank": local, "world_size": n, "slot": slot, "port": port}
         cmd = expand(opts.cmd, placeholders(opts, restart=generation, **ids))
+        rank = opts.node_rank * n + local  # the replica's: what events and logs name
         out = gdir / f"rank{rank}.out"
         with out.open("wb") as fo, out.with_suffix(".err").open("wb") as fe:
             try:
