@@ -1,5 +1,7 @@
-"""Experiment tracking: batch records as flat metrics, TensorBoard event files read back,
-an offline wandb run, a failing tracker dropped without stopping the others."""
+"""Experiment tracking: batch records and step lines as flat metrics, each step
+logged once, TensorBoard event files and an MLflow file store read back, an
+offline wandb run, a failing tracker dropped without stopping the others, and
+the one ``[track]`` section of every job kind."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from phalanx.config.rl import TrackSection
 from phalanx.protocol.status import BatchRecord
 from phalanx.track.base import Tracker, Trackers, batch_metrics
+from phalanx.track.job import JobTracking, step_metrics
 from phalanx.track.trackers import trackers
 
 
@@ -130,3 +133,133 @@ def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(tmp_path: Path):
     assert t.trackers == [tb]
     t.close()
     assert _scalars(tmp_path)["rl/reward"] == [(0, 1.0), (1, 2.0)]
+
+
+# -- every job kind: step lines, MLflow, the [track] section ---------------------
+
+
+def _line(step: int, replica: str, **extra) -> dict:
+    return {
+        "event": "step",
+        "replica": replica,
+        "step": step,
+        "loss": 1.0 / step,
+        "participants": 2,
+        "quorum_id": 3,
+        "healed": False,
+        "cursor": step * 24,
+        "samples": [1, 2],
+        "t": 1000.0 + step,
+        **extra,
+    }
+
+
+def test_a_step_line_logs_every_numeric_field_but_the_bookkeeping():
+    got = step_metrics(_line(4, "a:1", tokens_per_s=812.5, mfu=0.25, val_loss=0.5, ranks=2))
+    assert got == {
+        "train/loss": 0.25,
+        "train/participants": 2.0,
+        "train/tokens_per_s": 812.5,
+        "train/mfu": 0.25,
+        "train/val_loss": 0.5,
+    }
+    round_line = {"event": "round", "round": 3, "inner_step": 60, "loss": 0.5, "included": True}
+    assert step_metrics(round_line) == {"train/loss": 0.5}
+
+
+def test_each_step_is_logged_once_whichever_replicas_print_it(tmp_path: Path):
+    t = JobTracking(trackers(TrackSection(), tmp_path, "run", {}))
+    t.line(_line(1, "a:1"))
+    t.line(_line(1, "b:1"))  # the same step from the other participant
+    t.line({"event": "retry", "step": 2})
+    t.killed()
+    t.line(_line(2, "b:1"))
+    t.line(_line(3, "a:2", healed=True))  # a's restart healed from b
+    t.line(_line(3, "b:1"))
+    t.line(_line(2, "a:2"))  # late: step 2 is logged already
+    t.line(_line(4, "a:2", healed=True))  # the same heal, printed again: counted once
+    t.close()
+    got = _scalars(tmp_path / "tb")
+    assert got["train/loss"] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3)), (4, 0.25)]
+    assert got["job/kills"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
+    assert got["job/heals"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 2.0)]
+    assert "train/cursor" not in got and "train/t" not in got
+
+
+def test_an_rl_job_logs_its_ledger_not_step_lines(tmp_path: Path):
+    t = JobTracking(trackers(TrackSection(), tmp_path, "run", {}), rl=True)
+    t.line(_line(1, "policy-0:1"))
+    t.close()
+    assert _scalars(tmp_path / "tb") == {}
+
+
+def test_mlflow_writes_a_file_store_under_the_run_dir(tmp_path: Path, monkeypatch):
+    pytest.importorskip("mlflow")  # the `track` extra's mlflow-skinny
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    t = JobTracking(
+        trackers(
+            TrackSection(tensorboard=False, mlflow=True), tmp_path, "ft-run", {"a": 1}, "ft-job"
+        )
+    )
+    for step in (1, 2, 2, 3):
+        t.line(_line(step, "a:1"))
+    t.close()
+    assert (tmp_path / "mlruns").is_dir()
+    assert read_mlflow(tmp_path / "mlruns", "ft-job") == {
+        "train/loss": [(1, 1.0), (2, 0.5), (3, 1 / 3)],
+        "train/participants": [(1, 2.0), (2, 2.0), (3, 2.0)],
+        "job/heals": [(1, 0.0), (2, 0.0), (3, 0.0)],
+        "job/kills": [(1, 0.0), (2, 0.0), (3, 0.0)],
+    }
+
+
+def read_mlflow(store: Path, experiment: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the one run of ``experiment`` in the file store ``store``."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.absolute().as_uri())
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no experiment {experiment!r} in {store}"
+    (run,) = client.search_runs([exp.experiment_id])
+    return {
+        k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+        for k in run.data.metrics
+    }
+
+
+def test_mlflow_not_installed_is_one_line(tmp_path: Path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mlflow(name: str, *args, **kwargs):
+        if name.startswith("mlflow"):
+            raise ImportError("No module named 'mlflow'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mlflow)
+    with pytest.raises(ValueError, match=r"needs the mlflow-skinny package.*phalanx\[track\]"):
+        trackers(TrackSection(mlflow=True), tmp_path, "r", {})
+
+
+def test_track_is_one_section_for_every_job_kind_and_rl_track_still_reads(tmp_path: Path):
+    from phalanx.config import ConfigError, load_config
+
+    ft = tmp_path / "ft.toml"
+    ft.write_text("[track]\nmlflow = true\nmlflow_experiment = 'e'\n")
+    assert load_config(ft).track.mlflow
+    assert load_config(ft, ["--track.wandb", "true"]).track.wandb
+    rl = tmp_path / "rl.toml"
+    rl.write_text(
+        "[roles.policy]\n[roles.rollout]\n[rl.model]\nhidden_size = 32\n"
+        "[rl.track]\nwandb = true\npeak_tflops = 5.0\n"
+    )
+    cfg = load_config(rl, ["--track.tensorboard", "false"])
+    assert cfg.track == cfg.rl.track  # one section, read from both places
+    assert (cfg.track.wandb, cfg.track.peak_tflops, cfg.track.tensorboard) == (True, 5.0, False)
+    with pytest.raises(ConfigError) as e:
+        load_config(rl, ["--track.wandb", "false"])
+    assert "(top level): track.wandb must be given once: got False in [track]" in str(e.value)
