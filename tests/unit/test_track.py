@@ -12,6 +12,7 @@ import pytest
 
 from phalanx.config.rl import TrackSection
 from phalanx.protocol.status import BatchRecord
+from phalanx.testing.track import mlflow_metrics, tensorboard_scalars
 from phalanx.track.base import Tracker, Trackers, batch_metrics
 from phalanx.track.job import JobTracking, step_metrics
 from phalanx.track.trackers import trackers
@@ -34,12 +35,7 @@ def _record(batch: int, **metrics: float) -> BatchRecord:
     )
 
 
-def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+_scalars = tensorboard_scalars
 
 
 def test_a_batch_record_flattens_to_grouped_scalars():
@@ -205,28 +201,11 @@ def test_mlflow_writes_a_file_store_under_the_run_dir(tmp_path: Path, monkeypatc
         t.line(_line(step, "a:1"))
     t.close()
     assert (tmp_path / "mlruns").is_dir()
-    assert read_mlflow(tmp_path / "mlruns", "ft-job") == {
+    assert mlflow_metrics(tmp_path / "mlruns", "ft-job") == {
         "train/loss": [(1, 1.0), (2, 0.5), (3, 1 / 3)],
         "train/participants": [(1, 2.0), (2, 2.0), (3, 2.0)],
         "job/heals": [(1, 0.0), (2, 0.0), (3, 0.0)],
         "job/kills": [(1, 0.0), (2, 0.0), (3, 0.0)],
-    }
-
-
-def read_mlflow(store: Path, experiment: str) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of the one run of ``experiment`` in the file store ``store``."""
-    import os
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=store.absolute().as_uri())
-    exp = client.get_experiment_by_name(experiment)
-    assert exp is not None, f"no experiment {experiment!r} in {store}"
-    (run,) = client.search_runs([exp.experiment_id])
-    return {
-        k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
-        for k in run.data.metrics
     }
 
 
