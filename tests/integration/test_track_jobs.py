@@ -1,5 +1,6 @@
 """Experiment tracking of training jobs under ``phalanx run`` (issue 41): an FT
-job of two replicas and a decoupled DiLoCo job of two slots each write
+job and a sync DiLoCo job of two replicas, and a decoupled DiLoCo job of two
+slots, each write
 TensorBoard event files, and an MLflow file store where ``mlflow-skinny`` is
 installed, in their run directory, with one value per committed step (every
 replica prints each step: the launcher logs it once), under ``train/<field>``
@@ -51,6 +52,14 @@ def test_an_ft_job_logs_each_committed_step_once(tmp_path: Path) -> None:
     fields = {"train/loss", "train/participants", "job/heals", "job/kills"}
     check(run_dir, "ft-mlp", 6, fields, {"train/cursor", "train/quorum_id", "train/t"})
     assert {v for _, v in tensorboard_scalars(run_dir / "tb")["train/participants"]} == {2.0}
+
+
+def test_a_sync_diloco_job_logs_each_outer_round_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--replicas", "2", "--roles.policy.n_init_replicas", "2", "--train.steps", "20"]
+    run("diloco_sync.toml", run_dir, *args, "--diloco.sync_every", "10", "--train.step_delay_s=0")
+    fields = {"train/loss", "train/participants", "train/bytes_sent", "job/heals", "job/kills"}
+    check(run_dir, "diloco-sync", 2, fields, {"train/inner_step", "train/cursor"})
 
 
 def test_a_decoupled_diloco_job_logs_each_round_once(tmp_path: Path) -> None:
