@@ -158,7 +158,6 @@ def test_ft_ddp_of_sharded_replicas_across_nodes(cluster: Cluster, tmp_path: Pat
     # The driver logged each step once, though both replicas printed it.
     got = tensorboard_scalars(tmp_path / "run" / "tb")
     assert [st for st, _ in got["train/loss"]] == list(range(1, 7))
-    assert {v for _, v in got["train/participants"]} == {2.0}
 
 
 @pytest.mark.slow  # (as above)
