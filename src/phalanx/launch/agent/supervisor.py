@@ -130,9 +130,10 @@ class Agent:
                 f"the run dir must belong to one agent: got {rd}, where agent pid {other} "
                 f"runs. Stop it, or pass another --run-dir."
             )
-        if self.opts.track:
+        o = self.opts
+        if o.track:
             try:
-                self.tracking = AgentTrack(self.opts.track, rd, self.opts.controller)
+                self.tracking = AgentTrack(o.track, rd, o.controller, workers=not o.controller_only)
             except ValueError as e:
                 raise AgentError(str(e)) from None
         old = self._install_signals()  # before the pid file: SIGHUP would kill us
@@ -174,6 +175,8 @@ class Agent:
         if self.opts.controller_only:
             while self._stop_signal is None:
                 self.controller.check_process()
+                if self.tracking is not None:
+                    self.tracking.poll(self.generation)
                 time.sleep(self.poll_s)
             return self._stopped()
         self.controller.warn_if_unreachable()
@@ -389,7 +392,10 @@ class Agent:
         is due), so start them in any case."""
         self._resize.clear()
         if self.opts.nnodes > 1:
-            take_resize(self.opts.run_dir)
+            try:
+                take_resize(self.opts.run_dir)  # consumed, whatever it asked
+            except ValueError:
+                pass
             self.emit("resize_refused", error="a replica across nodes keeps its layout")
             if restarting:
                 self._start("failure")

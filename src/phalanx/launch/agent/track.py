@@ -11,7 +11,8 @@ prints the step lines). It writes ``[track]``'s trackers under its run dir:
   it, so the steps missing are only those its own replica was not part of
   (down, or healing); ``job/kills`` counts its own workers' failures.
 - an RL job: the ledger's trained batches, from the status of ``--controller``,
-  as ``phalanx run`` logs them: every batch once, whichever replicas trained it.
+  as ``phalanx run`` logs them: every batch once, whichever replicas trained it
+  (any agent will do, one that serves the controller only included).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class AgentTrack:
     :meth:`killed` on a worker failure, :meth:`close` once at the end). Raises
     ValueError in one line when the config cannot be read or a tracker cannot start."""
 
-    def __init__(self, config: str, run_dir: Path, controller: str | None):
+    def __init__(self, config: str, run_dir: Path, controller: str | None, workers: bool = True):
         from phalanx.config import ConfigError, load_config
 
         try:
@@ -42,6 +43,11 @@ class AgentTrack:
             raise ValueError(
                 "--track of an RL job logs the ledger from the controller's status: pass "
                 "--controller too."
+            )
+        if cfg.rl is None and not workers:
+            raise ValueError(
+                "--track of a training job logs its replica's step lines: give it to an agent "
+                "that runs a replica, not to one that serves the controller only."
             )
         self.tracking = JobTracking.start(cfg, run_dir, name=f"{cfg.job.id}-{run_dir.name}")
         self.controller = controller
