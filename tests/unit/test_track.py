@@ -242,3 +242,28 @@ def test_track_is_one_section_for_every_job_kind_and_rl_track_still_reads(tmp_pa
     with pytest.raises(ConfigError) as e:
         load_config(rl, ["--track.wandb", "false"])
     assert "(top level): track.wandb must be given once: got False in [track]" in str(e.value)
+
+
+def test_the_tracking_agent_reads_whole_lines_of_every_generation(tmp_path: Path):
+    import json
+
+    from phalanx.launch.agent.track import AgentTrack
+
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nid = 'j'\n")
+    with pytest.raises(ValueError, match="give it to an agent that runs a replica"):
+        AgentTrack(str(job), tmp_path, None, workers=False)
+    run = tmp_path / "agent"
+    t = AgentTrack(str(job), run, None)
+    (run / "gen0").mkdir(parents=True)
+    out0 = run / "gen0" / "rank0.out"
+    text = "".join(json.dumps(_line(s, "a:1")) + "\n" for s in (1, 2))
+    out0.write_text("not json\n" + text + json.dumps(_line(3, "a:1"))[:20])  # 3: half written
+    t.poll(0, force=True)
+    t.killed()
+    (run / "gen1").mkdir()
+    (run / "gen1" / "rank0.out").write_text(json.dumps(_line(4, "a:2", healed=True)) + "\n")
+    t.close(1)  # gen0's unfinished line never ends: gen1's lines are read after it
+    got = tensorboard_scalars(run / "tb")
+    assert got["train/loss"] == [(1, 1.0), (2, 0.5), (4, 0.25)]
+    assert got["job/kills"][-1] == (4, 1.0) and got["job/heals"][-1] == (4, 1.0)
