@@ -28,9 +28,10 @@ A replica across hosts: one launcher per host, each with ``--nnodes M
 --node-rank K --master-addr HOST:PORT``, ``HOST`` an address of node rank 0
 that the others reach. Node 0 serves the store on ``HOST:PORT``; every rank
 gets ``MASTER_ADDR=HOST`` and its global rank ``K * N + LOCAL_RANK`` of ``M *
-N``. Node K waits (``--rdzv-timeout-s``) until that store answers, and stops
-its ranks and exits 1 once it stops answering (node 0's launcher is gone, and
-with it the replica); a rank gone on another host fails the replica's next
+N``. Node K waits (``--rdzv-timeout-s``) until that store answers, and once
+it stops answering (node 0's launcher is gone, and with it the replica) gives
+its ranks :data:`MASTER_GRACE_S` to end by themselves before it stops them
+and exits 1; a rank gone on another host fails the replica's next
 collective, which ends the ranks here as it does on one host. Start the
 launchers of every node again together: the store lives as long as node 0's.
 """
