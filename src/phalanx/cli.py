@@ -213,14 +213,8 @@ def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
     return run_ckpt(args)
 
 
-def _agent(args: argparse.Namespace, overrides: list[str]) -> int:
-    from phalanx.launch.agent import main as agent_main
-
-    return agent_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from phalanx.cli_agent import add_agent_parser
+    from phalanx.cli_agent import add_agent_parser, run_agent
     from phalanx.cli_net import add_advertise_host, add_ca_file, add_controller, add_tls
 
     p = argparse.ArgumentParser(
@@ -354,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print the desired counts as JSON")
     k.set_defaults(fn=_scale)
 
-    add_agent_parser(sub, _agent)
+    add_agent_parser(sub, run_agent)
     sy = sub.add_parser(
         "syncer",
         help='aggregate a decoupled DiLoCo job\'s rounds (diloco.aggregator = "syncer")',

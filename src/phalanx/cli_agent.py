@@ -1,5 +1,6 @@
-"""The options of ``phalanx agent`` (its parser; the command itself is
-:mod:`phalanx.launch.agent`). Standard library only, like :mod:`phalanx.cli`."""
+"""``phalanx agent``'s parser and entry (the agent itself is
+:mod:`phalanx.launch.agent.supervisor`). Standard library only at import, like
+:mod:`phalanx.cli`: the agent is imported when the command runs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def add_agent_parser(sub: Any, fn: Callable[[argparse.Namespace, list[str]], int
         "to the controller at once, restart the workers with backoff, and change their layout "
         "(checkpoint, restart, reshard-load, rejoin) when a slot is lost or on request: "
         "`phalanx agent resize --run-dir DIR --nproc N`. CMD may use {name} {rank} "
-        "{local_rank} {world_size} {slot} {restart} {port} {run_dir} {controller} {ckpt}. "
+        "{local_rank} {world_size} {node_rank} {nnodes} {slot} {restart} {port} {run_dir} "
+        "{controller} {ckpt}. "
         "One JSON line per event on stdout.",
     )
     add_controller(a)
@@ -55,7 +57,50 @@ def add_agent_parser(sub: Any, fn: Callable[[argparse.Namespace, list[str]], int
         help="with --serve-controller: the port it binds (default a free one, kept across "
         "its restarts)",
     )
+    nodes = a.add_argument_group(
+        "a replica across nodes",
+        "one agent per node, each with --nproc workers; node 0's agent leads (it runs rank "
+        "0 and says which generation runs where), the others follow it",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes the replica spans (1)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this node's place, 0..N-1 (0)")
+    nodes.add_argument(
+        "--master-addr",
+        metavar="HOST[:PORT]",
+        help="node rank 0's address, which every node reaches, and its agent's rendezvous "
+        "port (default 29400); with --advertise-host, so that ranks on other nodes reach this "
+        "one's",
+    )
+    nodes.add_argument(
+        "--rdzv-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long a node other than 0 waits for node 0's agent (300 s)",
+    )
+    a.add_argument(
+        "--track",
+        action="store_true",
+        help="log the job's metrics as --config's [track] says (TensorBoard, wandb, MLflow "
+        "under --run-dir): give it to one agent of the job, of node rank 0",
+    )
     add_tls(a)
     add_advertise_host(a)
     a.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the worker command")
     a.set_defaults(fn=fn)
+
+
+def run_agent(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``phalanx agent [OPTIONS] -- CMD ...`` and ``phalanx agent resize ...``."""
+    from phalanx.launch.agent.options import options_from_args
+    from phalanx.launch.agent.supervisor import Agent
+    from phalanx.launch.agent.workers import AgentError
+    from phalanx.log import setup
+
+    opts = options_from_args(args)
+    if opts is None:
+        return 0  # a resize request, sent
+    setup()
+    try:
+        return Agent(opts).run()
+    except AgentError as e:
+        raise SystemExit(f"phalanx agent: {e}") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 
 from phalanx import env
@@ -95,6 +96,80 @@ def advertise_for_bind(bind: str) -> str:
     if os.environ.get(env.ADVERTISE_HOST):
         return advertise_host()
     return routable_host() if bind in WILDCARDS else bind
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 ``address`` on this host, or None."""
+    import psutil
+
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+"""gloo's own variable: the interface(s) its default device binds."""
+
+
+def pin_gloo_interface() -> None:
+    """Call before a replica makes its own gloo groups (the default group, FSDP's).
+
+    A replica whose ranks span hosts (torchrun's ``LOCAL_WORLD_SIZE`` below
+    ``WORLD_SIZE``) must bind gloo to the advertised address: gloo's default device
+    binds the address this host's name resolves to, which is loopback on many
+    machines (and on hosts that share one name, as network namespaces do), and
+    announces it to ranks on other hosts that cannot reach it there. So this sets
+    ``GLOO_SOCKET_IFNAME`` to the interface of :func:`advertise_host`; one the
+    operator set wins, and a replica on one host is left as it is. Raises
+    :class:`AddressError` in one line when the advertised address is loopback or
+    no interface's."""
+    if os.environ.get(GLOO_IFNAME):
+        return
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return  # env_ranks() says what is wrong with them
+    if not 0 < local < world:
+        return
+    host = advertise_host()
+    try:
+        ip = socket.gethostbyname(host.strip("[]"))
+    except OSError as e:
+        raise AddressError(f"the advertised host {host!r} does not resolve: {e}") from None
+    if ipaddress.ip_address(ip).is_loopback:
+        raise AddressError(
+            f"a replica whose ranks span hosts must advertise an address its other hosts "
+            f"reach: got {host!r} (loopback). Set --advertise-host (or "
+            f"${env.ADVERTISE_HOST}) to this host's address, or iface:NAME."
+        )
+    name = interface_of(ip)
+    if name is None:
+        raise AddressError(
+            f"the advertised address {host!r} must be an address of this host: no "
+            f"interface has {ip}. Set --advertise-host (or ${env.ADVERTISE_HOST}) to this "
+            f"host's address, or iface:NAME."
+        )
+    os.environ[GLOO_IFNAME] = name
+
+
+_HOSTPORT = re.compile(
+    r"\[(?P<v6>[^\]]+)\](?::(?P<p6>\d+))?|(?P<host>[^:\[\]]+)(?::(?P<port>\d+))?"
+)
+
+
+def parse_hostport(spec: str, default_port: int, what: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (an IPv6 host in brackets) as (host, port). Raises ValueError
+    in one line naming ``what`` (the option) when it is not that."""
+    m = _HOSTPORT.fullmatch(spec.strip())
+    port = int((m.group("p6") or m.group("port") or default_port) if m else 0)
+    if m is None or not 1 <= port <= 65535:
+        raise ValueError(
+            f"{what} must be HOST[:PORT] with a port from 1 to 65535: got {spec!r}. "
+            f"Write e.g. {what} 10.0.0.1:{default_port}."
+        )
+    return m.group("v6") or m.group("host"), port
 
 
 def free_port() -> int:

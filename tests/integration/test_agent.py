@@ -5,6 +5,8 @@ agents supervising real workers, real SIGKILLs.
    reports the exit at once (the controller evicts long before the heartbeat
    timeout), restarts the worker, which heals from its peer and rejoins; the
    job ends with both replicas in the same state and every step committed once.
+   The agent tracks the job (``--track``): each step logged once, the kill and
+   the heal counted.
 2. Layout change: an agent runs a tensor-parallel worker on 2 ranks; an
    operator asks for 1 (``phalanx agent resize``); the workers checkpoint on
    SIGTERM, start again with WORLD_SIZE 1, reshard-load the checkpoint and
@@ -40,8 +42,9 @@ from ftjob import (
 )
 from procs import PROGRESS_S, Controller, wait_for
 
-from phalanx.launch.agent_files import request_resize
-from phalanx.launch.agent_options import LATEST_POINTER, latest_step
+from phalanx.launch.agent.files import request_resize
+from phalanx.launch.agent.options import LATEST_POINTER, latest_step
+from phalanx.testing.track import tensorboard_scalars
 from phalanx.train.snapshot import load_state as load_snapshot
 
 STEPS = 30
@@ -115,6 +118,7 @@ def test_sigkill_worker_is_reported_restarted_and_heals(ft_job: FTJob, tmp_path:
     worker = ["--", sys.executable, "-m", "phalanx.cli", "replica", "--config", str(job.config)]
     worker += ["--controller", "{controller}", "--name", "{name}", "--out", str(out)]
     args = agent_cmd(job.state_dir, "a", run_dir, "--backoff-s", "0.2", "--max-restarts", "2")
+    args += ["--track", "--config", str(job.config)]  # this agent logs the job's metrics
     agent = Proc([*args, *worker], "agent-a", tmp_path)
     try:
         started = agent.wait_event(lambda e: e["event"] == "start", "the workers' start")
@@ -175,6 +179,13 @@ def test_sigkill_worker_is_reported_restarted_and_heals(ft_job: FTJob, tmp_path:
     check_samples(lines, TRAIN["dataset_size"], 7, BATCH)
     # ... and both end bit-identical.
     assert_identical([final_b, load_state(out)])
+    # The tracking agent logged each step once (its replica took part in every one,
+    # min_replicas being 2), the kill and the heal as they came.
+    got = tensorboard_scalars(run_dir / "tb")
+    assert [s for s, _ in got["train/loss"]] == list(range(1, STEPS + 1))
+    b_loss = {e["step"]: e["loss"] for e in b.steps()}  # (TensorBoard keeps float32)
+    assert [v for _, v in got["train/loss"]] == pytest.approx([b_loss[s] for s in b_loss])
+    assert got["job/kills"][-1] == (STEPS, 1.0) and got["job/heals"][-1] == (STEPS, 1.0)
 
 
 # -- 2: layout change, 2 workers -> 1 -----------------------------------------------

@@ -10,22 +10,32 @@ Invariants checked after every scenario (``check``):
 - a replica's committed steps never go backwards, within an incarnation;
 - the job ends with every replica holding the same state, at the last step.
 
+A replica of several ranks may itself span hosts (issue 41): one agent per host
+(``phalanx agent --nnodes 2 --node-rank K --master-addr HOST:PORT``), or one
+ranks launcher per host (``python -m phalanx.launch.ranks`` with the same
+options).
+
 Root only (the namespaces); skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ftjob import FTJob, Replica, assert_identical, write_job
+from ftjob import FTJob, Proc, Replica, assert_identical, write_job
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
+from test_agent import stop_agent, worker_lines
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
+from phalanx.net import free_port
 from phalanx.testing import netns
 
 REASON = netns.unavailable()
@@ -259,3 +269,86 @@ def test_an_advertised_address_peers_cannot_reach_is_one_line(
         job.cleanup()
         for h in net.hosts.values():
             net.heal(h)
+
+
+# -- a replica across hosts ------------------------------------------------------
+
+
+def replica_cmd(job: FTJob, name: str) -> list[str]:
+    return [sys.executable, "-m", "phalanx.cli", "replica", "--config", str(job.config),
+            "--controller", str(job.state_dir), "--name", name]  # fmt: skip
+
+
+def spread_agent(job: FTJob, name: str, host: netns.Host, node: int, master: str) -> Proc:
+    """``phalanx agent`` of node ``node`` of replica ``name`` (one worker per node)."""
+    run_dir = job.workdir / f"agent-{name}-{node}"
+    args = [sys.executable, "-m", "phalanx.cli", "agent", "--config", str(job.config)]
+    args += ["--controller", str(job.state_dir), "--name", name, "--run-dir", str(run_dir)]
+    args += ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--master-addr", master]
+    args += ["--backoff-s", "0.2", "--node", host.name]
+    p = Proc(args, f"agent-{name}-{node}", job.workdir, host=host)
+    p.run_dir = run_dir  # type: ignore[attr-defined]
+    return p
+
+
+def spread_ranks(job: FTJob, name: str, host: netns.Host, node: int, master: str) -> Proc:
+    """``phalanx.launch.ranks`` of node ``node`` of replica ``name`` (one rank per node)."""
+    args = [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", "1", "--nnodes", "2"]
+    args += ["--node-rank", str(node), "--master-addr", master, "--", *replica_cmd(job, name)]
+    p = Proc(args, f"ranks-{name}-{node}", job.workdir, host=host)
+    job.procs.append(p)
+    return p
+
+
+def node0_steps(agent: Proc, gen: int) -> list[dict[str, Any]]:
+    """The step lines of generation ``gen`` of the agent's rank 0 (it leads node 0)."""
+    run_dir: Path = agent.run_dir  # type: ignore[attr-defined]
+    return [e for e in worker_lines(run_dir, gen) if e.get("event") == "step"]
+
+
+def test_a_replica_spans_two_hosts_trains_with_the_others_and_fails_together(
+    tmp_path: Path, net: netns.Net
+) -> None:
+    """FT-HSDP, replicas of 2 ranks. Replica a: rank 0 on r1, rank 1 on r2, one agent
+    per host; replica b: rank 0 on r3, rank 1 on r1, one ranks launcher per host.
+    Both train together across the hosts. Then a's rank 1 is SIGKILLed on r2: both
+    of a's agents stop their workers and start the next generation together (the
+    leader on r1 restarts it, the follower on r2 follows), and a comes back as a new
+    incarnation, heals from b and trains with it again. Every step both committed
+    has one loss."""
+    c, r1, r2, r3 = (net.hosts[n] for n in ("c", "r1", "r2", "r3"))
+    train = {**TRAIN, "steps": 100_000, "step_delay_s": 0.03}
+    job = FTJob(
+        tmp_path,
+        write_job(tmp_path / "job.toml", train=train, policy={"n_init_replicas": 2}, ranks=2),
+    )
+    agents: list[Proc] = []
+    try:
+        job.start_controller(host=c)
+        a_master, b_master = f"{r1.ip}:{free_port()}", f"{r3.ip}:{free_port()}"
+        agents += [spread_agent(job, "a", r2, 1, a_master), spread_agent(job, "a", r1, 0, a_master)]
+        follower, leader = agents
+        spread_ranks(job, "b", r1, 1, b_master)
+        b = spread_ranks(job, "b", r3, 0, b_master)
+        start = follower.wait_event(lambda e: e["event"] == "start", "a's rank 1 on r2")
+        b.wait_event(lambda e: e["event"] == "step" and e["participants"] == 2, "a and b together")
+        assert start["node_rank"] == 1 and start["workers"][0]["rank"] == 1
+        os.kill(start["workers"][0]["pid"], signal.SIGKILL)
+        for ag in agents:
+            ag.wait_event(lambda e: e["event"] == "start" and e["generation"] == 1, "generation 1")
+        assert any(e["event"] == "node_exit" and e["node"] == 1 for e in leader.events)
+        assert any(e["event"] == "stopped" and e["generation"] == 0 for e in leader.events)
+        again = wait_for(
+            lambda: [e for e in node0_steps(leader, 1) if e["participants"] == 2],
+            PROGRESS_S,
+            "a's generation 1 to train with b again",
+        )
+        assert again[0]["replica"] != node0_steps(leader, 0)[0]["replica"]  # a new incarnation
+        assert any(e["healed"] for e in node0_steps(leader, 1)), "a did not heal from b"
+        b_loss = {e["step"]: e["loss"] for e in b.steps()}
+        both = [e for g in (0, 1) for e in node0_steps(leader, g) if e["step"] in b_loss]
+        assert both and all(e["loss"] == b_loss[e["step"]] for e in both), both
+    finally:
+        for ag in agents:
+            stop_agent(ag, ag.run_dir)  # type: ignore[attr-defined]
+        job.cleanup()

@@ -13,7 +13,8 @@ this host's network. The tests, in this order:
 - an RL job (1 policy, 2 rollout replicas) loses the worker node (its raylet
   SIGKILLed) mid-run, and is scaled up and down meanwhile: the replica the
   node took is restarted elsewhere, and the job finishes with a balanced ledger
-  and every batch trained once. The worker is gone for the tests after it.
+  and every batch trained once, and logged once (TensorBoard, by the driver).
+  The worker is gone for the tests after it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ pytest.importorskip("ray")
 
 from phalanx.testing import netns
 from phalanx.testing.ray_cluster import RAY_ENV, Cluster
+from phalanx.testing.track import tensorboard_scalars
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PROMPTS = 4
@@ -153,6 +155,9 @@ def test_ft_ddp_of_sharded_replicas_across_nodes(cluster: Cluster, tmp_path: Pat
     assert finals[0].keys() == finals[1].keys()
     for k, v in finals[0].items():
         assert torch.equal(v, finals[1][k]), k
+    # The driver logged each step once, though both replicas printed it.
+    got = tensorboard_scalars(tmp_path / "run" / "tb")
+    assert [st for st, _ in got["train/loss"]] == list(range(1, 7))
 
 
 @pytest.mark.slow  # (as above)
@@ -234,3 +239,7 @@ def test_rl_job_survives_a_lost_node_and_follows_scale(cluster: Cluster, tmp_pat
     assert s["restarts"] >= 1
     text = "\n".join(run.lines)
     assert f"{name} exited with -1; restarting" in text
+    # The driver logged the job's metrics once: each batch once, the lost replica counted.
+    got = tensorboard_scalars(tmp_path / "run" / "tb")
+    assert [b for b, _ in got["rl/reward"]] == list(range(40))
+    assert got["job/kills"][-1][1] >= 1

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from phalanx import cli, env
-from phalanx.launch.agent_files import RESIZE_FILE, request_resize, take_resize
-from phalanx.launch.agent_options import (
+from phalanx.launch.agent.files import RESIZE_FILE, request_resize, take_resize
+from phalanx.launch.agent.options import (
     CKPT,
     REPLICA_NAME,
     RESTART_COUNT,
@@ -141,8 +141,8 @@ def test_cli_default_worker_has_the_jobs_ranks(capsys: pytest.CaptureFixture[str
     job = tmp_path / "job.toml"
     job.write_text("[replica]\nranks = 2\n")
     msg = agent_error(capsys, "--name", "r0", "--config", str(job), "--nproc", "3")
-    assert "--nproc must be the job's [replica] ranks" in msg
-    assert "got --nproc 3 and ranks = 2" in msg
+    assert "--nproc times --nnodes must be the job's [replica] ranks" in msg
+    assert "got --nproc 3 with --nnodes 1 and ranks = 2" in msg
     missing = agent_error(capsys, "--name", "r0", "--config", str(tmp_path / "no.toml"))
     assert "no.toml" in missing
 

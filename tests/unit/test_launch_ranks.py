@@ -97,3 +97,20 @@ def test_fork_refuses_a_command_it_cannot_run_in_a_fork(tmp_path: Path) -> None:
     )
     assert p.returncode == 2
     assert "--fork runs a command of this Python" in p.stderr and "drop --fork" in p.stderr
+
+
+def test_a_host_whose_node_0_store_never_answers_says_so_in_one_line(tmp_path: Path) -> None:
+    from phalanx.net import free_port
+
+    cmd = [sys.executable, "-m", "phalanx.launch.ranks", "--nproc", "1", "--nnodes", "2"]
+    cmd += ["--node-rank", "1", "--master-addr", f"127.0.0.1:{free_port()}"]
+    cmd += ["--rdzv-timeout-s", "0.3", "--", sys.executable, "-c", "pass"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1
+    assert "the replica's node rank 0 must serve its store at 127.0.0.1:" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    bad = subprocess.run(
+        [*cmd[:7], "--node-rank", "2", "--master-addr", "127.0.0.1", "--", "true"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--node-rank must be in [0, --nnodes)" in bad.stderr

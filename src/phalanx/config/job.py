@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.rl import RLConfig
+from phalanx.config.track import TrackSection, merge_rl_track
 from phalanx.config.train import DiLoCoSection, TrainSection
 from phalanx.config.urls import check_storage_url
 
@@ -220,6 +221,14 @@ class JobConfig(_Section):
     """RL post-training (GRPO) with policy and rollout roles. None: an FT-DDP training job."""
     diloco: DiLoCoSection | None = None
     """DiLoCo outer loop for the training job. None: FT-DDP (an all-reduce every step)."""
+    track: TrackSection = Field(default_factory=TrackSection)
+    """Experiment tracking of the job, whatever its kind (``[rl.track]``, its old
+    place for RL jobs, is folded in here)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_track(cls, data: Any) -> Any:
+        return merge_rl_track(data)
 
     @model_validator(mode="after")
     def _known_roles(self) -> JobConfig:

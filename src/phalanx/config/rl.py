@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.model import ModelSection
+from phalanx.config.track import TrackSection
 from phalanx.config.urls import check_storage_url
 
 FORMAT_PATTERN = r"(\\boxed\{.+\}|####\s*\S+)\s*$"
@@ -306,23 +307,6 @@ class EngineSection(_Section):
         return self
 
 
-class TrackSection(_Section):
-    """Experiment tracking. Offline by default: TensorBoard event files in the run
-    directory (``<run>/tb``); wandb only when turned on, and offline unless told."""
-
-    tensorboard: bool = True
-    """Write TensorBoard event files under ``<run dir>/tb``."""
-    wandb: bool = False
-    """Also log to Weights & Biases (``pip install 'phalanx[track]'``)."""
-    wandb_project: str = Field("phalanx", min_length=1, max_length=128)
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """``offline`` writes the run under ``<run dir>/wandb`` for ``wandb sync`` later;
-    ``online`` sends it (needs a login and a network)."""
-    peak_tflops: float | None = Field(None, gt=0, le=1e6)
-    """The device's peak TFLOP/s in ``grpo.precision``, for MFU. None: known NVIDIA
-    data-centre GPUs are looked up; elsewhere (CPU) MFU is not reported."""
-
-
 class RLConfig(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -331,6 +315,8 @@ class RLConfig(_Section):
     loop: LoopSection = Field(default_factory=LoopSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     track: TrackSection = Field(default_factory=TrackSection)
+    """The job's ``[track]`` (this is its old place, still read: a job's top-level
+    ``[track]`` and this are one section)."""
 
     @model_validator(mode="after")
     def _window_within_history(self) -> RLConfig:

@@ -5,6 +5,7 @@ ranks, register through rank 0, and stop as a whole when a rank is gone
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -48,9 +49,11 @@ def replica_ranks(cfg: JobConfig, device: torch.device | None = None) -> OneRank
         )
     if world == 1:
         return OneRank()
-    if torch.cuda.is_available() and torch.cuda.device_count() % world:
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # fewer when it spans hosts
+    if torch.cuda.is_available() and torch.cuda.device_count() % here:
         raise JobError(
-            f"[replica] ranks must divide this host's {torch.cuda.device_count()} GPUs: got {world}"
+            f"the replica's ranks on this host must divide its {torch.cuda.device_count()} "
+            f"GPUs: got {here}"
         )
     t = cfg.timeouts
     return ReplicaRanks(t.quorum_s + t.heartbeat_s + 4 * t.collective_s + 10.0, device)

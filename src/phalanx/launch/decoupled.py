@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from phalanx.config import DiLoCoSection, JobConfig
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
 from phalanx.launch.base import ReplicaSpec, ReplicaState, ServerlessExecutor
+from phalanx.track.job import JobTracking
 
 log = logging.getLogger("phalanx.launch")
 
@@ -75,6 +77,8 @@ class DecoupledJob:
         self.members: dict[int, list[str]] = {}
         self.losses: dict[int, list[float]] = {}
         self.error: str | None = None
+        self.tracking: JobTracking | None = None
+        """The job's metrics, one value per round (``[track]``)."""
 
     def spec(self, name: str) -> ReplicaSpec:
         if name == "syncer":
@@ -88,7 +92,18 @@ class DecoupledJob:
 
     def run(self, as_json: bool = False) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.tracking = JobTracking.start(self.cfg, self.run_dir)
+        except ValueError as e:
+            print(f"phalanx run: {e}", file=sys.stderr, flush=True)
+            return 1
         t0 = time.monotonic()
+        try:
+            return self._run(t0, as_json)
+        finally:
+            self.tracking.close()
+
+    def _run(self, t0: float, as_json: bool) -> int:
         with make_executor(self.dc, self.run_dir) as ex:
             print(
                 f"phalanx run: decoupled DiLoCo job {self.cfg.job.id}: {self.dc.replicas} slots "
@@ -145,6 +160,8 @@ class DecoupledJob:
                 ex.cancel()
                 return True
             self.restarts[name] += 1
+            if self.tracking is not None:
+                self.tracking.killed()
             print(
                 f"{time.monotonic() - t0:7.1f}s  {name} failed ({st.error}); relaunching "
                 f"(restart {self.restarts[name]}/{self.dc.max_restarts}); it catches up from "
@@ -167,6 +184,8 @@ class DecoupledJob:
         if not isinstance(ev, dict) or "event" not in ev:
             return
         self.last[name] = ev if ev["event"] != "start" else {**self.last.get(name, {}), **ev}
+        if self.tracking is not None:
+            self.tracking.line(ev)
         if ev["event"] == "round":
             self.members[int(ev["round"])] = list(ev["members"])
             self.losses.setdefault(int(ev["round"]), []).append(float(ev["loss"]))

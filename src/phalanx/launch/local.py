@@ -36,8 +36,7 @@ from phalanx.launch.procs import Proc, last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
 from phalanx.launch.supervise import ControllerDown, ControllerProcess
 from phalanx.protocol.status import Status
-from phalanx.track.base import Trackers, batch_metrics
-from phalanx.track.trackers import trackers
+from phalanx.track.job import JobTracking
 
 __all__ = ["Chaos", "LocalJob", "Replica"]
 
@@ -94,8 +93,8 @@ class LocalJob:
         self.dashboard: str | None = None
         """The controller's dashboard, with the job token in the URL fragment."""
         self._rng = random.Random(chaos.seed if chaos else 0)
-        self.tracker: Trackers | None = None
-        """The job's metrics sink (RL): TensorBoard under the run directory, and wandb."""
+        self.tracking: JobTracking | None = None
+        """The job's metrics, logged once (``[track]``: TensorBoard, wandb, MLflow)."""
         self.use_zygote = zygote
         self.zygote: Zygote | None = None
         """Forks the replicas with their imports done (:mod:`phalanx.launch.zygote`)."""
@@ -180,6 +179,8 @@ class LocalJob:
             self.note(note)
         if ev.get("event") == "step" and r.step > len(self.commit_times):
             self.commit_times.append(time.monotonic())
+        if self.tracking is not None:
+            self.tracking.line(ev)
 
     def note(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self.started:7.1f}s  {text}")
@@ -204,14 +205,11 @@ class LocalJob:
         # Every replica started from here (forked by the zygote or not) caches its
         # tokenized training data in the run directory: a restart tokenizes nothing.
         os.environ[env.RUN_DIR] = str(self.run_dir.resolve())
-        if self.cfg.rl is not None:
-            try:
-                self.tracker = trackers(
-                    self.cfg.rl.track, self.run_dir, self.run_dir.name, self.cfg.dump()
-                )
-            except ValueError as e:
-                print(f"phalanx run: {e}", file=sys.stderr, flush=True)
-                return 1
+        try:
+            self.tracking = JobTracking.start(self.cfg, self.run_dir)
+        except ValueError as e:
+            print(f"phalanx run: {e}", file=sys.stderr, flush=True)
+            return 1
         self.started, self.started_wall = time.monotonic(), time.time()
         old_term = signal.signal(signal.SIGTERM, _interrupt)
         view = View(self, live)
@@ -232,9 +230,10 @@ class LocalJob:
                 self.zygote.close()
             if self.poller is not None:
                 self.poller.stop(final=self.controller is not None)
-            if self.tracker is not None:
-                self._track()
-                self.tracker.close()
+            if self.tracking is not None:
+                with self.lock:  # the lines read meanwhile go in first
+                    self.tracking.status(self.status())
+                    self.tracking.close()
             if self.controller is not None:
                 self.controller.stop()
             signal.signal(signal.SIGTERM, old_term)
@@ -277,21 +276,9 @@ class LocalJob:
             time.sleep(0.1)
         view.update()
 
-    def _track(self) -> None:
-        """Log the batches trained since the last call to the trackers."""
-        st = self.status()
-        if self.tracker is None or st is None or st.rl is None:
-            return
-        discarded = st.rl.rollouts.discarded
-        for rec in st.rl.history:
-            if rec.batch > self.tracker.last_step:
-                # At the controller's time of the batch's ack, not of this poll.
-                self.tracker.log(rec.batch, batch_metrics(rec, discarded), rec.at)
-
     def _tick(self) -> bool:
         """One round of supervision. True when the job is over."""
         now = time.monotonic()
-        self._track()
         if self.controller is not None:
             try:
                 news = self.controller.check()
@@ -308,6 +295,8 @@ class LocalJob:
                     self.note(f"dashboard: {self.dashboard}")
         finished = self.finished()
         with self.lock:
+            if self.tracking is not None:
+                self.tracking.status(self.status())
             if finished and self.finished_at is None:
                 self.finished_at = now
                 self.note("job finished; waiting for replicas to exit")
@@ -384,6 +373,8 @@ class LocalJob:
             return
         self.note(f"{r.name} exited with {code}; restarting (see {r.name}.log)")
         r.proc, r.restart_at = None, now + RESTART_DELAY_S
+        if self.tracking is not None:
+            self.tracking.killed()
 
     # -- scale -----------------------------------------------------------
 
@@ -430,6 +421,8 @@ class LocalJob:
         r.proc.wait()
         r.proc = None
         r.kills += 1
+        if self.tracking is not None:
+            self.tracking.killed()
         assert self.chaos is not None
         r.restart_at = time.monotonic() + self.chaos.restart_after_s
         what = f"step {r.step}" if r.role == "policy" else f"{r.rollouts} rollouts"

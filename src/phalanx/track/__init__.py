@@ -1,1 +1,2 @@
-"""Experiment tracking: the job's metrics to TensorBoard event files and wandb."""
+"""Experiment tracking: a job's metrics to TensorBoard event files, wandb and MLflow,
+logged once per job by whoever reads its replicas' lines (:mod:`phalanx.track.job`)."""

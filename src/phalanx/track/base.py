@@ -1,10 +1,11 @@
 """The tracker interface, and the metrics of one trained RL batch as a flat dict.
 
-A job has one writer of its metrics, the launcher: it reads the trained batches
-from the controller's status (the ledger's history), so that with any number
-of policy replicas each batch is logged once, and a replica that dies or heals
-changes nothing. A tracker that fails is dropped with a warning: tracking must
-never stop training.
+A job has one writer of its metrics (:mod:`phalanx.track.job`): the launcher,
+one agent, or the Ray driver. For RL it reads the trained batches from the
+controller's status (the ledger's history), so that with any number of policy
+replicas each batch is logged once, and a replica that dies or heals changes
+nothing. A tracker that fails is dropped with a warning: tracking must never
+stop training.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weights & Biases, offline unless ``rl.track.wandb_mode = "online"``."""
+"""Weights & Biases, offline unless ``track.wandb_mode = "online"``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from phalanx.config.rl import TrackSection
+from phalanx.config.track import TrackSection
 from phalanx.track.base import Tracker
 
 
@@ -18,8 +18,8 @@ class WandbTracker(Tracker):
             import wandb
         except ImportError as e:
             raise ValueError(
-                "rl.track.wandb needs the wandb package: it is not installed. Run "
-                "pip install 'phalanx[track]', or set rl.track.wandb = false."
+                "track.wandb needs the wandb package: it is not installed. Run "
+                "pip install 'phalanx[track]', or set track.wandb = false."
             ) from e
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(

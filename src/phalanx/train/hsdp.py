@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from phalanx.log import Who
+from phalanx.net import pin_gloo_interface
 from phalanx.protocol.membership import Quorum
 from phalanx.train.batch import split
 from phalanx.train.exact_grads import ExactShardedGrads
@@ -93,6 +94,7 @@ class ReplicaRanks:
                 "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, int(timeout_s / 2)))
             )
         if not dist.is_initialized():
+            pin_gloo_interface()  # ranks on several hosts: gloo on the advertised address
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timeout)
         self.control: Any = dist.new_group(backend="gloo", timeout=timeout)

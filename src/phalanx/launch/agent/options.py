@@ -1,7 +1,7 @@
 """The elastic agent's pure parts: its options (``options_from_args``), the restart
 backoff, the workers' environment and command placeholders. No processes are
 started here, and nothing heavy is imported. The run dir's control files are
-:mod:`phalanx.launch.agent_files`'.
+:mod:`phalanx.launch.agent.files`'.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import env
-from phalanx.launch.agent_files import default_run_dir, resize_main
+from phalanx.launch.agent.files import default_run_dir, resize_main
 
 REPLICA_NAME = "PHALANX_REPLICA_NAME"
 """Set by the agent on every worker: the stable name of the replica it belongs to
@@ -40,6 +40,8 @@ PLACEHOLDERS = (
     "rank",
     "local_rank",
     "world_size",
+    "node_rank",
+    "nnodes",
     "slot",
     "restart",
     "port",
@@ -88,6 +90,21 @@ class AgentOptions:
     """The job's controller arguments (``--config`` and overrides) when this agent
     also runs the controller, on the state dir ``controller`` names, and starts it
     again when it dies. With no worker command the agent runs the controller only."""
+    nnodes: int = 1
+    """Nodes the replica spans, each with an agent of its own and ``nproc`` workers
+    (:mod:`phalanx.launch.agent.nodes`)."""
+    node_rank: int = 0
+    """This node's place in the replica: its workers are ranks ``node_rank * nproc``
+    on. Node 0's agent leads: it runs rank 0 and the replica's rendezvous."""
+    master: tuple[str, int] | None = None
+    """Node rank 0's address and rendezvous port (``--master-addr HOST[:PORT]``), which
+    every node reaches; rank 0's store listens on that host too. Needed with
+    ``nnodes > 1``."""
+    rdzv_timeout_s: float = 300.0
+    """How long a node other than 0 waits for node 0's agent to start a generation."""
+    track: str | None = None
+    """The job config whose ``[track]`` this agent logs the job's metrics by (one
+    agent per job: :mod:`phalanx.launch.agent.track`); None: it logs nothing."""
 
     @property
     def controller_only(self) -> bool:
@@ -132,6 +149,7 @@ class AgentOptions:
                 f"--min-nproc must be <= --nproc: got --min-nproc {self.floor} with "
                 f"--nproc {self.nproc}. Lower --min-nproc or raise --nproc."
             )
+        self._check_nodes()
         for what, s in (
             ("--backoff-s", self.backoff_s),
             ("--backoff-max-s", self.backoff_max_s),
@@ -146,6 +164,39 @@ class AgentOptions:
                 f"{self.backoff_s}."
             )
         return self
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1: got {self.nnodes}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, --nnodes): got --node-rank {self.node_rank} with "
+                f"--nnodes {self.nnodes}. Number the replica's nodes 0 to {self.nnodes - 1}."
+            )
+        if self.nnodes == 1:
+            return
+        if self.master is None:
+            raise ValueError(
+                f"--master-addr must name node rank 0's address for a replica across "
+                f"{self.nnodes} nodes: got none. Pass --master-addr HOST[:PORT] to every agent."
+            )
+        if self.floor != self.nproc:
+            raise ValueError(
+                f"--min-nproc applies to a replica on one node: got --min-nproc {self.floor} "
+                f"with --nnodes {self.nnodes} (a replica across nodes keeps its layout). Drop it."
+            )
+        if self.track and self.node_rank:
+            raise ValueError(
+                f"--track must be given to the agent of node rank 0 (it sees the replica's "
+                f"step lines): got it with --node-rank {self.node_rank}."
+            )
+        if not self.rdzv_timeout_s > 0:
+            raise ValueError(f"--rdzv-timeout-s must be > 0 seconds: got {self.rdzv_timeout_s}.")
+
+    @property
+    def master_host(self) -> str:
+        """``MASTER_ADDR`` of the workers: node rank 0's address, else loopback."""
+        return self.master[0] if self.master else "127.0.0.1"
 
 
 def backoff_delay(k: int, base_s: float, cap_s: float) -> float:
@@ -172,17 +223,20 @@ def worker_env(
     restart: int,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of one worker: torchrun's (``RANK``, ``LOCAL_RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for a
-    replica that lives on this node, plus phalanx's identity variables."""
+    """The environment of local worker ``rank`` of ``world_size`` on this node:
+    torchrun's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the
+    global ones over the replica's ``opts.nnodes`` nodes, plus phalanx's identity
+    variables."""
     e = dict(os.environ if base is None else base)
     e.update(
-        RANK=str(rank),
+        RANK=str(opts.node_rank * world_size + rank),
         LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        WORLD_SIZE=str(world_size),
+        GROUP_RANK=str(opts.node_rank),
+        GROUP_WORLD_SIZE=str(opts.nnodes),
+        WORLD_SIZE=str(opts.nnodes * world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=opts.master_host,
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
     )
@@ -204,9 +258,11 @@ def placeholders(
 ) -> dict[str, str]:
     return {
         "name": opts.name,
-        "rank": str(rank),
+        "rank": str(opts.node_rank * world_size + rank),
         "local_rank": str(rank),
-        "world_size": str(world_size),
+        "world_size": str(opts.nnodes * world_size),
+        "node_rank": str(opts.node_rank),
+        "nnodes": str(opts.nnodes),
         "slot": str(slot),
         "restart": str(restart),
         "port": str(port),
@@ -302,11 +358,13 @@ def options_from_args(args: Any) -> AgentOptions | None:
             ranks = load_config(args.config).replica.ranks
         except ConfigError as e:
             raise SystemExit(f"phalanx agent: {e}") from None
-        if args.nproc != ranks:
+        nnodes = getattr(args, "nnodes", 1)
+        if args.nproc * nnodes != ranks:
             raise SystemExit(
-                f"phalanx agent: --nproc must be the job's [replica] ranks for the default "
-                f"worker (`phalanx replica`): got --nproc {args.nproc} and ranks = {ranks} in "
-                f"{args.config}. Pass --nproc {ranks}, or a command after `--`."
+                f"phalanx agent: --nproc times --nnodes must be the job's [replica] ranks for "
+                f"the default worker (`phalanx replica`): got --nproc {args.nproc} with "
+                f"--nnodes {nnodes} and ranks = {ranks} in {args.config}. Pass --nproc "
+                f"{ranks // nnodes if ranks % nnodes == 0 else ranks}, or a command after `--`."
             )
         cmd = [
             sys.executable,
@@ -342,6 +400,29 @@ def options_from_args(args: Any) -> AgentOptions | None:
             ckpt=args.ckpt,
             serve_controller=serve,
             **({"node": args.node} if args.node else {}),
+            **node_options(args),
         ).check()
     except ValueError as e:
         raise SystemExit(f"phalanx agent: {e}") from None
+
+
+def node_options(args: Any) -> dict[str, Any]:
+    """The options of a replica across nodes, and ``--track``, as :class:`AgentOptions`
+    fields. Raises ValueError in one line."""
+    from phalanx.launch.agent.nodes import DEFAULT_PORT
+    from phalanx.net import parse_hostport
+
+    spec = getattr(args, "master_addr", None)
+    track = getattr(args, "track", False)
+    if track and not args.config:
+        raise ValueError(
+            "--track logs the job's metrics as its [track] section says: pass the job's "
+            "--config too."
+        )
+    return {
+        "nnodes": getattr(args, "nnodes", 1),
+        "node_rank": getattr(args, "node_rank", 0),
+        "master": parse_hostport(spec, DEFAULT_PORT, "--master-addr") if spec else None,
+        "rdzv_timeout_s": getattr(args, "rdzv_timeout_s", 300.0),
+        "track": args.config if track else None,
+    }

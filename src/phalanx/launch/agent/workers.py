@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.launch.agent_files import WORKERS_FILE, write_atomic
-from phalanx.launch.agent_options import AgentOptions, expand, placeholders, worker_env
+from phalanx.launch.agent.files import WORKERS_FILE, write_atomic
+from phalanx.launch.agent.options import AgentOptions, expand, placeholders, worker_env
 from phalanx.net import free_port
 
 
@@ -45,20 +45,28 @@ class Worker:
 
 
 def start_workers(
-    opts: AgentOptions, slots: list[int], generation: int, restarts: int, reason: str
+    opts: AgentOptions,
+    slots: list[int],
+    generation: int,
+    restarts: int,
+    reason: str,
+    port: int | None = None,
 ) -> tuple[list[Worker], dict[str, Any]]:
     """Start generation ``generation`` of the replica's workers, one per slot, each
     in its own process group with a torchrun-style environment on a fresh master
-    port; record them in the run dir's workers file. Returns the workers and the
-    record (what the agent's ``start`` event says)."""
-    port = free_port()  # fresh per generation: never a broken generation's store
+    port (``port``: the one node rank 0's agent picked, on a node that follows it);
+    record them in the run dir's workers file. Returns the workers and the record
+    (what the agent's ``start`` event says)."""
+    if port is None:
+        port = free_port()  # fresh per generation: never a broken generation's store
     gdir = opts.run_dir / f"gen{generation}"
     gdir.mkdir(parents=True, exist_ok=True)
     n = len(slots)
     workers = []
-    for rank, slot in enumerate(slots):
-        ids = {"rank": rank, "world_size": n, "slot": slot, "port": port}
+    for local, slot in enumerate(slots):
+        ids = {"rank": local, "world_size": n, "slot": slot, "port": port}
         cmd = expand(opts.cmd, placeholders(opts, restart=generation, **ids))
+        rank = opts.node_rank * n + local  # the replica's: what events and logs name
         out = gdir / f"rank{rank}.out"
         with out.open("wb") as fo, out.with_suffix(".err").open("wb") as fe:
             try:
@@ -77,6 +85,7 @@ def start_workers(
                 ) from None
         workers.append(Worker(rank, slot, proc, out))
     record = {
+        **({"node_rank": opts.node_rank} if opts.nnodes > 1 else {}),
         "generation": generation,
         "reason": reason,
         "restart": restarts,

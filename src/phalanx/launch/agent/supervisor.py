@@ -1,7 +1,7 @@
 """``phalanx agent``: the elastic agent, one per node and replica.
 
 It launches the worker processes (ranks) of one replica on this node with a
-torchrun-style environment (:func:`phalanx.launch.agent_options.worker_env`)
+torchrun-style environment (:func:`phalanx.launch.agent.options.worker_env`)
 and watches them:
 
 - **A worker fails** (non-zero exit or a signal): the agent reports it to the
@@ -19,19 +19,25 @@ and watches them:
   SIGKILLed, and the latest committed checkpoint counts); 2. they start again
   with the new ``WORLD_SIZE``; 3. they reshard-load that checkpoint; 4. they
   rejoin the job.
+- **A replica across nodes** (``--nnodes``): node 0's agent leads, the others
+  follow it (:mod:`phalanx.launch.agent.nodes`). A failure on any node stops
+  the replica's workers on every node, and the leader starts the next
+  generation everywhere; restarts are the leader's to count. Layout changes are
+  refused: a replica across nodes keeps its layout.
 - **All workers exit 0**: the job is done; the agent exits 0.
 - **The agent gets SIGTERM or SIGINT**: it stops its workers (SIGTERM, then
   SIGKILL after the grace) and exits 128 + the signal.
 
 Every event is one JSON line on stdout (``start``, ``worker_exit``,
-``reported``, ``stopped``, ``restart``, ``layout``, ``resize_ignored``,
-``resize_refused``, ``done``, ``failed``); human logs go to stderr. Workers run
+``node_exit``, ``reported``, ``stopped``, ``restart``, ``layout``,
+``resize_ignored``, ``resize_refused``, ``done``, ``failed``); human logs go to
+stderr. With ``--track`` this agent also logs the job's metrics
+(:mod:`phalanx.launch.agent.track`). Workers run
 in their own process groups and are signalled by pid, never by name.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -40,21 +46,21 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, TextIO
 
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
-from phalanx.launch.agent_files import PID_FILE, read_pid, take_resize, write_atomic
-from phalanx.launch.agent_options import (
+from phalanx.launch.agent.controller import ControllerLink
+from phalanx.launch.agent.files import PID_FILE, read_pid, take_resize, write_atomic
+from phalanx.launch.agent.nodes import Failure, NodeError, NodeLink, Round
+from phalanx.launch.agent.options import (
     AgentOptions,
     backoff_delay,
     latest_step,
-    options_from_args,
 )
+from phalanx.launch.agent.track import AgentTrack
+from phalanx.launch.agent.workers import AgentError, Worker, start_workers
 from phalanx.launch.procs import last_line, signal_proc, stop_all
-from phalanx.launch.report import controller_problem, report_exit
-from phalanx.launch.supervise import ControllerDown, ControllerProcess
-from phalanx.launch.workers import AgentError, Worker, start_workers
+from phalanx.launch.supervise import ControllerDown
 
 log = logging.getLogger("phalanx.agent")
 
@@ -80,9 +86,12 @@ class Agent:
         """Slot -> times in a row its worker was the first of the replica to fail."""
         self._stop_signal: int | None = None
         self._resize = threading.Event()
-        self.controller: ControllerProcess | None = None
-        """The job's controller, when this agent serves it (``--serve-controller``)."""
-        self._checked_at = 0.0
+        self.controller = ControllerLink(opts, self.emit, self.note)
+        self.nodes: NodeLink | None = None
+        """A replica across nodes: this agent leads it (node 0), or follows node 0's."""
+        self._last_error = ""
+        self.tracking: AgentTrack | None = None
+        """The job's metrics, when this agent logs them (``--track``)."""
 
     # -- outputs ---------------------------------------------------------
 
@@ -121,19 +130,33 @@ class Agent:
                 f"the run dir must belong to one agent: got {rd}, where agent pid {other} "
                 f"runs. Stop it, or pass another --run-dir."
             )
+        o = self.opts
+        if o.track:
+            try:
+                self.tracking = AgentTrack(o.track, rd, o.controller, workers=not o.controller_only)
+            except ValueError as e:
+                raise AgentError(str(e)) from None
         old = self._install_signals()  # before the pid file: SIGHUP would kill us
         write_atomic(rd / PID_FILE, str(os.getpid()))
+        code = 1
         try:
-            self._serve_controller()
-            return self._supervise()
-        except ControllerDown as e:
+            self.controller.serve()
+            o = self.opts
+            self.nodes = NodeLink(o.name, o.nnodes, o.nproc, o.node_rank, o.master)
+            code = self._supervise()
+            return code
+        except (ControllerDown, NodeError) as e:
+            self._last_error = str(e)
             self.emit("failed", reason=str(e))
             self.note(str(e), logging.ERROR)
             return 1
         finally:
             stop_all([w.proc for w in self.workers], self.opts.grace_s)
-            if self.controller is not None:
-                self.controller.stop()
+            if self.tracking is not None:
+                self.tracking.close(self.generation)
+            if self.nodes is not None:
+                self.nodes.end(code, self._last_error)
+            self.controller.stop()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if read_pid(rd) == os.getpid():
@@ -148,42 +171,21 @@ class Agent:
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda s, f: self.request_resize())
         return old
 
-    def _serve_controller(self) -> None:
-        """Start the job's controller, when this agent serves it."""
-        args, state = self.opts.serve_controller, self.opts.controller
-        if args is None or state is None:
-            return
-        self.controller = ControllerProcess(
-            Path(state), list(args), self.opts.run_dir / "controller.log"
-        )
-        url = self.controller.start()
-        self.emit("controller", url=url, pid=self.controller.pid())
-        self.note(f"controller at {url}")
-
-    def _check_controller_process(self) -> None:
-        """Start the served controller again if it died (at most every 0.2 s)."""
-        now = time.monotonic()
-        if self.controller is None or now - self._checked_at < 0.2:
-            return
-        self._checked_at = now
-        news = self.controller.check()
-        if news is not None:
-            self.note(news)
-            self.emit(
-                "controller_restart",
-                restarts=self.controller.restarts,
-                pid=self.controller.pid(),
-                note=news,
-            )
-
     def _supervise(self) -> int:
         if self.opts.controller_only:
             while self._stop_signal is None:
-                self._check_controller_process()
+                self.controller.check_process()
+                if self.tracking is not None:
+                    self.tracking.poll(self.generation)
                 time.sleep(self.poll_s)
             return self._stopped()
-        self._check_controller()
-        self._start("initial")
+        self.controller.warn_if_unreachable()
+        if self.nodes is not None and self.nodes.follower is not None:
+            code = self._follow(-1, "initial")
+            if code is not None:
+                return code
+        else:
+            self._start("initial")
         while True:
             what = self._watch()
             if what == "done":
@@ -195,20 +197,31 @@ class Agent:
             if what == "resize":
                 self._apply_resize()
                 continue
-            assert isinstance(what, Worker)
-            code = self._on_failure(what)
+            if what == "follow":
+                code = self._follow(self.generation, "node rank 0")
+            elif isinstance(what, Failure):
+                code = self._on_node_failure(what)
+            else:
+                assert isinstance(what, Worker)
+                code = self._on_failure(what)
             if code is not None:
                 return code
 
-    def _watch(self) -> Worker | str:
+    def _watch(self) -> Worker | Failure | str:
         """Block until something needs the agent: "stop", "resize", "done" (every
-        worker exited 0), or the worker that failed (killed-by-signal first)."""
+        worker exited 0), the worker that failed (killed-by-signal first), another
+        node's failure (the leader), or "follow": node 0 moved on (a follower)."""
         while True:
             if self._stop_signal is not None:
                 return "stop"
             if self._resize.is_set():
                 return "resize"
-            self._check_controller_process()
+            self.controller.check_process()
+            if self.tracking is not None:
+                self.tracking.poll(self.generation)
+            news = self.nodes.news(self.generation) if self.nodes is not None else None
+            if news is not None:
+                return news
             codes = [w.proc.poll() for w in self.workers]
             failed = [w for w, c in zip(self.workers, codes, strict=True) if c not in (None, 0)]
             if failed:
@@ -228,11 +241,14 @@ class Agent:
 
     # -- workers ---------------------------------------------------------
 
-    def _start(self, reason: str) -> None:
-        self.generation += 1
+    def _start(self, reason: str, at: Round | None = None) -> None:
+        """Start the next generation's workers (``at``: node 0's, on a follower)."""
+        self.generation = self.generation + 1 if at is None else at.generation
         self.workers, record = start_workers(
-            self.opts, self.slots, self.generation, self.restarts, reason
+            self.opts, self.slots, self.generation, self.restarts, reason, at.port if at else None
         )
+        if self.nodes is not None:
+            self.nodes.started(self.generation, record["master_port"])
         self.emit("start", **record)
         self.note(f"started {record['nproc']} worker(s) ({reason}); logs in {record['dir']}")
 
@@ -261,35 +277,61 @@ class Agent:
             code=w.proc.returncode,
             exit=w.describe(),
         )
-        self.note(what, logging.WARNING)
-        others = [x for x in self.workers if x is not w and x.proc.poll() is None]
-        for x in others:  # before the report: a live rank 0 must not re-register
-            signal_proc(x.proc, signal.SIGTERM)
-        self._report(f"{what} (reported by agent {self.opts.node})")
-        stopped = self._stop_workers(self.opts.fail_grace_s)
-        self.emit("stopped", generation=self.generation, workers=stopped)
+        self._stop_after_failure(what, w)
         count = self.first_failures.get(w.slot, 0) + 1
         self.first_failures = {w.slot: count}
+        cannot_run = None
         if w.proc.returncode == EXIT_UNRECOVERABLE:  # it said why; a restart cannot help
-            said = last_line(w.out.with_suffix(".err"), last_line(w.out, "no message"))
-            msg = f"replica {self.opts.name}: worker rank {w.rank} cannot run: {said}"
-            self.emit("failed", error=msg, restarts=self.restarts)
-            self.note(msg, logging.ERROR)
-            return 1
-        if self.restarts >= self.opts.max_restarts:
-            msg = (
-                f"replica {self.opts.name}: {what}, and the agent has used all "
-                f"--max-restarts {self.opts.max_restarts}; giving up. See {w.out} and "
-                f"{w.out.with_suffix('.err')}."
+            cannot_run = last_line(w.out.with_suffix(".err"), last_line(w.out, "no message"))
+        follower = self.nodes.follower if self.nodes is not None else None
+        if follower is not None:  # the leader counts restarts, and restarts every node
+            follower.report(self.generation, what, cannot_run is not None)
+            return self._follow(self.generation, "failure")
+        if cannot_run is not None:
+            return self._give_up(
+                f"replica {self.opts.name}: worker rank {w.rank} cannot run: {cannot_run}"
             )
-            self.emit("failed", error=msg, restarts=self.restarts)
-            self.note(msg, logging.ERROR)
-            return 1
-        delay = backoff_delay(self.restarts, self.opts.backoff_s, self.opts.backoff_max_s)
-        self.restarts += 1
         if count >= self.opts.lost_slot_after and len(self.slots) > self.opts.floor:
             why = f"slot {w.slot} lost: its worker failed first {count} times in a row"
             self._layout([s for s in self.slots if s != w.slot], why, [])
+        return self._restart(what, f"See {w.out} and {w.out.with_suffix('.err')}.")
+
+    def _on_node_failure(self, f: Failure) -> int | None:
+        """The leader: another node's worker failed in this generation. Stop this
+        node's workers too, and restart the replica (every node) as for a failure here."""
+        what = f"node {f.node}'s {f.reason}"
+        self.emit("node_exit", generation=self.generation, node=f.node, reason=f.reason)
+        self._stop_after_failure(what, None)
+        if f.unrecoverable:
+            return self._give_up(f"replica {self.opts.name}: {what}, which cannot run")
+        return self._restart(what, f"See the logs of node {f.node}'s agent.")
+
+    def _stop_after_failure(self, what: str, failed: Worker | None) -> None:
+        self.note(what, logging.WARNING)
+        if self.tracking is not None:
+            self.tracking.killed()
+        others = [x for x in self.workers if x is not failed and x.proc.poll() is None]
+        for x in others:  # before the report: a live rank 0 must not re-register
+            signal_proc(x.proc, signal.SIGTERM)
+        self.controller.report(f"{what} (reported by agent {self.opts.node})")
+        stopped = self._stop_workers(self.opts.fail_grace_s)
+        self.emit("stopped", generation=self.generation, workers=stopped)
+
+    def _give_up(self, msg: str) -> int:
+        self._last_error = msg
+        self.emit("failed", error=msg, restarts=self.restarts)
+        self.note(msg, logging.ERROR)
+        return 1
+
+    def _restart(self, what: str, see: str) -> int | None:
+        """Back off and start the next generation, or give up past --max-restarts."""
+        if self.restarts >= self.opts.max_restarts:
+            return self._give_up(
+                f"replica {self.opts.name}: {what}, and the agent has used all --max-restarts "
+                f"{self.opts.max_restarts}; giving up. {see}"
+            )
+        delay = backoff_delay(self.restarts, self.opts.backoff_s, self.opts.backoff_max_s)
+        self.restarts += 1
         self.emit(
             "restart",
             restart=self.restarts,
@@ -307,25 +349,26 @@ class Agent:
             self._start("failure")
         return None
 
-    def _check_controller(self) -> None:
-        """Say at once, not at the first failure, when exits cannot be reported."""
-        problem = controller_problem(self.opts.controller)
-        if problem is not None:
-            self.note(
-                f"worker exits cannot be reported to the controller: {problem}", logging.WARNING
-            )
+    # -- a replica across nodes ------------------------------------------
 
-    def _report(self, reason: str) -> None:
-        """Evict the replica's live incarnation(s) at the controller (see
-        :func:`~phalanx.launch.report.report_exit`)."""
-        if not self.opts.controller:
-            return
-        ids, error = report_exit(self.opts.controller, self.opts.name, reason)
-        if error is not None:
-            self.emit("reported", replica_ids=ids, reason=reason, error=error)
-            self.note(f"could not report to the controller: {error}", logging.WARNING)
-            return
-        self.emit("reported", replica_ids=ids, reason=reason)
+    def _follow(self, after: int, reason: str) -> int | None:
+        """A follower: stop this node's workers if they run, wait for node 0's
+        generation newer than ``after``, and start this node's part of it. Returns
+        an exit code when the agent must stop instead."""
+        assert self.nodes is not None and self.nodes.follower is not None
+        if any(w.proc.poll() is None for w in self.workers):
+            stopped = self._stop_workers(self.opts.fail_grace_s)
+            self.emit("stopped", generation=self.generation, workers=stopped)
+        r = self.nodes.follower.wait(
+            after, self.opts.rdzv_timeout_s, lambda: self._stop_signal is not None
+        )
+        if r is None:
+            return self._stopped()
+        if r.ended:
+            why = f": {r.reason}" if r.reason else ""
+            return self._give_up(f"replica {self.opts.name}: node rank 0's agent {r.state}{why}")
+        self._start(reason, at=r)
+        return None
 
     # -- layout ----------------------------------------------------------
 
@@ -348,6 +391,15 @@ class Agent:
         another worker count. ``restarting``: no worker runs (a failure restart
         is due), so start them in any case."""
         self._resize.clear()
+        if self.opts.nnodes > 1:
+            try:
+                take_resize(self.opts.run_dir)  # consumed, whatever it asked
+            except ValueError:
+                pass
+            self.emit("resize_refused", error="a replica across nodes keeps its layout")
+            if restarting:
+                self._start("failure")
+            return
         changed = False
         try:
             n = take_resize(self.opts.run_dir)
@@ -364,7 +416,7 @@ class Agent:
             # 1. checkpoint: the workers save their current step on SIGTERM (or the
             # latest commit counts for those killed after the grace).
             stopped = self._stop_workers(self.opts.grace_s)
-            self._report(
+            self.controller.report(
                 f"layout change {len(self.slots)} -> {n} workers "
                 f"(reported by agent {self.opts.node})"
             )
@@ -380,23 +432,6 @@ class Agent:
         self.note(f"{name}: stopping the workers")
         stopped = self._stop_workers(self.opts.grace_s)
         if not self.opts.controller_only:
-            self._report(f"agent {self.opts.node} stopped by {name}")
+            self.controller.report(f"agent {self.opts.node} stopped by {name}")
         self.emit("stopped", generation=self.generation, workers=stopped, signal=name)
         return 128 + sig
-
-
-# -- CLI -------------------------------------------------------------------------
-
-
-def main(args: argparse.Namespace) -> int:
-    """``phalanx agent [OPTIONS] -- CMD ...`` and ``phalanx agent resize ...``."""
-    from phalanx.log import setup
-
-    opts = options_from_args(args)
-    if opts is None:
-        return 0  # a resize request, sent
-    setup()
-    try:
-        return Agent(opts).run()
-    except AgentError as e:
-        raise SystemExit(f"phalanx agent: {e}") from None
