@@ -101,12 +101,14 @@ class Proc:
         workdir: Path,
         stdin: int = subprocess.DEVNULL,
         host: Any = None,
+        env: dict[str, str] | None = None,
     ):
         """``host``: a :class:`netns.Host` to run on (its namespace, and its address
-        advertised to peers); None: this machine, over loopback."""
+        advertised to peers); None: this machine, over loopback. ``env``: variables
+        set for this process on top of the tests' environment."""
         self.label = label
         self.host = host
-        env = child_env()
+        env = {**child_env(), **(env or {})}
         if host is not None:
             args = host.wrap(args)
             env["PHALANX_ADVERTISE_HOST"] = host.ip
@@ -245,9 +247,10 @@ class Replica(Proc):
         out: Path,
         spare: bool,
         host: Any = None,
+        env: dict[str, str] | None = None,
     ):
         stdin = subprocess.PIPE if spare else subprocess.DEVNULL
-        super().__init__(args, label, workdir, stdin, host=host)
+        super().__init__(args, label, workdir, stdin, host=host, env=env)
         self.name = name
         self.out = out
         self.waiting = spare
@@ -324,7 +327,13 @@ class FTJob:
         return r.json()
 
     def start_replica(
-        self, name: str, *overrides: str, spare: bool = False, ranks: int = 1, host: Any = None
+        self,
+        name: str,
+        *overrides: str,
+        spare: bool = False,
+        ranks: int = 1,
+        host: Any = None,
+        env: dict[str, str] | None = None,
     ) -> Replica:
         """Start ``python -m phalanx.cli replica --name NAME`` (extra args are dotted
         config overrides); its final state goes to ``LABEL.safetensors``. With
@@ -357,6 +366,7 @@ class FTJob:
             out,
             spare and ranks == 1,
             host=host,
+            env=env,
         )
         if spare and ranks > 1:
             r.gate, r.waiting = gate, True

@@ -373,3 +373,38 @@ def test_bad_model_and_data_are_one_line(hf: HF, tmp_path: Path, capsys):
         last = err.splitlines()[-1]
         assert "Traceback" not in err and last.startswith("phalanx replica x: "), (what, err)
         assert says in last, (what, err)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plane", ["gloo", "nccl"])
+def test_the_hf_job_on_cuda(hf: HF, tmp_path: Path, jobs: list[FTJob], plane: str):
+    """On a GPU machine: 2 replicas on CUDA, over gloo with CUDA tensors (the two may
+    share one GPU) or over NCCL (one GPU each, so it needs two), one SIGKILLed and
+    restarted: it heals and the job trains the sampler's batches."""
+    if plane == "nccl" and _gpus() < 2:
+        pytest.skip(f"NCCL needs a GPU per replica: this machine has {_gpus()}")
+    secs = sections(hf, steps=STEPS, step_delay_s=0.05, device="cuda", data_plane=plane)
+    secs["roles.policy"]["n_init_replicas"] = 2
+    job = start_job(tmp_path, jobs, plane, secs)
+    # One GPU per replica with NCCL (each process sees its own); both on GPU 0 with gloo.
+    gpu = {"a": "0", "b": "1" if plane == "nccl" else "0"}
+    a = job.start_replica("a", env={"CUDA_VISIBLE_DEVICES": gpu["a"]})
+    b = job.start_replica("b", env={"CUDA_VISIBLE_DEVICES": gpu["b"]})
+    back = job.start_replica("b", spare=True, env={"CUDA_VISIBLE_DEVICES": gpu["b"]})
+    b.wait_step(4)
+    b.signal(signal.SIGKILL)
+    b.popen.wait(30)
+    a.wait_step(8)
+    back.release()
+    for r in (a, back):
+        r.finish()
+    lines = step_lines([a, b, back])
+    check_steps(lines, STEPS, BATCH)
+    check_samples(lines, dataset_size(hf, "pretrain"), SEED, BATCH)
+    assert back.steps()[0]["healed"]
+    assert_same_files([a, back], STEPS)
+    assert all(e["peak_mem_mb"] > 0 for e in a.steps())
