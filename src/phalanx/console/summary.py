@@ -26,9 +26,10 @@ def discard_text(d: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "none"
 
 
-def perf_text(r: Replica) -> str:
+def perf_text(r: Replica, val_loss: float | None = None) -> str:
     """``  12.3k tok/s  MFU 0.31  peak 540 MB  val 3.1021`` from a training replica's
-    latest step lines ('' for a built-in task, which reports none)."""
+    latest step lines ('' for a built-in task, which reports none); ``val_loss``: the
+    job's latest (the quorum's rank 0 computes it, which may be another replica)."""
     parts = []
     if r.tokens_per_s:
         parts.append(f"{_si(r.tokens_per_s[-1])} tok/s")
@@ -36,8 +37,9 @@ def perf_text(r: Replica) -> str:
         parts.append(f"MFU {r.mfu:.3f}")
     if r.peak_mem_mb is not None:
         parts.append(f"peak {r.peak_mem_mb:.0f} MB")
-    if r.val_loss is not None:
-        parts.append(f"val {r.val_loss:.4f}")
+    val = val_loss if val_loss is not None else r.val_loss
+    if val is not None:
+        parts.append(f"val {val:.4f}")
     return "".join(f"  {p}" for p in parts)
 
 
@@ -108,8 +110,17 @@ def perf_summary(reps: list[Replica], lead: Replica | None) -> dict[str, Any]:
         "tokens_per_s": rates[len(rates) // 2],
         "mfu": lead.mfu,
         "peak_mem_mb": max(peaks) if peaks else None,
-        "val_loss": lead.val_loss,
+        "val_loss": latest_val_loss(reps),
     }
+
+
+def latest_val_loss(reps: list[Replica]) -> float | None:
+    """The job's latest validation loss: that of the replica furthest ahead that has
+    one (the quorum's rank 0 computes it, whichever replica that is)."""
+    for r in sorted(reps, key=lambda r: r.step, reverse=True):
+        if r.val_loss is not None:
+            return r.val_loss
+    return None
 
 
 def ft_line(job: LocalJob, s: dict[str, Any]) -> str:

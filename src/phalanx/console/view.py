@@ -18,6 +18,7 @@ from phalanx.console.summary import (
     discard_text,
     ft_line,
     ft_summary,
+    latest_val_loss,
     num,
     perf_text,
     rl_line,
@@ -212,7 +213,8 @@ class View:
             self._printed_step = lead.step
             print(
                 f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {num(lead.loss, '.5f')}  "
-                f"participants {lead.participants}  quorum {lead.quorum_id}{perf_text(lead)}",
+                f"participants {lead.participants}  quorum {lead.quorum_id}"
+                f"{perf_text(lead, latest_val_loss(list(job.replicas.values())))}",
                 flush=True,
             )
 
