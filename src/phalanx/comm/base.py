@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -11,6 +12,22 @@ class CommError(RuntimeError):
     """A collective or point-to-point transfer failed (peer died, hung past the
     collective timeout, or the group was aborted). Recoverable: the caller does
     not commit the step, reports the peers, and retries with the next quorum."""
+
+
+class Pending:
+    """A collective started and not yet waited for (:meth:`Communicator.allreduce_start`).
+
+    :meth:`wait` blocks until it is done (its tensors then hold the result), at most
+    the communicator's timeout, and raises :class:`CommError` if it failed. Waiting
+    again does nothing."""
+
+    def __init__(self, finish: Callable[[], None] | None = None):
+        self._finish = finish
+
+    def wait(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 class Communicator(ABC):
@@ -52,6 +69,16 @@ class Communicator(ABC):
     @abstractmethod
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
         """In-place all-reduce of each tensor (``op``: sum, min or max)."""
+
+    def allreduce_start(self, tensors: list[torch.Tensor], op: str = "sum") -> Pending:
+        """Start an in-place all-reduce of each tensor and return at once: the caller
+        does other work (Streaming DiLoCo's next inner steps) and waits for it later.
+        Same contract as :meth:`allreduce` (every participant calls it, in the same
+        order as its other collectives), but the tensors hold the result only after
+        :meth:`Pending.wait`, and must not be touched before. This default runs the
+        all-reduce now; backends with asynchronous collectives override it."""
+        self.allreduce(tensors, op)
+        return Pending()
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import liveness
-from phalanx.comm.base import CommError, Communicator
+from phalanx.comm.base import CommError, Communicator, Pending
 from phalanx.net import LOOPBACK, AddressError, advertise_host, hostport, unreachable
 
 log = logging.getLogger("phalanx.comm")
@@ -213,15 +213,22 @@ class TorchCommunicator(Communicator):
         return [t.clone() if contents else torch.empty_like(t) for t in tensors]
 
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
+        self.allreduce_start(tensors, op).wait()
+
+    def allreduce_start(self, tensors: list[torch.Tensor], op: str = "sum") -> Pending:
         pg = self._group()
         bufs = self._private(tensors)
         try:
             works = [pg.allreduce([t], _OPS[op]) for t in bufs]
         except Exception as e:
             raise CommError(f"allreduce failed to start: {e}") from e
-        for w in works:
-            self._wait(w, "allreduce")
-        _back(tensors, bufs)
+
+        def finish() -> None:
+            for w in works:
+                self._wait(w, "allreduce")
+            _back(tensors, bufs)
+
+        return Pending(finish)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()

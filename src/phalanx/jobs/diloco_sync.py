@@ -73,6 +73,8 @@ def run(args: ReplicaArgs) -> int:
                     "healed": r.healed,
                     "cursor": m.sampler.cursor if m.sampler is not None else 0,
                     "bytes_sent": loop.reducer.bytes_sent,
+                    # Blocked on exchanges so far (Streaming DiLoCo's τ hides the rest).
+                    "exchange_wait_s": round(loop.reducer.wait_s, 4),
                     "round_s": round(r.seconds, 4),
                     "t": time.time(),
                 }

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -87,6 +87,22 @@ class Reducer(Protocol):
     ) -> tuple[list[torch.Tensor], int]: ...
 
 
+class Exchange(Protocol):
+    """A fragment's exchange started and not yet finished (:meth:`Overlapping.start`):
+    :meth:`wait` returns what :meth:`Reducer.average` would have."""
+
+    def wait(self) -> tuple[list[torch.Tensor], int]: ...
+
+
+@runtime_checkable
+class Overlapping(Protocol):
+    """A :class:`Reducer` that can start an exchange and finish it later, so that it
+    runs behind the next τ inner steps (Streaming DiLoCo's overlap). Same contract
+    as :meth:`Reducer.average`, the failure included, raised by :meth:`Exchange.wait`."""
+
+    def start(self, tensors: list[torch.Tensor], *, round: int, fragment: int) -> Exchange: ...
+
+
 def fragment_of(names: list[str], fragments: int) -> list[list[int]]:
     """Parameter indices of each fragment: contiguous runs of the parameter list
     (layers stay together), balanced by count."""
@@ -131,8 +147,9 @@ class DiLoCo:
         self.frags = fragment_of(self.names, cfg.fragments)
         self.inner_steps = 0
         self.rounds = 0
-        self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        """fragment -> (apply at inner step, averaged Δ) while an exchange overlaps."""
+        self.pending: dict[int, tuple[int, list[torch.Tensor] | Exchange]] = {}
+        """fragment -> (apply at inner step, averaged Δ, or the exchange still running)
+        while an exchange overlaps."""
 
     def _nesterov(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -178,7 +195,7 @@ class DiLoCo:
         for j, (at, avg) in list(self.pending.items()):
             if at == t:
                 del self.pending[j]
-                self._apply(j, avg)
+                self._apply(j, _result(avg))
         done = self.due(t)
         for j in done:
             self._exchange(j)
@@ -206,10 +223,11 @@ class DiLoCo:
             avg = result(self.pseudo_gradient(j), self.rounds, j)
             if avg is None:
                 break
-            for j, (at, avg) in sorted(self.pending.items()):
+            # (Names of their own: the fragment fetched above is applied below.)
+            for k, (at, waiting) in sorted(self.pending.items()):
                 if at <= t:
-                    del self.pending[j]
-                    self._apply(j, avg, mix=False)
+                    del self.pending[k]
+                    self._apply(k, _result(waiting), mix=False)
             self.inner_steps = t
             self.rounds += 1 if j == self.cfg.fragments - 1 else 0
             if self.cfg.tau:
@@ -226,7 +244,7 @@ class DiLoCo:
         not exchanged at this very step, with no overlap, so that every replica
         ends with the same parameters. Same contract as :meth:`after_inner_step`."""
         for j, (_, avg) in sorted(self.pending.items()):
-            self._apply(j, avg)
+            self._apply(j, _result(avg))
         self.pending.clear()
         t = self.inner_steps
         for j in range(self.cfg.fragments):
@@ -243,9 +261,25 @@ class DiLoCo:
             for i in self.frags[fragment]
         ]
 
+    def settle(self) -> None:
+        """Wait for every exchange still running (its result is still applied at its
+        step): a synchronous round's commit vote must not come before its exchanges
+        are done, or a failure would surface after the round committed. Who calls:
+        every replica, at the same point (the end of a round)."""
+        for j, (at, avg) in list(self.pending.items()):
+            self.pending[j] = (at, _result(avg))
+
     def _exchange(self, fragment: int) -> None:
         delta = self.pseudo_gradient(fragment)
-        avg, _ = self.reducer.average(delta, round=self.rounds, fragment=fragment)
+        r = self.reducer
+        if self.cfg.tau and isinstance(r, Overlapping):
+            # Streaming DiLoCo's overlap: the exchange runs behind the next τ inner
+            # steps, and its result is applied at the step it would be anyway.
+            started = r.start(delta, round=self.rounds, fragment=fragment)
+            self.rounds += 1 if fragment == self.cfg.fragments - 1 else 0
+            self.pending[fragment] = (self.inner_steps + self.cfg.tau, started)
+            return
+        avg, _ = r.average(delta, round=self.rounds, fragment=fragment)
         self.rounds += 1 if fragment == self.cfg.fragments - 1 else 0
         if self.cfg.tau:
             self.pending[fragment] = (self.inner_steps + self.cfg.tau, avg)
@@ -277,7 +311,8 @@ class DiLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """Outer state: θ_global, the outer optimizer, counters and any exchange
-        still in flight. Goes with heal and with checkpoints."""
+        still in flight (waited for first). Goes with heal and with checkpoints."""
+        self.settle()
         return {
             "global": {n: g.detach() for n, g in zip(self.names, self.global_params, strict=True)},
             "outer": self.outer.state_dict(),
@@ -300,3 +335,8 @@ class DiLoCo:
         self.inner_steps = int(sd["inner_steps"])
         self.rounds = int(sd["rounds"])
         self.pending = {int(j): (int(v["at"]), list(v["avg"])) for j, v in sd["pending"].items()}
+
+
+def _result(avg: list[torch.Tensor] | Exchange) -> list[torch.Tensor]:
+    """A pending fragment's averaged Δ: as it is, or once its exchange is done."""
+    return avg if isinstance(avg, list) else avg.wait()[0]

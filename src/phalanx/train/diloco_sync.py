@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.base import CommError, Communicator
+from phalanx.comm.base import CommError, Communicator, Pending
 from phalanx.comm.compress import Compression, decode, encode, wire_bytes
 from phalanx.comm.transfer import flatten, unflatten
 from phalanx.train.base import NonFiniteGradient
@@ -62,8 +62,31 @@ class CollectiveReducer:
         self.comm, self.compression = comm, compression
         self.exact = ExactSum() if exact else None
         self.bytes_sent = 0
+        self.wait_s = 0.0
+        """Seconds this replica spent blocked on its exchanges (all of an exchange
+        without overlap; only what τ inner steps did not hide with it)."""
+
+    def start(self, tensors: list[torch.Tensor], *, round: int, fragment: int) -> _Started | _Done:
+        """Start the fragment's exchange, to finish at :meth:`_Started.wait` (Streaming
+        DiLoCo's overlap: :class:`~phalanx.train.diloco.Overlapping`). Uncompressed and
+        inexact only; a compressed or exact exchange runs now (its all-gather and its
+        two collectives are not started asynchronously)."""
+        if self.exact is not None or self.compression != "none":
+            return _Done(self, self.average(tensors, round=round, fragment=fragment))
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.bytes_sent += flat.numel() * flat.element_size()
+        return _Started(self, self.comm.allreduce_start([flat], "sum"), flat, tensors)
 
     def average(
+        self, tensors: list[torch.Tensor], *, round: int, fragment: int
+    ) -> tuple[list[torch.Tensor], int]:
+        t0 = time.perf_counter()
+        try:
+            return self._average(tensors, round=round, fragment=fragment)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _average(
         self, tensors: list[torch.Tensor], *, round: int, fragment: int
     ) -> tuple[list[torch.Tensor], int]:
         comm, k = self.comm, self.comm.world_size
@@ -106,6 +129,43 @@ class CollectiveReducer:
                     off += nb
                 acc[i] += decode(parts, self.compression, t).to(acc[i].dtype)
         return [(a / k).to(t.dtype) for a, t in zip(acc, tensors, strict=True)], k
+
+
+class _Started:
+    """An uncompressed exchange in flight: the sum lands in ``flat``."""
+
+    def __init__(
+        self,
+        reducer: CollectiveReducer,
+        pending: Pending,
+        flat: torch.Tensor,
+        like: list[torch.Tensor],
+    ):
+        self.reducer, self.pending, self.flat, self.like = reducer, pending, flat, like
+        self.k = reducer.comm.world_size
+
+    def wait(self) -> tuple[list[torch.Tensor], int]:
+        t0 = time.perf_counter()
+        try:
+            self.pending.wait()
+        finally:
+            self.reducer.wait_s += time.perf_counter() - t0
+        self.flat.div_(self.k)
+        out, off = [], 0
+        for t in self.like:
+            out.append(self.flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+        return out, self.k
+
+
+class _Done:
+    """An exchange that already ran."""
+
+    def __init__(self, reducer: CollectiveReducer, result: tuple[list[torch.Tensor], int]):
+        self.result = result
+
+    def wait(self) -> tuple[list[torch.Tensor], int]:
+        return self.result
 
 
 def clone_tree(tree: Any) -> Any:
@@ -179,6 +239,9 @@ class SyncDiLoCo:
                     loss += self._inner_step(fn, idx)
                     self.diloco.after_inner_step()
                     m.client.report_progress(inner_step=self.diloco.inner_steps)  # live, dashboard
+                # Exchanges still running (the round's last step's) end before the
+                # vote: one that fails must fail this round, not a committed one.
+                self.diloco.settle()
                 if last:
                     self.diloco.finish()
             except CommError as e:
