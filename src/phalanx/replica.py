@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx import env
+from phalanx.env import CONFIG, CONTROLLER, REPLICA_NAME
 from phalanx.train.base import JobFinished, StepResult
 
 if TYPE_CHECKING:
@@ -103,13 +103,13 @@ class Replica:
             self.cfg.checkpoint.url = checkpoint
         self.steps = steps if steps is not None else self.cfg.train.steps
         controller = controller or (given.controller if given else None)
-        controller = controller or os.environ.get(env.CONTROLLER)
+        controller = controller or os.environ.get(CONTROLLER)
         if not controller:
             raise ValueError(
                 "phalanx.Replica needs the job's controller: got none. Pass controller=URL, "
-                f"run the script with phalanx run / phalanx replica, or set ${env.CONTROLLER}."
+                f"run the script with phalanx run / phalanx replica, or set ${CONTROLLER}."
             )
-        name = name or (given.name if given else None) or os.environ.get(env.REPLICA_NAME)
+        name = name or (given.name if given else None) or os.environ.get(REPLICA_NAME)
         self.name = name or f"policy-{os.getpid()}"
         self.out = Path(out) if out is not None else (given.out if given else None)
         from phalanx.jobs.device import data_plane
@@ -239,5 +239,5 @@ def _config(config: Any) -> JobConfig:
 
     if isinstance(config, JobConfig):
         return config.model_copy(deep=True)
-    path = config if config is not None else os.environ.get(env.CONFIG)
+    path = config if config is not None else os.environ.get(CONFIG)
     return load_config(path)

@@ -214,10 +214,11 @@ def test_the_data_section_checks_its_fields_together(tmp_path):
         with pytest.raises(ValidationError, match=says):
             DataSection(path="d.jsonl", **fields)
     cfg = tmp_path / "job.toml"
-    cfg.write_text('[train.data]\npath = "d.jsonl"\nval_every = 5\nvalidation_fraction = 0.1\n')
+    model = '[train.model]\npath = "m"\n'
+    cfg.write_text(model + '[train.data]\npath = "d.jsonl"\nval_every = 5\nvalidation_fraction = 0.1\n')
     data = load_config(cfg).train.data
     assert data is not None and data.has_validation and data.seq_len == 512
-    cfg.write_text('[train.data]\npath = "d.jsonl"\nval_every = 5\n')
+    cfg.write_text(model + '[train.data]\npath = "d.jsonl"\nval_every = 5\n')
     with pytest.raises(ConfigError, match=r"train\.data\.val_every needs a validation set"):
         load_config(cfg)
     cfg.write_text("[train]\nsteps = 3\n")

@@ -7,6 +7,7 @@ Nothing is downloaded: :func:`build_model` uses ``AutoModelForCausalLM.from_conf
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from phalanx.rl.tokenizer import check_same_tokenizer
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
+_LOAD_LOCK = threading.Lock()
 
 def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
     """The HF config of a model built from ``spec``, sized to the tokenizer's vocabulary."""
@@ -87,7 +89,7 @@ def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrain
     """A causal LM from a local directory written by ``save_pretrained`` (Qwen2, Llama,
     GPT-2, or any architecture ``transformers`` has a ``*ForCausalLM`` for). Raises
     ValueError in one line when the directory holds none."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     p = Path(path)
     if not p.is_dir():
@@ -113,6 +115,16 @@ def load_model(path: str | Path, attn_implementation: str = "eager") -> PreTrain
 
     # Its progress bar goes to stderr, where a replica's errors must stay one line.
     hf_logging.disable_progress_bar()
+    # transformers builds the model on the meta device by patching process-wide
+    # state: two threads loading at once (replicas in one process, an engine and a
+    # policy) see each other's meta tensors. One load at a time.
+    with _LOAD_LOCK:
+        return _load(p, attn_implementation)
+
+
+def _load(p: Path, attn_implementation: str) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     try:
         # fp32 whatever the checkpoint's dtype: these weights are the optimizer's
         # masters (AdamW on bf16 weights loses small updates to rounding);
