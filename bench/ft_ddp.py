@@ -265,23 +265,28 @@ def gaps(ts: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(ts)]
 
 
-def steady_steps(procs: list[Child], n: int) -> Callable[[], bool]:
+def steady_steps(procs: list[Child], n: int, warmup: int = WARMUP_STEPS) -> Callable[[], bool]:
+    """Whether every replica of ``procs`` committed ``warmup + n`` steps with all of
+    them in."""
+
     def ok() -> bool:
+        k = len(procs)
         return all(
-            len([e for e in p.steps() if e["participants"] == REPLICAS]) > WARMUP_STEPS + n
-            for p in procs
+            len([e for e in p.steps() if e["participants"] == k]) > warmup + n for p in procs
         )
 
     return ok
 
 
-def steady_median(procs: list[Child], n: int, before: float = float("inf")) -> dict[str, Any]:
+def steady_median(
+    procs: list[Child], n: int, before: float = float("inf"), warmup: int = WARMUP_STEPS
+) -> dict[str, Any]:
     """Median gap between commits over the replicas' steady window: steps with every
     replica in, after the warm-up, ``n`` steps each."""
     pooled: list[float] = []
     for p in procs:
-        full = [e["t"] for e in p.steps() if e["participants"] == REPLICAS and e["t"] < before]
-        pooled += gaps(full[WARMUP_STEPS : WARMUP_STEPS + n + 1])
+        full = [e["t"] for e in p.steps() if e["participants"] == len(procs) and e["t"] < before]
+        pooled += gaps(full[warmup : warmup + n + 1])
     return {"median_step_s": statistics.median(pooled), "gaps": len(pooled)}
 
 
@@ -306,16 +311,18 @@ def _minflt(pids: list[int]) -> int:
     return total
 
 
-def measure_steady(procs: list[Child], n: int, what: str, helpers: list[Child]) -> dict[str, Any]:
-    """Wait for the warm-up and then ``n`` more steps with every replica in; the
-    median step and the CPU time the replicas (and helpers: controller,
-    lighthouse) spent per step over that window."""
-    procs[0].wait(steady_steps(procs, 0), f"{what} warm-up")
+def measure_steady(
+    procs: list[Child], n: int, what: str, helpers: list[Child], warmup: int = WARMUP_STEPS
+) -> dict[str, Any]:
+    """Wait for the warm-up (``warmup`` steps) and then ``n`` more steps with every
+    replica in; the median step and the CPU time the replicas (and helpers:
+    controller, lighthouse) spent per step over that window."""
+    procs[0].wait(steady_steps(procs, 0, warmup), f"{what} warm-up")
     reps, helps = [p.proc.pid for p in procs], [h.proc.pid for h in helpers]
     c0, h0, f0, s0 = _cpu(reps), _cpu(helps), _minflt(reps), len(procs[0].steps())
-    procs[0].wait(steady_steps(procs, n), f"{what} steps")
+    procs[0].wait(steady_steps(procs, n, warmup), f"{what} steps")
     c1, h1, f1, s1 = _cpu(reps), _cpu(helps), _minflt(reps), len(procs[0].steps())
-    out = steady_median(procs, n)
+    out = steady_median(procs, n, warmup=warmup)
     steps = max(1, s1 - s0)
     out["replica_cpu_s_per_step"] = round((c1 - c0) / steps / len(procs), 4)
     # The whole system's CPU per replica-step: the replica's plus its share of the
@@ -488,11 +495,23 @@ LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) ")
 
 
 def run_phalanx(
-    ch: Children, tmp: Path, steps: int, kills: int, tag: str, patience: bool = True
+    ch: Children,
+    tmp: Path,
+    steps: int,
+    kills: int,
+    tag: str,
+    patience: bool = True,
+    *,
+    cfg: Path | None = None,
+    replicas: int = REPLICAS,
+    warmup: int = WARMUP_STEPS,
 ) -> dict[str, Any]:
+    """A controller and ``replicas`` ``phalanx replica`` processes on this benchmark's
+    job (or on the job file ``cfg``): the steady window's figures, then ``kills``
+    SIGKILL/restart cycles. The children stay up (``ch`` stops them)."""
     state = tmp / f"ctl-{tag}"
     state.mkdir()
-    cfg = job_toml(tmp / f"job-{tag}.toml", patience)
+    cfg = cfg or job_toml(tmp / f"job-{tag}.toml", patience)
     ctl = ch.spawn(
         [
             sys.executable,
@@ -514,8 +533,8 @@ def run_phalanx(
             f"phalanx-r{i}-{tag}",
         )
 
-    procs = [replica(i) for i in range(REPLICAS)]
-    out = measure_steady(procs, steps, "phalanx", [ctl])
+    procs = [replica(i) for i in range(replicas)]
+    out = measure_steady(procs, steps, "phalanx", [ctl], warmup)
     if kills:
 
         def detail(c: dict[str, Any]) -> dict[str, Any]:

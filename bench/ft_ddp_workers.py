@@ -108,62 +108,70 @@ def worker_ddp(spec: dict[str, Any]) -> None:
 
 
 def worker_lighthouse(spec: dict[str, Any]) -> None:
+    """torchft's lighthouse; ``spec`` may set ``join_timeout_s`` and ``heartbeat_s``
+    (default: this benchmark's)."""
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=1,
-        join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
-        heartbeat_timeout_ms=int(HEARTBEAT_S * 1000),
+        join_timeout_ms=int(spec.get("join_timeout_s", JOIN_TIMEOUT_S) * 1000),
+        heartbeat_timeout_ms=int(spec.get("heartbeat_s", HEARTBEAT_S) * 1000),
     )
     emit(event="address", address=server.address())
     while True:
         time.sleep(3600)
 
 
-def worker_torchft(spec: dict[str, Any]) -> None:
-    """One torchft replica group of one process, as in torchft's train_ddp.py."""
+def torchft_manager(
+    index: int,
+    lighthouse: str,
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+    collective_s: float = COLLECTIVE_S,
+    timeout_s: float = 10.0,
+) -> tuple[Any, Any]:
+    """torchft's ``Manager`` of replica group ``index`` (one process), over its
+    ``ProcessGroupGloo`` with this benchmark's collective timeout, as in torchft's
+    ``train_ddp.py``, and the TCPStore it rendezvouses on (served here: keep it as
+    long as the manager). ``timeout_s`` bounds its RPCs and a heal's HTTP transfer."""
     from datetime import timedelta
 
-    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
-    from torchft.optim import OptimizerWrapper
-
-    torch, _, model, (x, y), inner = _setup_worker()  # emits "imported"
     import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        inner.load_state_dict(sd["optim"])
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
-
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=COLLECTIVE_S)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=collective_s)),
         min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        replica_id=f"ft_{spec['index']}",
+        replica_id=f"ft_{index}",
         store_addr="127.0.0.1",
         store_port=store.port,
         rank=0,
         world_size=1,
-        lighthouse_addr=spec["lighthouse"],
-        # Covers its RPCs and the HTTP checkpoint transfer of a heal.
-        timeout=timedelta(seconds=10),
-        init_sync=False,  # every replica builds the same weights from the seed
+        lighthouse_addr=lighthouse,
+        timeout=timedelta(seconds=timeout_s),
+        init_sync=False,  # every replica builds the same weights
     )
+    return manager, store
+
+
+def torchft_ddp(manager: Any, model: Any) -> Any:
+    """torchft 0.2.0's ``DistributedDataParallel`` of ``model`` with one fix.
+
+    When the all-reduce fails (a peer was SIGKILLed) or the manager has already
+    errored, its ``_comm_hook`` finds no inner future and raises (``assert
+    fut._fut``, or an AttributeError on a ``_DummyWork``'s future), which crashes
+    the survivor and leaves DDP's reducer mid-reduction. Here the hook hands the
+    bucket back instead: the manager has recorded the error, so
+    ``should_commit()`` says no and the step is retried, which is what torchft
+    means to happen."""
+    import torch
+    from torchft import DistributedDataParallel
 
     def comm_hook(state, bucket):  # unannotated: DDP checks the annotations' types
-        """torchft 0.2.0's ``DistributedDataParallel._comm_hook`` with one fix. When
-        the all-reduce fails (a peer was SIGKILLed) or the manager has already
-        errored, it finds no inner future and raises (``assert fut._fut``, or an
-        AttributeError on a ``_DummyWork``'s future), which crashes the survivor
-        and leaves DDP's reducer mid-reduction. Here it hands the bucket back
-        instead: the manager has recorded the error, so ``should_commit()`` says
-        no and the step is retried, which is what torchft means to happen."""
         work = state.allreduce(bucket.buffer())
         work.wait()
         fut = getattr(work.get_future(), "_fut", None)
@@ -177,7 +185,26 @@ def worker_torchft(spec: dict[str, Any]) -> None:
     class FixedDDP(DistributedDataParallel):
         _comm_hook = staticmethod(comm_hook)
 
-    ddp = FixedDDP(manager, model)
+    return FixedDDP(manager, model)
+
+
+def worker_torchft(spec: dict[str, Any]) -> None:
+    """One torchft replica group of one process, as in torchft's train_ddp.py."""
+    from torchft.optim import OptimizerWrapper
+
+    torch, _, model, (x, y), inner = _setup_worker()  # emits "imported"
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    manager, _store = torchft_manager(
+        spec["index"], spec["lighthouse"], state_dict, load_state_dict
+    )
+    ddp = torchft_ddp(manager, model)
     opt = OptimizerWrapper(manager, inner)
     per = GLOBAL_BATCH // REPLICAS
     i = 0

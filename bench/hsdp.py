@@ -173,33 +173,49 @@ def median_gap(events: list[dict[str, Any]], lo: int, hi: int) -> float:
 
 
 def fsdp_worker(config: str, steps: int) -> int:
-    """One rank of plain FSDP2 over every rank (no FT): the baseline."""
+    """One rank of plain FSDP2 over every rank (no FT): the baseline. It trains the
+    job file's task (the built-in one, or your model and data) with its global batch
+    and micro-batches, the batch split over every rank as HSDP splits it over the
+    replicas' ranks. The leader prints a line per step with its peak memory."""
     import torch
 
     from phalanx.config import load_config
     from phalanx.jobs import task
+    from phalanx.jobs.common import keep_freed_memory
     from phalanx.jobs.mlp import build_optimizer
     from phalanx.train.batch import micro_batches, split
     from phalanx.train.hsdp import ReplicaRanks
+    from phalanx.train.perf import peak_memory_mb
     from phalanx.train.shards import shard_model
 
     cfg = load_config(config)
     tc = cfg.train
-    torch.set_num_threads(1)
+    keep_freed_memory()  # as a phalanx replica does
+    torch.set_num_threads(tc.threads)
     ranks = ReplicaRanks(120.0)
-    model = shard_model(task.build_model(tc, cfg.job.seed), ranks.mesh)
+    job = task.build(
+        tc,
+        cfg.job.seed,
+        torch.device("cpu"),
+        always_forward=True,
+        wrap=lambda m: shard_model(m, ranks.mesh),
+    )
+    model = job.model
     opt = build_optimizer(tc, model)
-    compute = task.make_compute(tc, model, cfg.job.seed, always_forward=True)
+    batch = tc.global_batch_size
     for step in range(1, steps + 1):
-        off, count = split(BATCH, ranks.size, ranks.rank)
-        idx = list(range((step - 1) * BATCH + off, (step - 1) * BATCH + off + count))
+        off, count = split(batch, ranks.size, ranks.rank)
+        start = (step - 1) * batch + off
+        idx = [i % job.dataset_size for i in range(start, start + count)]
         for p in model.parameters():
             p.grad = None
-        for mb in micro_batches(idx, MICRO):
-            compute([i % tc.dataset_size for i in mb], 1.0 / BATCH)
+        for mb in micro_batches(idx, tc.micro_batch_size or batch):
+            job.compute(mb, 1.0 / batch)
         opt.step()
         if ranks.leader:
-            print(json.dumps({"event": "step", "step": step, "t": time.time()}), flush=True)
+            line = {"event": "step", "step": step, "t": time.time()}
+            line["peak_mem_mb"] = round(peak_memory_mb(torch.device("cpu")), 1)
+            print(json.dumps(line), flush=True)
     ranks.close()
     return 0
 
@@ -221,23 +237,49 @@ def bcast_worker(nbytes: int, rounds: int) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="bench-hsdp-"))
-    cfg = job_toml(work / "job.toml", args.steps, args.d_model, args.layers)
+def peak_rss_mb(pids: list[int]) -> float | None:
+    """The largest peak resident set (``VmHWM``, what ``ru_maxrss`` reports to the
+    process itself) of ``pids``, in MiB; None where ``/proc`` has none of them."""
+    peaks = []
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks.append(int(line.split()[1]) / 1024)
+        except OSError:
+            continue
+    return round(max(peaks), 1) if peaks else None
+
+
+def fsdp_arm(work: Path, cfg: Path, ranks: int, steps: int, warmup: int = 5) -> dict[str, Any]:
+    """Plain FSDP2 over ``ranks`` ranks on the job file ``cfg``, ``steps`` steps: the
+    median gap between its steps after ``warmup``, and its leader's peak memory."""
     me = str(Path(__file__).resolve())
-    out: dict[str, Any] = {"d_model": args.d_model, "layers": args.layers, "steps": args.steps}
-
-    base = Lines(ranks_cmd(4, me, "--fsdp-worker", str(cfg), str(args.steps)), work / "fsdp.err")
-    base.wait(lambda e: e.get("step") == args.steps, "the FSDP2 baseline")
+    err = work / f"fsdp-{len(list(work.glob('fsdp-*.err')))}.err"
+    base = Lines(ranks_cmd(ranks, me, "--fsdp-worker", str(cfg), str(steps)), err)
+    last = base.wait(lambda e: e.get("step") == steps, "the FSDP2 baseline")
     base.p.wait()
-    out["fsdp_step_s"] = median_gap(base.events, 5, args.steps)
+    return {
+        "fsdp_step_s": median_gap(base.events, warmup, steps),
+        "fsdp_peak_mem_mb": last.get("peak_mem_mb"),
+    }
 
-    state = work / "state"
+
+def hsdp_arm(work: Path, cfg: Path, kill_at: int, warmup: int = 5) -> dict[str, Any]:
+    """A real controller and 2 replicas of 2 ranks (``a``, ``b``) on the job file
+    ``cfg``, which must run past ``kill_at`` steps; a warm standby for ``b``. At
+    ``b``'s step ``kill_at`` its rank 1 is SIGKILLed; the standby is let go once ``b``
+    is gone and heals from ``a``. Returns the step time (``a``'s steps ``warmup`` to
+    ``kill_at``), the stall, the heal and ``a``'s ranks' peak memory before the kill;
+    waits for ``a``'s end."""
+    out: dict[str, Any] = {}
+    tag = len(list(work.glob("state*")))
+    state = work / f"state{tag or ''}"
     ctl_cmd = [PY, "-m", "phalanx.cli", "controller", "--config", str(cfg)]
     ctl = subprocess.Popen(
         [*ctl_cmd, "--state-dir", str(state), "--port", "0"],
         stdout=subprocess.DEVNULL,
-        stderr=(work / "controller.err").open("wb"),
+        stderr=(work / f"controller{tag or ''}.err").open("wb"),
         env=env(),
         start_new_session=True,
     )
@@ -245,21 +287,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         while not (state / "url").exists():
             if ctl.poll() is not None:
-                raise RuntimeError(f"the controller exited; see {work / 'controller.err'}")
+                raise RuntimeError(f"the controller exited; see {work}/controller{tag or ''}.err")
             time.sleep(0.05)
 
         def replica(name: str, gate: Path | None = None) -> Lines:
             head = ["-c", GATED, str(gate)] if gate is not None else ["-m", "phalanx.cli"]
             cmd = ranks_cmd(2, *head, "replica", "--config", str(cfg))
             cmd += ["--controller", str(state), "--name", name]
-            p = Lines(cmd, work / f"{name}-{len(procs)}.err")
+            p = Lines(cmd, work / f"{name}{tag or ''}-{len(procs)}.err")
             procs.append(p)
             return p
 
         a, b = replica("a"), replica("b")
-        gate = work / "restart.go"
+        gate = work / f"restart{tag or ''}.go"
         b2 = replica("b", gate)  # a warm standby: its ranks have paid their imports
-        b.wait(lambda e: e.get("step", 0) >= args.kill_at, f"b's step {args.kill_at}")
+        b.wait(lambda e: e.get("step", 0) >= kill_at, f"b's step {kill_at}")
+        out["hsdp_peak_mem_mb"] = peak_rss_mb(list(rank_pids(a.p.pid).values()))
         t_kill = time.time()
         os.kill(rank_pids(b.p.pid)[1], signal.SIGKILL)
         after = a.wait(
@@ -285,20 +328,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["heal_wait_s"], out["heal_shard_transfer_s"] = heal["wait_s"], heal["transfer_s"]
         out["heal_shard_gbps"] = heal["bytes"] / heal["transfer_s"] / 1e9
         a.wait(lambda e: e["event"] == "done", "a's end")
-        out["hsdp_step_s"] = median_gap(a.events, 5, args.kill_at)
-        out["step_ratio_vs_fsdp"] = out["hsdp_step_s"] / out["fsdp_step_s"]
+        out["hsdp_step_s"] = median_gap(a.events, warmup, kill_at)
     finally:
         for p in procs:
             p.kill()
         ctl.kill()
         ctl.wait()
+    return out
 
+
+def broadcast_gbps(work: Path, nbytes: int, rounds: int = 15) -> float:
+    """A plain gloo broadcast of ``nbytes`` between 2 fresh processes: GB/s of the
+    median of ``rounds`` (after one more that is not counted)."""
+    me = str(Path(__file__).resolve())
+    err = work / f"bcast-{len(list(work.glob('bcast-*.err')))}.err"
+    bc = Lines(ranks_cmd(2, me, "--bcast-worker", str(nbytes), str(rounds + 1)), err)
+    bc.p.wait()
+    times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
+    if len(times) != rounds:
+        raise RuntimeError(f"the broadcast gave {len(times)} timings of {rounds}; see {err}")
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-hsdp-"))
+    cfg = job_toml(work / "job.toml", args.steps, args.d_model, args.layers)
+    me = str(Path(__file__).resolve())
+    out: dict[str, Any] = {"d_model": args.d_model, "layers": args.layers, "steps": args.steps}
+    out.update(fsdp_arm(work, cfg, 4, args.steps))
+    out.update(hsdp_arm(work, cfg, args.kill_at))
+    out["step_ratio_vs_fsdp"] = out["hsdp_step_s"] / out["fsdp_step_s"]
     for key, nbytes in (("", out["heal_bytes"]), ("_shard", out["heal_shard_bytes"])):
-        cmd = ranks_cmd(2, me, "--bcast-worker", str(nbytes), "16")
-        bc = Lines(cmd, work / f"bcast{key}.err")
-        bc.p.wait()
-        times = [e["s"] for e in bc.events if e["event"] == "bcast"][1:]
-        out[f"gloo_broadcast{key}_gbps"] = nbytes / statistics.median(times) / 1e9
+        out[f"gloo_broadcast{key}_gbps"] = broadcast_gbps(work, nbytes)
         out[f"heal{key}_ratio"] = out[f"heal{key}_gbps"] / out[f"gloo_broadcast{key}_gbps"]
     try:
         import hsdp_torchft

@@ -59,7 +59,10 @@ def run(args: ReplicaArgs) -> int:
                 client.report_progress(loss=r.loss)
                 samples = manager.last_indices if tc.log_samples else None
                 digest = {"state_hash": state_hash(manager.model)} if tc.log_state_hash else {}
-                extra = {**digest, **task_figures(s, now - last)}
+                # A joiner's first line says how its heal went (Manager.last_heal), as
+                # a replica of several ranks does.
+                heal = {"heal": manager.last_heal} if r.healed else {}
+                extra = {**digest, **heal, **task_figures(s, now - last)}
                 last = now
                 emit_step(client.replica_id, r, sampler.cursor, samples, **extra)
                 if after_commit(cfg, s, r.step):
