@@ -49,14 +49,21 @@ def job_toml(
     micro: int | None = None,
     model: str | None = None,
     diloco_h: int | None = None,
+    fragments: int = 1,
+    tau: int = 0,
 ) -> Path:
     """The benchmark's job file: ``s``'s model, data and sizes (or ``batch``,
     ``micro``, ``model`` instead), ``replicas`` replicas of ``ranks`` ranks,
-    ``steps`` steps; with ``diloco_h``, sync DiLoCo at that H."""
+    ``steps`` steps; with ``diloco_h``, sync DiLoCo at that H (Streaming DiLoCo with
+    ``fragments`` and ``tau``)."""
     t = TIMEOUTS
     data = Path(_abs(s.data))
     rep = f"[replica]\nranks = {ranks}\n" if ranks > 1 else ""
-    dl = f'[diloco]\nmode = "sync"\nsync_every = {diloco_h}\n' if diloco_h else ""
+    dl = (
+        f'[diloco]\nmode = "sync"\nsync_every = {diloco_h}\nfragments = {fragments}\ntau = {tau}\n'
+        if diloco_h
+        else ""
+    )
     path.write_text(
         f"""[job]
 id = "bench-train-real"
@@ -244,4 +251,45 @@ def diloco_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
         out[name]["val_loss"] = round(got[f], 5)
     out["diloco_val_loss_ratio"] = round(out["diloco"]["val_loss"] / out["ddp"]["val_loss"], 4)
     out["val_samples"] = s.val_samples
+    return out
+
+
+def streaming_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
+    """Streaming DiLoCo's overlap in the sync job: the same job (``--diloco-replicas``
+    replicas, H = ``--streaming-h``, 2 fragments, ``--streaming-rounds`` outer rounds)
+    with τ = 0 (each fragment's exchange blocks the inner step that is due) and with
+    τ = H / 2 - 1 (it runs beside the next τ inner steps). The replicas' step lines
+    say how long each sat blocked on exchanges (``exchange_wait_s``, cumulative);
+    ``overlap`` = 1 - blocked(τ) / blocked(0), the share of the exchanges' time that
+    the inner steps hid."""
+    h = s.streaming_h
+    tau = h // 2 - 1
+    out: dict[str, Any] = {"H": h, "fragments": 2, "tau": tau, "rounds": s.streaming_rounds}
+    for name, t in (("tau0", 0), ("tau", tau)):
+        cfg = job_toml(
+            tmp / f"streaming-{name}.toml",
+            s,
+            replicas=s.diloco_replicas,
+            steps=s.streaming_rounds * h,
+            batch=s.diloco_batch,
+            micro=s.diloco_micro,
+            diloco_h=h,
+            fragments=2,
+            tau=t,
+        )
+        r = phalanx_run(ch, tmp / f"run-streaming-{name}", cfg, f"streaming-{name}")
+        last: dict[str, dict[str, Any]] = {}
+        for e in r["steps"]:
+            if e["step"] >= last.get(e["_replica"], {}).get("step", -1):
+                last[e["_replica"]] = e
+        waits = [e["exchange_wait_s"] for e in last.values()]
+        out[name] = {
+            "exchange_wait_s": round(sum(waits) / len(waits), 4),
+            "round_s": round(sum(e["round_s"] for e in last.values()) / len(last), 3),
+            "wall_s": r["summary"].get("wall_s"),
+        }
+    blocked = out["tau0"]["exchange_wait_s"]
+    out["streaming_overlap"] = (
+        round(1 - out["tau"]["exchange_wait_s"] / blocked, 3) if blocked > 0 else None
+    )
     return out

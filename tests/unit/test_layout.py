@@ -83,7 +83,9 @@ def test_the_root_package_is_lazy():
     tree = ast.parse((SRC / "phalanx" / "__init__.py").read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert all(not (getattr(n, "module", None) or "").startswith("phalanx") for n in top)
-    assert all(not a.name.startswith("phalanx") for n in top for a in n.names if isinstance(n, ast.Import))
+    assert all(
+        not a.name.startswith("phalanx") for n in top for a in n.names if isinstance(n, ast.Import)
+    )
 
 
 def test_no_module_is_over_the_size_limit():

@@ -215,7 +215,9 @@ def test_the_data_section_checks_its_fields_together(tmp_path):
             DataSection(path="d.jsonl", **fields)
     cfg = tmp_path / "job.toml"
     model = '[train.model]\npath = "m"\n'
-    cfg.write_text(model + '[train.data]\npath = "d.jsonl"\nval_every = 5\nvalidation_fraction = 0.1\n')
+    cfg.write_text(
+        model + '[train.data]\npath = "d.jsonl"\nval_every = 5\nvalidation_fraction = 0.1\n'
+    )
     data = load_config(cfg).train.data
     assert data is not None and data.has_validation and data.seq_len == 512
     cfg.write_text(model + '[train.data]\npath = "d.jsonl"\nval_every = 5\n')

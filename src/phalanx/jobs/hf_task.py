@@ -140,7 +140,7 @@ def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
     for a bad model or data."""
     from phalanx.config.model import ModelSection
     from phalanx.data.text import DataError, load_text_data
-    from phalanx.rl.model import load_model, num_params
+    from phalanx.rl.model import checkpoint_activations, load_model, num_params
 
     spec = tc.model
     if not isinstance(spec, ModelSection) or spec.path is None or tc.data is None:
@@ -150,12 +150,10 @@ def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
     except ValueError as e:
         raise JobError(str(e).replace("model.path", "train.model.path")) from e
     if tc.activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise JobError(
-                f"train.activation_checkpointing needs a model that supports it: "
-                f"{type(model).__name__} does not. Set train.activation_checkpointing = false."
-            )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            checkpoint_activations(model, "train.activation_checkpointing")
+        except ValueError as e:
+            raise JobError(str(e)) from e
     model = model.to(device).train()
     context = getattr(model.config, "max_position_embeddings", None)
     try:

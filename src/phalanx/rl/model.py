@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 _LOAD_LOCK = threading.Lock()
 
+
 def model_config(spec: ModelSection, tok: Tokenizer) -> PretrainedConfig:
     """The HF config of a model built from ``spec``, sized to the tokenizer's vocabulary."""
     from transformers import GPT2Config, LlamaConfig
@@ -137,6 +138,18 @@ def _load(p: Path, attn_implementation: str) -> PreTrainedModel:
         )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"model.path {str(p)!r} could not be loaded: {_first(e)}") from e
+
+
+def checkpoint_activations(model: Any, key: str) -> None:
+    """Recompute ``model``'s activations in backward (non-reentrant: works with inputs
+    that need no grad and with autocast). ``key`` names the option in the one-line
+    ValueError raised when the model does not support it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{key} needs a model that supports it: {type(model).__name__} does not. "
+            f"Set {key} = false."
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _first(e: BaseException) -> str:

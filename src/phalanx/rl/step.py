@@ -26,6 +26,7 @@ import torch
 from phalanx.config.rl import GRPOSection
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import collate, grpo_loss, reference_logprobs
+from phalanx.rl.model import checkpoint_activations
 from phalanx.train.perf import PEAK_TFLOPS, mfu, peak_memory_mb, peak_tflops
 
 __all__ = [
@@ -44,13 +45,7 @@ _WEIGHTED = ("ratio_mean", "clip_frac", "kl_behaviour", "entropy", "kl_ref")
 def prepare(model: Any, g: GRPOSection) -> Any:
     """Set the training options of ``g`` on a freshly built policy ``model``; returns it."""
     if g.activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(
-                f"grpo.activation_checkpointing needs a model that supports it: "
-                f"{type(model).__name__} does not. Set grpo.activation_checkpointing = false."
-            )
-        # Non-reentrant: works with inputs that need no grad and with autocast.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, "grpo.activation_checkpointing")
     return model
 
 
