@@ -5,6 +5,8 @@ decode-and-sum-in-rank-order that the object store computes."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from rank_threads import run_ranks
@@ -12,6 +14,8 @@ from rank_threads import run_ranks
 from phalanx.comm.compress import decode, encode, wire_bytes
 from phalanx.comm.torch_pg import TorchCommunicator
 from phalanx.train.diloco_sync import CollectiveReducer
+
+_INIT = threading.Lock()
 
 K = 3
 
@@ -104,8 +108,11 @@ def _streaming(overlap: bool) -> tuple[list[list[torch.Tensor]], list[Collective
             return self.r.average(t, round=round, fragment=fragment)
 
     def body(rank: int) -> None:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
+        # The ranks are threads of one process, sharing torch's global generator:
+        # one rank at a time seeds it and draws the same initial weights.
+        with _INIT:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         red = reducers[rank] if overlap else Blocking(reducers[rank])
         dl = DiLoCo(model, cfg, red)  # type: ignore[arg-type]
