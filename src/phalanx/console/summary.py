@@ -26,10 +26,12 @@ def discard_text(d: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "none"
 
 
-def perf_text(r: Replica, val_loss: float | None = None) -> str:
-    """``  12.3k tok/s  MFU 0.31  peak 540 MB  val 3.1021`` from a training replica's
-    latest step lines ('' for a built-in task, which reports none); ``val_loss``: the
-    job's latest (the quorum's rank 0 computes it, which may be another replica)."""
+def perf_text(r: Replica, val: tuple[float, int] | None = None) -> str:
+    """``  12.3k tok/s  MFU 0.31  peak 540 MB  val 3.1021 @25`` from a training
+    replica's latest step lines ('' for a built-in task, which reports none); ``val``:
+    the job's latest validation loss and the step it was computed at (the quorum's
+    rank 0 computes it, which may be another replica, and its line may come after
+    this step's first)."""
     parts = []
     if r.tokens_per_s:
         parts.append(f"{_si(r.tokens_per_s[-1])} tok/s")
@@ -37,9 +39,10 @@ def perf_text(r: Replica, val_loss: float | None = None) -> str:
         parts.append(f"MFU {r.mfu:.3f}")
     if r.peak_mem_mb is not None:
         parts.append(f"peak {r.peak_mem_mb:.0f} MB")
-    val = val_loss if val_loss is not None else r.val_loss
+    if val is None and r.val_loss is not None:
+        val = (r.val_loss, r.val_step)
     if val is not None:
-        parts.append(f"val {val:.4f}")
+        parts.append(f"val {val[0]:.4f} @{val[1]}")
     return "".join(f"  {p}" for p in parts)
 
 
@@ -110,17 +113,18 @@ def perf_summary(reps: list[Replica], lead: Replica | None) -> dict[str, Any]:
         "tokens_per_s": rates[len(rates) // 2],
         "mfu": lead.mfu,
         "peak_mem_mb": max(peaks) if peaks else None,
-        "val_loss": latest_val_loss(reps),
+        "val_loss": v[0] if (v := latest_val(reps)) else None,
     }
 
 
-def latest_val_loss(reps: list[Replica]) -> float | None:
-    """The job's latest validation loss: that of the replica furthest ahead that has
-    one (the quorum's rank 0 computes it, whichever replica that is)."""
-    for r in sorted(reps, key=lambda r: r.step, reverse=True):
-        if r.val_loss is not None:
-            return r.val_loss
-    return None
+def latest_val(reps: list[Replica]) -> tuple[float, int] | None:
+    """The job's latest validation loss and its step: the latest any replica's lines
+    gave (the quorum's rank 0 computes it, whichever replica that is)."""
+    best: tuple[float, int] | None = None
+    for r in reps:
+        if r.val_loss is not None and (best is None or r.val_step > best[1]):
+            best = (r.val_loss, r.val_step)
+    return best
 
 
 def ft_line(job: LocalJob, s: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from phalanx.console.summary import (
     discard_text,
     ft_line,
     ft_summary,
-    latest_val_loss,
+    latest_val,
     num,
     perf_text,
     rl_line,
@@ -214,7 +214,7 @@ class View:
             print(
                 f"{time.monotonic() - job.started:7.1f}s  step {lead.step:5d}  loss {num(lead.loss, '.5f')}  "
                 f"participants {lead.participants}  quorum {lead.quorum_id}"
-                f"{perf_text(lead, latest_val_loss(list(job.replicas.values())))}",
+                f"{perf_text(lead, latest_val(list(job.replicas.values())))}",
                 flush=True,
             )
 

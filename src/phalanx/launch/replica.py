@@ -53,6 +53,8 @@ class Replica:
     mfu: float | None = None
     peak_mem_mb: float | None = None
     val_loss: float | None = None
+    val_step: int = -1
+    """The step whose line last gave ``val_loss``."""
     last: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -89,6 +91,8 @@ class Replica:
             for k in ("version", "reward", "exact_match", "staleness", "mfu", "val_loss"):
                 if k in ev:
                     setattr(self, k, ev[k])
+            if "val_loss" in ev:
+                self.val_step = int(ev.get("step", self.step))
             if "tokens_per_s" in ev:
                 self.tokens_per_s.append(float(ev["tokens_per_s"]))
             if "peak_mem_mb" in ev:
