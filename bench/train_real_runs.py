@@ -265,7 +265,7 @@ def streaming_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
     h = s.streaming_h
     tau = h // 2 - 1
     out: dict[str, Any] = {"H": h, "fragments": 2, "tau": tau, "rounds": s.streaming_rounds}
-    for name, t in (("tau0", 0), ("tau", tau)):
+    for name, t in (("blocking", 0), ("overlapped", tau)):
         cfg = job_toml(
             tmp / f"streaming-{name}.toml",
             s,
@@ -288,8 +288,8 @@ def streaming_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
             "round_s": round(sum(e["round_s"] for e in last.values()) / len(last), 3),
             "wall_s": r["summary"].get("wall_s"),
         }
-    blocked = out["tau0"]["exchange_wait_s"]
+    blocked = out["blocking"]["exchange_wait_s"]
     out["streaming_overlap"] = (
-        round(1 - out["tau"]["exchange_wait_s"] / blocked, 3) if blocked > 0 else None
+        round(1 - out["overlapped"]["exchange_wait_s"] / blocked, 3) if blocked > 0 else None
     )
     return out
