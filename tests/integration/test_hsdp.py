@@ -174,8 +174,8 @@ def post(job: FTJob, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 # Slow (110 s here): the default run keeps a layout change through a resharded
 # checkpoint under phalanx run (test_checkpoint_resume), the HF model's 3x2 -> 2x1
-# (test_hf_jobs) and the refusal of another layout while one lives (test_hf_jobs,
-# test_multihost).
+# (test_hf_jobs) and the controller's refusal of another layout while one lives
+# (test_state).
 @pytest.mark.slow
 def test_a_new_layout_takes_over_through_the_checkpoint_resharded(
     tmp_path: Path, jobs: list[FTJob], reference: dict[int, Any]
