@@ -142,6 +142,8 @@ class Settings:
     diloco_micro: int = 2
     diloco_h: int = 50
     diloco_steps: int = 200
+    diloco_variants: str = ""
+    """More DiLoCo runs against the same DDP: ``LR:MOMENTUM:FRAGMENTS``, comma-separated."""
     streaming_h: int = 8
     """Streaming DiLoCo's H in the overlap arm (2 fragments, τ = H / 2 - 1)."""
     streaming_rounds: int = 3
@@ -488,6 +490,8 @@ def run(s: Settings, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]
             dl = guarded(lambda: diloco_arm(ch, tmp, s), "diloco")
             lines.append({"arm": "diloco", **dl})
             summary["diloco_val_loss_ratio"] = dl.get("diloco_val_loss_ratio")
+            if dl.get("variants"):
+                summary["diloco_variants"] = dl["variants"]
             ch.stop()
         if not args.no_streaming:
             st = guarded(lambda: streaming_arm(ch, tmp, s), "streaming")

@@ -51,16 +51,20 @@ def job_toml(
     diloco_h: int | None = None,
     fragments: int = 1,
     tau: int = 0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
 ) -> Path:
     """The benchmark's job file: ``s``'s model, data and sizes (or ``batch``,
     ``micro``, ``model`` instead), ``replicas`` replicas of ``ranks`` ranks,
     ``steps`` steps; with ``diloco_h``, sync DiLoCo at that H (Streaming DiLoCo with
-    ``fragments`` and ``tau``)."""
+    ``fragments`` and ``tau``), outer Nesterov SGD at ``outer_lr`` and
+    ``outer_momentum``)."""
     t = TIMEOUTS
     data = Path(_abs(s.data))
     rep = f"[replica]\nranks = {ranks}\n" if ranks > 1 else ""
     dl = (
         f'[diloco]\nmode = "sync"\nsync_every = {diloco_h}\nfragments = {fragments}\ntau = {tau}\n'
+        f"outer_lr = {outer_lr}\nouter_momentum = {outer_momentum}\n"
         if diloco_h
         else ""
     )
@@ -223,7 +227,15 @@ def diloco_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
         "warmup": warm,
     }
     finals = {}
-    for name, h in (("ddp", None), ("diloco", s.diloco_h)):
+    runs: list[tuple[str, int | None, dict[str, Any]]] = [
+        ("ddp", None, {}),
+        ("diloco", s.diloco_h, {}),
+    ]
+    for v in variants(s.diloco_variants):
+        runs.append(
+            (f"diloco-lr{v['outer_lr']}-m{v['outer_momentum']}-f{v['fragments']}", s.diloco_h, v)
+        )
+    for name, h, opts in runs:
         cfg = job_toml(
             tmp / f"{name}.toml",
             s,
@@ -232,6 +244,7 @@ def diloco_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
             model=str(warm_dir),
             diloco_h=h,
             **common,
+            **opts,
         )
         run_dir = tmp / f"run-{name}"
         r = phalanx_run(ch, run_dir, cfg, f"run-{name}")
@@ -245,12 +258,37 @@ def diloco_arm(ch: Children, tmp: Path, s: Settings) -> dict[str, Any]:
         finals[name] = str(run_dir / "final" / "policy-0.safetensors")
     val_cfg = job_toml(tmp / "val.toml", s, replicas=1, steps=1, model=str(warm_dir), **common)
     v = worker("val", {"config": str(val_cfg), "files": list(finals.values()), "threads": 2})
-    v.wait(lambda: len([e for e in v.events if e["event"] == "val"]) == 2, "the validation", 3600)
+    n = len(finals)
+    v.wait(lambda: len([e for e in v.events if e["event"] == "val"]) == n, "the validation", 3600)
     got = {e["file"]: e["val_loss"] for e in v.events if e["event"] == "val"}
     for name, f in finals.items():
         out[name]["val_loss"] = round(got[f], 5)
     out["diloco_val_loss_ratio"] = round(out["diloco"]["val_loss"] / out["ddp"]["val_loss"], 4)
+    out["variants"] = {
+        name: {**opts, "ratio": round(out[name]["val_loss"] / out["ddp"]["val_loss"], 4)}
+        for name, _, opts in runs[2:]
+    }
     out["val_samples"] = s.val_samples
+    return out
+
+
+def variants(text: str) -> list[dict[str, Any]]:
+    """``--diloco-variants``: ``LR:MOMENTUM:FRAGMENTS`` settings, comma-separated
+    (``1.0:0.9:1,0.5:0.9:5``), each run as one more DiLoCo job against the same DDP."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3:
+            raise SystemExit(
+                f"train_real: --diloco-variants takes LR:MOMENTUM:FRAGMENTS items: got {item!r}."
+            )
+        out.append(
+            {
+                "outer_lr": float(parts[0]),
+                "outer_momentum": float(parts[1]),
+                "fragments": int(parts[2]),
+            }
+        )
     return out
 
 
