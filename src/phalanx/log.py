@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -35,12 +36,26 @@ class ReplicaLogger(logging.LoggerAdapter):
         return f"{self.who.prefix()} {msg}", kwargs
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record comes, not as it was at
+    :func:`setup`: a process that replaces it later (a redirection, a test's
+    capture that is then closed) gets its logs where its errors go."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def setup(level: int = logging.INFO) -> None:
     """Plain timestamped logs on stderr; idempotent."""
     root = logging.getLogger("phalanx")
     if root.handlers:
         return
-    h = logging.StreamHandler(sys.stderr)
+    h = _Stderr()
     h.setFormatter(
         logging.Formatter("%(asctime)s.%(msecs)03d %(levelname).1s %(message)s", "%H:%M:%S")
     )
