@@ -332,13 +332,16 @@ WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
 # -- child processes --------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in WORKERS:
-        print(
-            f"usage: ft_ddp_workers.py {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr
-        )
+def main(
+    argv: list[str],
+    workers: dict[str, Callable[[dict[str, Any]], None]] = WORKERS,
+    prog: str = "ft_ddp_workers.py",
+) -> int:
+    """Run the worker ``argv[0]`` of ``workers`` on the JSON spec ``argv[1]``."""
+    if len(argv) != 2 or argv[0] not in workers:
+        print(f"usage: {prog} {{{','.join(sorted(workers))}}} SPEC_JSON", file=sys.stderr)
         return 2
-    WORKERS[argv[0]](json.loads(argv[1]))
+    workers[argv[0]](json.loads(argv[1]))
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_ddp_workers import emit, torchft_ddp, torchft_manager
+from ft_ddp_workers import main as run_worker
 
 
 def _setup(config: str, wrap: Any = None) -> tuple[Any, Any, Any]:
@@ -248,16 +249,7 @@ WORKERS = {
 
 
 def main(argv: list[str]) -> int:
-    import json
-
-    if len(argv) != 2 or argv[0] not in WORKERS:
-        print(
-            f"usage: train_real_workers.py {{{','.join(sorted(WORKERS))}}} SPEC_JSON",
-            file=sys.stderr,
-        )
-        return 2
-    WORKERS[argv[0]](json.loads(argv[1]))
-    return 0
+    return run_worker(argv, WORKERS, "train_real_workers.py")
 
 
 if __name__ == "__main__":
