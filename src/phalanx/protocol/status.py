@@ -213,6 +213,8 @@ class JobRL(Wire):
     """Completion tokens trained per wall second over the latest batch."""
     train_tokens_per_s: float | None = None
     """The acknowledging policy replica's tokens through forward and backward per second."""
+    policy_idle: Annotated[float, Field(ge=0, le=1)] | None = None
+    """The fraction of its time that replica waited for rollouts since its previous ack."""
 
 
 class JobDiLoCo(Wire):
