@@ -114,6 +114,7 @@ class OverviewCollector(Collector):
                 ("staleness", "Staleness of the latest batch, in policy steps."),
                 ("tokens_per_s", "Completion tokens trained per wall second (latest batch)."),
                 ("train_tokens_per_s", "Policy tokens through forward and backward per second."),
+                ("policy_idle", "Fraction of the policy's time spent waiting for rollouts."),
             ):
                 if rl.get(key) is not None:
                     name = (

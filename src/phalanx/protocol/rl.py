@@ -282,6 +282,10 @@ class BatchMetrics(Wire):
     kl_ref: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
     """k3 estimate of KL(policy || reference), with ``grpo.kl_coef > 0``."""
     clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    idle: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of the replica's wall time since its previous ack spent waiting for
+    rollouts (its batch lease long-poll): near 1, the policy is starved
+    (:mod:`phalanx.rl.idle`)."""
     peak_mem_mb: Rate | None = None
     """Peak memory of the replica so far (CUDA allocator peak, else peak RSS), MiB."""
 

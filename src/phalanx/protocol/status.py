@@ -1,7 +1,7 @@
 """The job's status (``GET /v1/status``, the dashboard's stream, ``phalanx status``).
 
 Two views of one state: the records as the controller keeps them (roles,
-members, quorums, the ledger's balance, the queues), and the ``overview``,
+members, quorums, the ledger's balance), and the ``overview``,
 what the dashboard draws (replica states, series, the timeline in words).
 docs/operations.md lists every field.
 """
@@ -27,7 +27,6 @@ from phalanx.protocol.base import (
 )
 from phalanx.protocol.commands import CheckpointRecord
 from phalanx.protocol.membership import Quorum
-from phalanx.protocol.queue import QueueCounts, QueueName
 from phalanx.protocol.rl import BatchMetrics, SignedInt
 
 Many = Field(max_length=100_000)
@@ -214,6 +213,8 @@ class JobRL(Wire):
     """Completion tokens trained per wall second over the latest batch."""
     train_tokens_per_s: float | None = None
     """The acknowledging policy replica's tokens through forward and backward per second."""
+    policy_idle: Annotated[float, Field(ge=0, le=1)] | None = None
+    """The fraction of its time that replica waited for rollouts since its previous ack."""
 
 
 class JobDiLoCo(Wire):
@@ -308,7 +309,6 @@ class Status(Reply):
     events: Annotated[list[Event], Field(max_length=1000)]
     checkpoints: Checkpoints
     rl: LedgerStatus | None = None
-    queues: Annotated[dict[QueueName, QueueCounts], Field(max_length=64)] | None = None
     overview: Overview
 
     def role_step(self, role: str) -> int:

@@ -56,6 +56,7 @@ def batch_metrics(rec: BatchRecord, discarded: Mapping[str, int] | None = None) 
             ("kl_behaviour", "policy"),
             ("kl_ref", "policy"),
             ("clip_frac", "policy"),
+            ("idle", "perf"),
         ):
             v = getattr(m, key)
             if v is not None:

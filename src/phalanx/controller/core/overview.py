@@ -191,9 +191,9 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
                 "tokens_per_s",
             )
         }
-        job["rl"]["train_tokens_per_s"] = (last_batch.get("metrics") or {}).get(
-            "train_tokens_per_s"
-        )
+        measured = last_batch.get("metrics") or {}
+        job["rl"]["train_tokens_per_s"] = measured.get("train_tokens_per_s")
+        job["rl"]["policy_idle"] = measured.get("idle")
         series["reward"] = [[h["step"], h["reward"]] for h in hist][-SERIES_POINTS:]
         series["exact_match"] = [[h["step"], h["exact_match"]] for h in hist][-SERIES_POINTS:]
         b = st.ledger.balance()

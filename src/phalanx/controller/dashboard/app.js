@@ -145,7 +145,8 @@ function render(st) {
   if (j.rl) {
     cards.push(card("reward", fmt(j.rl.reward), "reward"), card("exact match", fmt(j.rl.exact_match), "exact_match"),
       card("exact match (avg)", fmt(j.rl.exact_match_avg), "exact_match_avg"), card("staleness", j.rl.staleness ?? "-", "staleness"),
-      card("tokens/s", fmt(j.rl.tokens_per_s, 0), "tokens_per_s"), card("train tokens/s", fmt(j.rl.train_tokens_per_s, 0), "train_tokens_per_s"));
+      card("tokens/s", fmt(j.rl.tokens_per_s, 0), "tokens_per_s"), card("train tokens/s", fmt(j.rl.train_tokens_per_s, 0), "train_tokens_per_s"),
+      card("policy idle", fmt(j.rl.policy_idle, 2), "policy_idle"));
   }
   if (j.diloco) cards.push(card("outer step", j.diloco.outer_step, "outer_step"), card("inner step", j.diloco.inner_step, "inner_step"));
   $("job").replaceChildren(...cards);
