@@ -98,13 +98,12 @@ def known_keys(model: Any, prefix: str = "") -> set[str]:
     return out
 
 
-def prepare(task: str, work: Path, a: argparse.Namespace, trl: bool):
+def prepare(task: str, work: Path, a: argparse.Namespace, trl: bool) -> tuple[Path, int, int]:
     """The task's job file, its samples per batch and its optimizer steps per batch;
     (``trl``) TRL's inputs too."""
     from phalanx.config import load_config
 
     threshold, batches, window, trl_batches = a.settings[task]
-
     if task == "sort4":
         job = ROOT / "examples" / "sort_grpo.toml"
         if trl:
@@ -116,12 +115,17 @@ def prepare(task: str, work: Path, a: argparse.Namespace, trl: bool):
         rl_peer.write_model(work / "model")
         job = rl_peer.job_toml(work, threshold, window, batches)
     cfg = load_config(job)
-    assert cfg.rl is not None  # both job files are RL jobs
+    if cfg.rl is None:
+        raise SystemExit(f"rl_async: {job} must be an RL job with an [rl] section: it has none.")
     g = cfg.rl.grpo
     return job, g.prompts_per_step * g.group_size, g.inner_epochs
 
 
-def run_phalanx(arm: Arm, task: str, job: Path, work: Path, a: argparse.Namespace, per: int):
+def run_phalanx(
+    arm: Arm, task: str, job: Path, work: Path, a: argparse.Namespace, per: int
+) -> dict[str, Any]:
+    """``phalanx run`` of ``job`` with ``arm``'s overrides (skipped when the config
+    rejects them); its figures from the replicas' logs under ``work/run-<arm>``."""
     from phalanx.config import ConfigError, JobConfig, load_config
 
     threshold, batches, window, _ = a.settings[task]
@@ -141,11 +145,14 @@ def run_phalanx(arm: Arm, task: str, job: Path, work: Path, a: argparse.Namespac
     out = {"arm": arm.name, "task": task, "overrides": overrides}
     out |= phalanx_figures(run["t0"], pol, rol, threshold, window, per)
     if run["rc"] != 0 or not out["batches"]:
-        out |= failure(run, "phalanx run failed")
+        # (A failed run keeps what its logs show; the error says why it ended.)
+        out["error"] = failure(run, "phalanx run failed")["error"]
     return out
 
 
 def run_trl(task: str, work: Path, a: argparse.Namespace, per: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer on ``task`` (a fresh process); its figures from the batches'
+    reward lines, stamped by the worker."""
     threshold, _, window, trl_batches = a.settings[task]
     if task == "sort4":
         cmd = [sys.executable, str(BENCH / "rl_async_trl.py"), "--work", str(work)]
@@ -162,7 +169,7 @@ def run_trl(task: str, work: Path, a: argparse.Namespace, per: int) -> dict[str,
                 curve.append((float(rec["t"]), float(rec["reward"])))
     out = {"arm": "trl", "task": task} | curve_figures(run["t0"], curve, threshold, window, per)
     if run["rc"] != 0 or not curve:
-        out |= failure(run, "TRL run failed")
+        out["error"] = failure(run, "TRL run failed")["error"]
     return out
 
 
