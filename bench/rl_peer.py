@@ -15,6 +15,7 @@ temperature 1, AdamW lr 5e-4, constant, no KL, one optimizer step per batch,
 clip 0.2 / 0.4 (DAPO's clip-higher, TRL's ``epsilon_high``), token-level loss
 normalisation (TRL ``loss_type="dapo"``), group-normalised advantages.
 
+TRL's trainer set-up is ``bench/trl_grpo.py`` (shared with ``bench/rl_async.py``).
 Each arm runs in its own process, one after another, and stops once the trailing
 ``--window``-step mean reward reaches ``--threshold`` (or after ``--max-steps``).
 Figures, per arm:
