@@ -15,6 +15,7 @@ temperature 1, AdamW lr 5e-4, constant, no KL, one optimizer step per batch,
 clip 0.2 / 0.4 (DAPO's clip-higher, TRL's ``epsilon_high``), token-level loss
 normalisation (TRL ``loss_type="dapo"``), group-normalised advantages.
 
+TRL's trainer set-up is ``bench/trl_grpo.py`` (shared with ``bench/rl_async.py``).
 Each arm runs in its own process, one after another, and stops once the trailing
 ``--window``-step mean reward reaches ``--threshold`` (or after ``--max-steps``).
 Figures, per arm:
@@ -183,72 +184,40 @@ def emit(**rec: Any) -> None:
 
 
 def worker_trl(work: Path, threshold: float, window: int, steps: int) -> None:
-    import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from phalanx.rl.rewards import math_reward
+    from trl_grpo import trailing_stop, train
 
-    torch.set_num_threads(2)
     ds = load_dataset("json", data_files=str(work / "add.jsonl"), split="train")
     ds = ds.rename_column("question", "prompt")
 
     def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [math_reward("", c, a) for c, a in zip(completions, answer, strict=True)]
 
-    recent: list[float] = []
+    stop, step = trailing_stop(threshold, window, steps), [0]
 
-    class Stop(TrainerCallback):  # type: ignore[misc]
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            if not logs or "reward" not in logs:
-                return
-            recent.append(float(logs["reward"]))
-            emit(
-                step=state.global_step,
-                reward=logs["reward"],
-                completion_tokens=logs.get("completions/mean_length", 0.0) * P * G,
-            )
-            if len(recent) >= window and sum(recent[-window:]) / window >= threshold:
-                control.should_training_stop = True
+    def on_reward(logs: Any) -> bool:
+        step[0] += 1
+        emit(
+            step=step[0],
+            reward=logs["reward"],
+            completion_tokens=logs.get("completions/mean_length", 0.0) * P * G,
+        )
+        return stop(float(logs["reward"]))
 
-    cfg = GRPOConfig(
-        output_dir=str(work / "trl-out"),
-        per_device_train_batch_size=P * G,
-        num_generations=G,
-        max_completion_length=MAX_NEW,
-        temperature=1.0,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        num_iterations=1,
-        epsilon=0.2,
-        epsilon_high=0.4,
-        loss_type="dapo",
-        scale_rewards="group",
-        max_steps=steps,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-        shuffle_dataset=False,
-        disable_tqdm=True,
-    )
-    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(work / "model")
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=cfg,
-        train_dataset=ds,
-        processing_class=tok,
-        callbacks=[Stop()],
-    )
-    trainer.train()
+    hp = {
+        "prompts_per_step": P,
+        "group_size": G,
+        "max_new_tokens": MAX_NEW,
+        "temperature": 1.0,
+        "lr": LR,
+        "inner_epochs": 1,
+        "clip_eps": 0.2,
+        "clip_eps_high": 0.4,
+        "grad_clip": 1.0,
+    }
+    train(work, ds, reward, hp, steps, on_reward)
 
 
 def worker_single(work: Path, threshold: float, window: int, steps: int) -> None:
