@@ -70,7 +70,7 @@ from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
-from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
+from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, staleness_of
 from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
@@ -284,6 +284,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 if index is None:
                     break
             t1 = time.perf_counter()
+            trained_from = manager.step  # the weights version this step's forward sees
             stats = trainer.compute(rows) if manager.error is None else {"loss": 0.0}
             total = manager.allreduce_grads(stats["loss"])
             t2 = time.perf_counter()
@@ -313,7 +314,9 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 plan = None
                 if lead:
                     assert orders is not None
-                    plan = coord.plan(acks.ack(manager, trainer.metrics(rows, stats, t2 - t1)))
+                    plan = coord.plan(
+                        acks.ack(manager, trainer.metrics(rows, stats, t2 - t1, trained_from))
+                    )
                     if not plan.finished:
                         # Leave only at an ack point: the leader's last save is acknowledged
                         # on the way out, the others' state is the leader's, so nothing is
@@ -347,6 +350,11 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "entropy": round(stats.get("entropy", 0.0), 4),
                     "kl_behaviour": round(stats.get("kl_behaviour", 0.0), 6),
                     "clip_frac": round(stats.get("clip_frac", 0.0), 4),
+                    "mismatch_kl": round(stats.get("mismatch_kl", 0.0), 6),
+                    "ess": round(stats.get("ess", 1.0), 4),
+                    "is_clip_frac": round(stats.get("is_clip_frac", 0.0), 4),
+                    "is_mask_frac": round(stats.get("is_mask_frac", 0.0), 4),
+                    "staleness_tokens": staleness_of(rows, trained_from),
                     # This replica's share: the tokens it read, over its compute time.
                     "train_tokens": int(stats.get("train_tokens", 0)),
                     "train_tokens_per_s": round(

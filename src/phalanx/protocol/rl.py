@@ -282,6 +282,18 @@ class BatchMetrics(Wire):
     kl_ref: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
     """k3 estimate of KL(policy || reference), with ``grpo.kl_coef > 0``."""
     clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    mismatch_kl: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
+    """k3 estimate of KL(behaviour || trainer) per token at the step's start
+    (:mod:`phalanx.rl.corrections`)."""
+    ess: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Effective sample size fraction of the importance weights trainer/behaviour."""
+    is_clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of tokens whose importance weight was truncated (``grpo.correction``
+    decoupled or tis_*)."""
+    is_mask_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of tokens masked out of the loss (``grpo.correction`` mis_*)."""
+    staleness_tokens: Annotated[dict[SignedInt, Count], Field(max_length=MAX_GROUP)] | None = None
+    """Completion tokens per staleness (trained step - the token's behaviour version)."""
     peak_mem_mb: Rate | None = None
     """Peak memory of the replica so far (CUDA allocator peak, else peak RSS), MiB."""
 

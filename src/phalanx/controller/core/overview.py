@@ -191,9 +191,16 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
                 "tokens_per_s",
             )
         }
-        job["rl"]["train_tokens_per_s"] = (last_batch.get("metrics") or {}).get(
-            "train_tokens_per_s"
-        )
+        last_metrics = last_batch.get("metrics") or {}
+        for key in (
+            "train_tokens_per_s",
+            "mismatch_kl",
+            "ess",
+            "is_clip_frac",
+            "is_mask_frac",
+            "staleness_tokens",
+        ):
+            job["rl"][key] = last_metrics.get(key)
         series["reward"] = [[h["step"], h["reward"]] for h in hist][-SERIES_POINTS:]
         series["exact_match"] = [[h["step"], h["exact_match"]] for h in hist][-SERIES_POINTS:]
         b = st.ledger.balance()
