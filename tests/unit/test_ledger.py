@@ -922,16 +922,20 @@ def test_off_policy_metrics_survive_a_restart_and_reach_the_overview(journal):
     st = job(journal=journal)
     fill(st, PPS)
     st.lease_batch(P, 0, now=0, wall=0)
-    off = {"ess": 0.75, "mismatch_kl": 0.02, "is_mask_frac": 0.1, "staleness_tokens": {0: 30, 2: 5}}
+    off = {
+        "ess": 0.75,
+        "mismatch_kl": 0.02,
+        "is_mask_frac": 0.1,
+        "staleness_tokens": {"0": 30, "2": 5},
+    }
     st.ack_batch(P, 1, now=3, wall=3, metrics={"tokens": 35, **off})
-    # JSON in the journal turns the histogram's keys to text: they come back as ints.
     new = restart(st, journal, now=4)
     status = new.status(now=4, wall=4)
     assert status.rl is not None and status.rl.last is not None
     m = status.rl.last.metrics
-    assert m is not None and m.staleness_tokens == {0: 30, 2: 5} and m.ess == 0.75
+    assert m is not None and m.staleness_tokens == {"0": 30, "2": 5} and m.ess == 0.75
     rl = status.overview.job.rl
-    assert rl is not None and rl.staleness_tokens == {0: 30, 2: 5}
+    assert rl is not None and rl.staleness_tokens == {"0": 30, "2": 5}
     assert (rl.ess, rl.mismatch_kl, rl.is_mask_frac, rl.is_clip_frac) == (0.75, 0.02, 0.1, None)
 
 

@@ -3,11 +3,13 @@ off-policy metrics, against hand-computed values on 2 completions x 3 tokens."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from phalanx.config import ConfigError
 from phalanx.config.rl import CORRECTIONS, GRPOSection, ModelSection, load_rl_config
@@ -252,8 +254,14 @@ def test_staleness_histogram_uses_per_token_versions_when_present():
 
 
 def test_batch_metrics_carry_the_histogram_over_the_wire():
-    m = BatchMetrics(ess=0.8, mismatch_kl=0.01, is_mask_frac=0.25, staleness_tokens={0: 9, 2: 4})
+    m = BatchMetrics(
+        ess=0.8, mismatch_kl=0.01, is_mask_frac=0.25, staleness_tokens={"0": 9, "-1": 4}
+    )
     assert BatchMetrics.model_validate_json(m.model_dump_json()) == m
+    # The server's route validates the parsed body in strict Python mode too.
+    assert BatchMetrics.model_validate(json.loads(m.model_dump_json())) == m
+    with pytest.raises(ValidationError):
+        BatchMetrics.model_validate({"staleness_tokens": {"one": 3}})
 
 
 def _config_error(*overrides: str) -> list[str]:

@@ -61,7 +61,9 @@ def test_a_batch_record_flattens_to_grouped_scalars():
 
 
 def test_off_policy_metrics_are_tracked():
-    rec = _record(2, ess=0.5, mismatch_kl=0.01, is_clip_frac=0.25, staleness_tokens={0: 7, 3: 2})
+    rec = _record(
+        2, ess=0.5, mismatch_kl=0.01, is_clip_frac=0.25, staleness_tokens={"0": 7, "3": 2}
+    )
     m = batch_metrics(rec)
     assert {k: v for k, v in m.items() if k.startswith(("offpolicy/", "staleness_"))} == {
         "offpolicy/ess": 0.5,

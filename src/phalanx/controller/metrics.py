@@ -130,8 +130,8 @@ class OverviewCollector(Collector):
                     "Completion tokens of the latest batch per staleness (policy steps).",
                     ["staleness"],
                 )
-                for lag, n in sorted(rl["staleness_tokens"].items()):
-                    hist.add_metric([str(lag)], n)
+                for lag, n in sorted(rl["staleness_tokens"].items(), key=lambda kv: int(kv[0])):
+                    hist.add_metric([lag], n)
                 yield hist
         led = ov["ledger"]
         if led:

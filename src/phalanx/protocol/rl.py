@@ -47,6 +47,8 @@ PayloadRef = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_TOKENS)]
 LogProbs = Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=MAX_TOKENS)]
 SignedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+Staleness = Annotated[str, Field(min_length=1, max_length=20, pattern=r"^-?[0-9]+$")]
+"""A staleness in versions, as a JSON object key: decimal text."""
 
 
 def parse_rollout_id(rollout_id: str) -> tuple[int, int]:
@@ -292,8 +294,9 @@ class BatchMetrics(Wire):
     decoupled or tis_*)."""
     is_mask_frac: Annotated[float, Field(ge=0, le=1)] | None = None
     """Fraction of tokens masked out of the loss (``grpo.correction`` mis_*)."""
-    staleness_tokens: Annotated[dict[SignedInt, Count], Field(max_length=MAX_GROUP)] | None = None
-    """Completion tokens per staleness (trained step - the token's behaviour version)."""
+    staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=MAX_GROUP)] | None = None
+    """Completion tokens per staleness (trained step - the token's behaviour version), the
+    staleness as decimal text: JSON keys are text, and the wire is strict."""
     peak_mem_mb: Rate | None = None
     """Peak memory of the replica so far (CUDA allocator peak, else peak RSS), MiB."""
 

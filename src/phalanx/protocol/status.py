@@ -28,7 +28,7 @@ from phalanx.protocol.base import (
 from phalanx.protocol.commands import CheckpointRecord
 from phalanx.protocol.membership import Quorum
 from phalanx.protocol.queue import QueueCounts, QueueName
-from phalanx.protocol.rl import BatchMetrics, SignedInt
+from phalanx.protocol.rl import BatchMetrics, SignedInt, Staleness
 
 Many = Field(max_length=100_000)
 Ids = Annotated[list[ReplicaId], Many]
@@ -223,7 +223,7 @@ class JobRL(Wire):
     """Fraction of tokens whose importance weight was truncated."""
     is_mask_frac: float | None = None
     """Fraction of tokens masked out of the loss."""
-    staleness_tokens: Annotated[dict[SignedInt, Count], Field(max_length=4096)] | None = None
+    staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=4096)] | None = None
     """Completion tokens per staleness (trained step - behaviour version)."""
 
 

@@ -206,6 +206,6 @@ class PolicyTrainer:
             ess=num("ess"),
             is_clip_frac=num("is_clip_frac"),
             is_mask_frac=num("is_mask_frac"),
-            staleness_tokens=hist,
+            staleness_tokens={str(k): n for k, n in hist.items()} if hist is not None else None,
             peak_mem_mb=round(peak_memory_mb(torch.device(self.g.device)), 1),
         )
