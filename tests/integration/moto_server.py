@@ -2,8 +2,8 @@
 a conditional PUT (``If-None-Match: *``, create only if absent) is atomic, as it
 is on real S3. moto checks that the key is absent and stores it later, in a
 threaded server with no lock between, so two concurrent creates can both win
-(shown with two PUTs held between the check and the store); the rollout spool
-relies on exactly one winning. Every conditional PUT runs under one lock here;
+(shown with two PUTs held between the check and the store); DiLoCo's object-store
+rounds rely on exactly one winning. Every conditional PUT runs under one lock here;
 everything else stays concurrent.
 
     python tests/integration/moto_server.py -H 127.0.0.1 -p 0

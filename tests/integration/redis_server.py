@@ -4,7 +4,7 @@ persistence off, killed by its pid at teardown (never by name).
     from redis_server import redis_url  # noqa: F401  (a module-scoped pytest fixture)
 
     def test_x(redis_url):
-        q = RedisRolloutQueue(redis_url, "test_x-<unique>", "c0")
+        store = RedisRolloutStore(redis_url, "test_x-<unique>")
 
 Tests keep apart by key prefix (a unique job name each), not by flushing.
 Where ``redis-server`` is missing, the tests that use the fixture skip with

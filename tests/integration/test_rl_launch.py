@@ -401,4 +401,11 @@ def test_phalanx_run_rl_end_to_end(tmp_path: Path):
             json.loads(v)["kind"]
             for (v,) in db.execute("select value from records where tbl = 'events'")
         ]
+        history = [
+            json.loads(v)
+            for (v,) in db.execute("select value from records where tbl = 'rl_history'")
+        ]
     assert "sync_ordered" in kinds and "policy_behind" not in kinds
+    # Both sides measured their idle time (rl/idle.py); each ack carried the policy's.
+    assert 0 <= s["policy_idle"] <= 1 and 0 <= s["rollout_idle"] <= 1
+    assert len(history) == 6 and all(0 <= h["metrics"]["idle"] <= 1 for h in history)

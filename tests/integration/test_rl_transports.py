@@ -15,7 +15,7 @@ from procs import child_env
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from test_rl_launch import PROMPTS, rl_job, summary_of
 
-from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_conn import connect
 from phalanx.transport.redis_store import RedisRolloutStore
 from phalanx.transport.redis_weights import RedisWeightStore
 from phalanx.transport.storage_store import StorageRolloutStore
@@ -28,7 +28,7 @@ def test_rl_job_runs_on_each_transport(kind: str, tmp_path: Path, request: pytes
         url = request.getfixturevalue("redis_url")
         rollouts, weights = url, url
     else:
-        rollouts, weights = f"file://{tmp_path}/spool", f"file://{tmp_path}/weights"
+        rollouts, weights = f"file://{tmp_path}/rollouts", f"file://{tmp_path}/weights"
     timeouts = {"collective_s": 10.0, "heartbeat_s": 20.0, "quorum_s": 60.0}
     config = rl_job(tmp_path / "job.toml", steps=30, timeouts=timeouts)
     job_id = f"rl-{kind}-{tmp_path.name}"[:60]
@@ -65,7 +65,7 @@ def test_rl_job_runs_on_each_transport(kind: str, tmp_path: Path, request: pytes
         c = RedisRolloutStore(rollouts, key.decode().split(":")[1]).counts()
     else:
         assert StorageWeightStore(weights).latest() is not None
-        (run,) = [p.name for p in (tmp_path / "spool").iterdir()]
+        (run,) = [p.name for p in (tmp_path / "rollouts").iterdir()]
         assert run.startswith(f"{job_id}.")
         c = StorageRolloutStore(rollouts, run).counts()
     assert c["put"] == c["trained"] + sum(c["discarded"].values()) + c["held"] + c["corrupt"]

@@ -906,13 +906,17 @@ def test_an_acks_metrics_go_into_the_history_with_the_jobs_token_rate(st):
     assert "tokens_per_s" not in first  # no batch before it to time it from
     fill(st, PPS)
     st.lease_batch(P, 1, now=4, wall=4)
-    st.ack_batch(P, 2, now=7, wall=8, metrics={"tokens": 50, "train_tokens_per_s": 99.0})
+    metrics = {"tokens": 50, "train_tokens_per_s": 99.0, "idle": 0.25}
+    st.ack_batch(P, 2, now=7, wall=8, metrics=metrics)
     second = st.ledger.rollouts.history[1]
     assert second["tokens_per_s"] == 10.0  # 50 tokens over the 5 s since batch 0
     assert st.tables["rl_history"]["1"] == second  # journaled: a restart keeps it
     status = st.status(now=8, wall=8).rl
     assert status is not None and status.last is not None
     assert status.last.metrics is not None and status.last.metrics.train_tokens_per_s == 99.0
+    # The policy's idle fraction reaches the overview (the dashboard, /metrics).
+    job_rl = st.status(now=8, wall=8).overview.job.rl
+    assert job_rl is not None and job_rl.policy_idle == 0.25
     # A repeated ack does not overwrite what the first one recorded.
     st.ack_batch(P, 2, now=9, wall=9, metrics={"tokens": 1})
     assert st.ledger.rollouts.history[1] == second

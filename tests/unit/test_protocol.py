@@ -22,12 +22,10 @@ from phalanx.protocol.rl import (
     parse_rollout_id,
 )
 
-MODULES = ["base", "membership", "commands", "rl", "queue", "status"]
+MODULES = ["base", "membership", "commands", "rl", "status"]
 FREE_FORM = {
     ("EnqueueReq", "payload"),
     ("Command", "payload"),
-    ("QueuePutReq", "rollouts"),
-    ("QueueDelivery", "rollout"),
 }
 """Fields that carry free-form JSON on purpose (checked for depth and finite
 numbers by ``check_plain_json``, not by a schema)."""

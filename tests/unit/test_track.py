@@ -40,7 +40,7 @@ _scalars = tensorboard_scalars
 
 def test_a_batch_record_flattens_to_grouped_scalars():
     m = batch_metrics(
-        _record(2, tokens=40, entropy=1.25, mfu=0.31, train_tokens_per_s=900.0),
+        _record(2, tokens=40, entropy=1.25, mfu=0.31, train_tokens_per_s=900.0, idle=0.4),
         {"stale": 3, "reward_error": 1},
     )
     assert m == {
@@ -55,6 +55,7 @@ def test_a_batch_record_flattens_to_grouped_scalars():
         "perf/train_tokens_per_s": 900.0,
         "perf/mfu": 0.31,
         "policy/entropy": 1.25,
+        "perf/idle": 0.4,
         "discarded/stale": 3.0,
         "discarded/reward_error": 1.0,
     }

@@ -79,6 +79,28 @@ def sync_stats(reps: list[Replica]) -> tuple[int, float | None]:
     return sum(r.syncs for r in src) + relayed, (round(sum(ms) / len(ms), 2) if ms else None)
 
 
+def idle_stats(reps: list[Replica]) -> dict[str, float | None]:
+    """The RL job's idle fractions (:mod:`phalanx.rl.idle`): ``policy_idle``, the mean
+    over every policy ``step`` line of the time spent waiting for rollouts;
+    ``rollout_idle``, the mean over every ``rollout`` line (each generation batch of
+    each rollout replica) of the time spent waiting for a lease or for weights. None
+    where no line gave one."""
+
+    def mean(role: str) -> float | None:
+        xs = [x for r in reps if r.role == role for x in r.idle]
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    return {"policy_idle": mean("policy"), "rollout_idle": mean("rollout")}
+
+
+def idle_text(s: dict[str, Any]) -> str:
+    """``, idle: policy 0.42, rollout 0.07`` ('' when neither side reported)."""
+    p, r = s.get("policy_idle"), s.get("rollout_idle")
+    if p is None and r is None:
+        return ""
+    return f", idle: policy {num(p, '.2f')}, rollout {num(r, '.2f')}"
+
+
 def ft_summary(job: LocalJob) -> dict[str, Any]:
     reps = job.all_replicas()
     lead = max(reps, key=lambda r: r.step, default=None)
@@ -192,6 +214,7 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
         "controller_restarts": job.controller.restarts if job.controller else 0,
         "syncs": syncs,
         "sync_ms_mean": sync_ms,
+        **idle_stats(reps),
         "replicas": {role: sum(1 for r in reps if r.role == role) for role in job.cfg.roles},
         "wall_s": round(time.monotonic() - job.started, 2),
         "run_dir": str(job.run_dir),
@@ -229,6 +252,6 @@ def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
     return (
         f"job {s['job']}: {head}; prompts {s['prompts']}, rollouts trained {s['trained']}, "
         f"discarded {discarded} ({discard_text(s['discarded'])}); {s['kills']} replica(s) killed, "
-        f"{s['heals']} heal(s){_controller_restarts(s)}, {sync}"
+        f"{s['heals']} heal(s){_controller_restarts(s)}, {sync}{idle_text(s)}"
         f"{rollback_text(s.get('rollbacks', []))}. Logs: {s['run_dir']}{tail}"
     )

@@ -310,13 +310,6 @@ def status_text(st: Status) -> str:
                 f"{last.reward_avg:.3f}), exact match {last.exact_match:.3f} (avg "
                 f"{last.exact_match_avg:.3f}), staleness {last.staleness}"
             )
-    for name, q in (st.queues or {}).items():
-        lines.append(
-            f"  queue {name}: pending {q.pending} (leased {q.leased}), put {q.put}, "
-            f"acked {q.acked}, discarded {sum(q.discarded.values())} "
-            f"({discard_text(q.discarded)}), corrupt {q.corrupt}, duplicates dropped "
-            f"{q.duplicates}"
-        )
     return "\n".join(lines)
 
 

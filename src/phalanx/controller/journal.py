@@ -18,14 +18,14 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from phalanx.controller.core.base import Change
+from phalanx.controller.core.base import RETIRED_TABLES, Change
 from phalanx.controller.core.codec import encode
 from phalanx.controller.statedir import CannotStart
 
-LENIENT_TABLES = ("rq_items",)
-"""Tables whose records are checked by their reader (a checksum), which sets a damaged
-one aside: a record there that is not even JSON is handed over as ``{"unreadable": text}``
-instead of failing the load."""
+LENIENT_TABLES = RETIRED_TABLES
+"""Tables whose records nothing reads (an older controller's, deleted by the restore): a
+record there that is not even JSON is handed over as ``{"unreadable": text}`` instead of
+failing the load."""
 
 __all__ = ["Change", "Journal", "encode"]
 
@@ -60,7 +60,7 @@ class Journal:
                         f"Restore the journal from a backup, or start with --fresh to set it "
                         f"aside and begin the job again at epoch 1."
                     ) from None
-                rec = {"unreadable": value}  # its reader quarantines it (core/queues.py)
+                rec = {"unreadable": value}  # deleted by the restore with its table
             tables.setdefault(tbl, {})[key] = rec
         return tables
 

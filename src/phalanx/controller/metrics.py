@@ -118,6 +118,7 @@ class OverviewCollector(Collector):
                 ("ess", "Effective sample size fraction of the importance weights (0-1)."),
                 ("is_clip_frac", "Fraction of tokens whose importance weight was truncated."),
                 ("is_mask_frac", "Fraction of tokens masked out of the loss (MIS)."),
+                ("policy_idle", "Fraction of the policy's time spent waiting for rollouts."),
             ):
                 if rl.get(key) is not None:
                     name = (

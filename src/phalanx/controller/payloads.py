@@ -1,10 +1,10 @@
 """The controller's payload log: where the ``controller`` rollout store keeps rollout
 payloads, apart from the journal.
 
-The journal records what the ledger and the queues decide (ids, versions,
+The journal records what the ledger decides (ids, versions,
 states: a few hundred bytes per rollout); the completions themselves (token
 ids, log-probs, rewards: kilobytes to megabytes per rollout) are written
-here, once, and dropped when the rollout is trained, discarded or settled.
+here, once, and dropped when the rollout is trained or discarded.
 So the journal's size and its transactions do not grow with the length of
 the completions, and a payload is never rewritten as its rollout moves
 through the ledger.
@@ -22,7 +22,7 @@ Durability, with the journal's: the service writes a call's payloads here
 whole, and the journal decides: a payload the records do not refer to (its
 journal transaction never committed) is dropped, and a record whose payload
 is missing or fails its checksum is counted and handled by its owner (the
-ledger dispatches the prompt again, a queue quarantines the rollout).
+ledger dispatches the prompt again).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ log = logging.getLogger("phalanx.controller")
 
 PROBE_EVERY_S = 0.02
 """How often the controller connects again to a suspect's address that accepted."""
-WAITS = ("quorum", "heartbeat", "lifeline", "commands", "ledger", "queue", "status")
+WAITS = ("quorum", "heartbeat", "lifeline", "commands", "ledger", "status")
 """Kinds of long-poll a request may wait on (:meth:`ControllerService.wait`)."""
 
 
@@ -149,8 +149,6 @@ class ControllerService:
             self._wake("commands", rid)
         for rid in tick.ledger_for:
             self._wake("ledger", rid)
-        for name in tick.queues:
-            self._wake("queue", name)
 
     def _probe_address(self, rid: str) -> None:
         """Besides asking a suspect to heartbeat, connect to its address (its
@@ -193,8 +191,8 @@ class ControllerService:
                 fut.set_result(None)
 
     async def wait(self, kind: str, key: str, timeout: float) -> bool:
-        """Wait until ``key`` (a replica id; a queue's name for ``queue``) is woken for
-        ``kind`` or ``timeout`` passes. Returns True when woken."""
+        """Wait until ``key`` (a replica id; a stream's own key for ``status``) is woken
+        for ``kind`` or ``timeout`` passes. Returns True when woken."""
         waiters = self._waiters[kind]
         if timeout <= 0:
             return False

@@ -67,6 +67,7 @@ from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch
 from phalanx.rl.durable import DurableAcks, policy_checkpointer
 from phalanx.rl.grpo import lr_lambda
+from phalanx.rl.idle import IdleClock
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
@@ -219,6 +220,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     payloads = rollout_store(rl.transport, job_store_name(cfg.job.id, client)) if lead else None
     coord = Coordinator(ranks, manager, acks, Publisher(client, weights, lead), ckpt, extra)
     metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
+    idle = IdleClock()  # waiting for rollouts (the batch lease), per step and per ack
     if lead:
         emit(
             {
@@ -255,6 +257,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 break
             manager.grads.zero()
             t0 = time.perf_counter()
+            idle.wait()
             if index is None or index != manager.step // g.inner_epochs:
                 # A batch spans inner_epochs steps: ask only when this step starts a new one.
                 index = None
@@ -284,6 +287,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 if index is None:
                     break
             t1 = time.perf_counter()
+            idle.work()
             trained_from = manager.step  # the weights version this step's forward sees
             stats = trainer.compute(rows) if manager.error is None else {"loss": 0.0}
             total = manager.allreduce_grads(stats["loss"])
@@ -305,6 +309,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
             opt.step()
             sched.step()
+            step_idle = idle.lap("step")
             # The replica's tokens: every rank read its part of the share.
             stats["train_tokens"] = ranks.sum([stats.get("train_tokens", 0.0)])[0]
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
@@ -314,9 +319,9 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 plan = None
                 if lead:
                     assert orders is not None
-                    plan = coord.plan(
-                        acks.ack(manager, trainer.metrics(rows, stats, t2 - t1, trained_from))
-                    )
+                    m = trainer.metrics(rows, stats, t2 - t1, trained_from)
+                    m = m.model_copy(update={"idle": idle.lap("ack")})
+                    plan = coord.plan(acks.ack(manager, m))
                     if not plan.finished:
                         # Leave only at an ack point: the leader's last save is acknowledged
                         # on the way out, the others' state is the leader's, so nothing is
@@ -355,6 +360,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "is_clip_frac": round(stats.get("is_clip_frac", 0.0), 4),
                     "is_mask_frac": round(stats.get("is_mask_frac", 0.0), 4),
                     "staleness_tokens": staleness_of(rows, trained_from),
+                    "idle": step_idle,  # waiting for rollouts, over the step's wall time
                     # This replica's share: the tokens it read, over its compute time.
                     "train_tokens": int(stats.get("train_tokens", 0)),
                     "train_tokens_per_s": round(

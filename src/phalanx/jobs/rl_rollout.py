@@ -57,6 +57,7 @@ from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
 from phalanx.rl.engine.base import EngineError, GenerationEngine
 from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.generate import make_rollouts
+from phalanx.rl.idle import IdleClock
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import task_tokenizer
@@ -164,6 +165,7 @@ def run(args: ReplicaArgs) -> int:
     orders = Orders(client, kinds=("drain",))
     synced = released = 0
     drained = False
+    idle = IdleClock()  # waiting for a lease or for weights, per generation batch
     emit(
         {
             "event": "start",
@@ -175,6 +177,7 @@ def run(args: ReplicaArgs) -> int:
     )
     try:
         while True:
+            idle.wait()
             r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
             order = r.sync
             if order is not None and order.seq > synced:
@@ -197,6 +200,7 @@ def run(args: ReplicaArgs) -> int:
                 break
             if lease is None or engine.version < 0:
                 continue
+            idle.work()
             t0 = time.perf_counter()
             rollouts = make_rollouts(rl, engine, tok, task, lease.prompts)
             if rl.loop.gen_delay_s:
@@ -224,6 +228,7 @@ def run(args: ReplicaArgs) -> int:
                         sum(x.exact_match for x in scored) / max(len(scored), 1), 4
                     ),
                     "gen_s": round(gen_s, 4),
+                    "idle": idle.lap(),
                     "t": time.time(),
                 }
             )

@@ -48,6 +48,9 @@ class Replica:
     relayed: int = 0
     """Syncs this rollout replica was the source of (it relayed its weights)."""
     sync_ms: list[float] = field(default_factory=list)
+    idle: list[float] = field(default_factory=list)
+    """The ``idle`` of each RL ``step`` line (policy) or ``rollout`` line: the fraction
+    of that step's or generation batch's wall time spent waiting (:mod:`phalanx.rl.idle`)."""
     tokens_per_s: list[float] = field(default_factory=list)
     """A training job's committed tokens per second, per step line (your model)."""
     mfu: float | None = None
@@ -83,6 +86,8 @@ class Replica:
         self.last = ev
         self.replica_id = ev.get("replica", self.replica_id)
         kind = ev.get("event")
+        if isinstance(ev.get("idle"), int | float) and kind in ("step", "rollout"):
+            self.idle.append(float(ev["idle"]))
         if kind == "step":
             self.progress, self.failed_starts = True, 0
             self.step, self.loss = ev.get("step", self.step), ev.get("loss")

@@ -8,6 +8,5 @@ from them. One module per part of the API:
 - ``membership.py``  register, heartbeat, lifeline, quorum, failure reports, deregister
 - ``commands.py``    commands to replicas, operator actions, checkpoint reports
 - ``rl.py``          prompt leases, rollouts and their payloads, batches, weight syncs
-- ``queue.py``       the controller's named rollout queues
 - ``status.py``      the job's status and the dashboard's overview
 """

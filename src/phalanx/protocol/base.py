@@ -32,7 +32,7 @@ MAX_INT = 2**62
 """Largest integer any field takes (steps, counters, byte counts): far beyond any
 real job, and still exact as a float64 for Prometheus and as a JSON number."""
 MAX_PAYLOAD_DEPTH = 32
-"""Deepest nesting of a free-form JSON value (command payloads, queued rollouts)."""
+"""Deepest nesting of a free-form JSON value (command payloads)."""
 
 
 class Wire(BaseModel):

@@ -297,6 +297,10 @@ class BatchMetrics(Wire):
     staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=MAX_GROUP)] | None = None
     """Completion tokens per staleness (trained step - the token's behaviour version), the
     staleness as decimal text: JSON keys are text, and the wire is strict."""
+    idle: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of the replica's wall time since its previous ack spent waiting for
+    rollouts (its batch lease long-poll): near 1, the policy is starved
+    (:mod:`phalanx.rl.idle`)."""
     peak_mem_mb: Rate | None = None
     """Peak memory of the replica so far (CUDA allocator peak, else peak RSS), MiB."""
 

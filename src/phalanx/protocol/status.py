@@ -1,7 +1,7 @@
 """The job's status (``GET /v1/status``, the dashboard's stream, ``phalanx status``).
 
 Two views of one state: the records as the controller keeps them (roles,
-members, quorums, the ledger's balance, the queues), and the ``overview``,
+members, quorums, the ledger's balance), and the ``overview``,
 what the dashboard draws (replica states, series, the timeline in words).
 docs/operations.md lists every field.
 """
@@ -27,7 +27,6 @@ from phalanx.protocol.base import (
 )
 from phalanx.protocol.commands import CheckpointRecord
 from phalanx.protocol.membership import Quorum
-from phalanx.protocol.queue import QueueCounts, QueueName
 from phalanx.protocol.rl import BatchMetrics, SignedInt, Staleness
 
 Many = Field(max_length=100_000)
@@ -225,6 +224,8 @@ class JobRL(Wire):
     """Fraction of tokens masked out of the loss."""
     staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=4096)] | None = None
     """Completion tokens per staleness (trained step - behaviour version)."""
+    policy_idle: Annotated[float, Field(ge=0, le=1)] | None = None
+    """The fraction of its time that replica waited for rollouts since its previous ack."""
 
 
 class JobDiLoCo(Wire):
@@ -319,7 +320,6 @@ class Status(Reply):
     events: Annotated[list[Event], Field(max_length=1000)]
     checkpoints: Checkpoints
     rl: LedgerStatus | None = None
-    queues: Annotated[dict[QueueName, QueueCounts], Field(max_length=64)] | None = None
     overview: Overview
 
     def role_step(self, role: str) -> int:

@@ -60,6 +60,7 @@ def batch_metrics(rec: BatchRecord, discarded: Mapping[str, int] | None = None) 
             ("ess", "offpolicy"),
             ("is_clip_frac", "offpolicy"),
             ("is_mask_frac", "offpolicy"),
+            ("idle", "perf"),
         ):
             v = getattr(m, key)
             if v is not None:

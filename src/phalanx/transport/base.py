@@ -1,17 +1,10 @@
-"""The transport interfaces: rollout stores and queues, weight channels and stores,
-replay.
+"""The transport interfaces: rollout stores, weight channels and stores, replay.
 
 - :class:`RolloutStore` keeps an RL job's rollout payloads outside the
   controller, by ref, between the rollout replica that put them and the
   policy replicas that read them (``redis_store.py``, ``storage_store.py``);
   the controller's ledger records the refs. The default is the controller's
   own payload log (no store object: the payloads ride in the submissions).
-- :class:`RolloutQueue` carries rollouts from producers to consumers:
-  delivered at-least-once, consumed (acked) exactly once, deduplicated by
-  rollout id. Backends:
-  a queue held by the controller (``controller_queue.py``), Redis Streams
-  (``redis_queue.py``), a storage spool (``spool.py``). For tools,
-  benchmarks and off-policy consumers; the RL job does not use it.
 - :class:`WeightChannel` moves versioned policy weights to rollout replicas
   under the controller's sync orders: a collective broadcast
   (``collective.py``), or a :class:`WeightStore` (``published.py``).
@@ -104,99 +97,6 @@ class WeightChannel(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the channel's groups and threads."""
-
-
-# -- rollout queues ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One rollout handed to a consumer under a lease."""
-
-    rollout_id: str
-    rollout: dict[str, Any]
-    receipt: str
-    """The backend's handle of this delivery (a stream entry id, a lease marker)."""
-    attempt: int
-    """1 on the first delivery; more once a lease expired or was given back (nack).
-    Two deliveries of a rollout never share an attempt."""
-    deadline: float
-    """Wall-clock time (``time.time()``) after which another consumer may take it."""
-
-
-class RolloutQueue(ABC):
-    """Rollouts from producers (rollout replicas) to consumers (policy replicas).
-
-    Delivered at-least-once: a leased rollout that is not acked (nor nacked,
-    nor discarded) before its deadline is delivered again, to any consumer,
-    so a consumer that dies loses nothing; and so a consumer slower than its
-    lease (a loaded machine) shares the rollout with the next one, each under
-    its own attempt. Consumed exactly once: of all the acks and discards of a
-    rollout, by whichever consumers, whatever the timing, the first to reach
-    the backend settles it and is counted (its call's return includes it);
-    every other counts nothing, including a late ack from a consumer whose
-    lease expired. A consumer that keeps (trains on, records) only what its
-    ack counted consumes each rollout exactly once; so does one that records
-    what it consumes by id (the controller's ledger does). Deduplicated by
-    rollout id (``rollout["rollout_id"]``): once an id is acked or discarded
-    it is never delivered again, and a second put of an id is dropped.
-    Ordering is not guaranteed.
-
-    The first settle wins, rather than the current lease holder's: the late
-    consumer has done the work by the time it acks, and refusing it would
-    only have the rollout consumed again by the new holder (or by nobody, if
-    that one dies).
-
-    Every method may be called from any process, concurrently; ``ack``,
-    ``nack`` and ``discard`` are idempotent and take the deliveries ``lease``
-    returned. A record found corrupt is quarantined and counted (reason
-    ``corrupt`` in :meth:`counts`), never raised to the consumer. Backend
-    errors (a server down) raise :class:`TransportError`.
-    """
-
-    lease_s: float
-    """How long a consumer holds a delivery before it is handed out again."""
-
-    @abstractmethod
-    def put(self, rollouts: Sequence[Mapping[str, Any]]) -> list[str]:
-        """Producer: queue ``rollouts`` (JSON-able dicts with a ``rollout_id``). Returns
-        the ids queued; ids this backend already knows are left out (duplicates).
-        A backend that can only deduplicate on delivery (the spool) returns them all."""
-
-    @abstractmethod
-    def lease(self, n: int, wait_s: float = 0.0) -> list[Delivery]:
-        """Consumer: up to ``n`` rollouts, each leased for :attr:`lease_s`; waits up to
-        ``wait_s`` for the first one. Expired leases of other consumers come first."""
-
-    @abstractmethod
-    def ack(self, deliveries: Sequence[Delivery]) -> int:
-        """Consumer: these rollouts are consumed. Returns how many this call settled:
-        the ones not acked or discarded before, by this consumer or another. A
-        delivery not counted was consumed by another consumer first (its lease had
-        expired): ack one delivery at a time to learn which. A request the client
-        sent again because its reply was lost still counts what its first send
-        settled (spool, Redis; the controller's client cannot tell, and answers 0)."""
-
-    @abstractmethod
-    def nack(self, deliveries: Sequence[Delivery]) -> int:
-        """Consumer: give these back at once (no waiting for the deadline), if still
-        held under that attempt: a stale nack leaves a rollout's new holder alone."""
-
-    @abstractmethod
-    def discard(self, deliveries: Sequence[Delivery], reason: str) -> int:
-        """Consumer: drop these for good, counted under ``reason`` (``stale``...).
-        Returns how many this call settled, as :meth:`ack` does."""
-
-    @abstractmethod
-    def pending(self) -> int:
-        """Rollouts queued and not yet acked or discarded (leased ones included)."""
-
-    @abstractmethod
-    def counts(self) -> dict[str, Any]:
-        """``{"acked": n, "discarded": {reason: n}, "corrupt": n, "duplicates": n}``."""
-
-    def close(self) -> None:  # noqa: B027 (optional hook)
-        """Release connections."""
 
 
 class TransportError(RuntimeError):

@@ -1,6 +1,5 @@
 """Pick each transport backend from the URL in the job's ``[rl.transport]``: the
-rollout store, the weight channel, the replay buffer (or, for a rollout queue
-outside an RL job, from a URL: :func:`open_queue`).
+rollout store, the weight channel, the replay buffer.
 
 Heavy and optional imports (redis, fsspec backends) happen only for the
 backend asked for.
@@ -8,67 +7,22 @@ backend asked for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from phalanx.transport.base import (
     ReplayBuffer,
-    RolloutQueue,
     RolloutStore,
-    TransportError,
     WeightChannel,
 )
 
 if TYPE_CHECKING:
-    from phalanx.client import ControllerClient
     from phalanx.config.rl import TransportSection
 
 
 def is_redis(url: str) -> bool:
     return url.startswith(("redis://", "rediss://"))
-
-
-def open_queue(
-    url: str,
-    name: str,
-    consumer: str,
-    *,
-    group: str = "policy",
-    lease_s: float = 30.0,
-    keep_segments: bool = False,
-    controller: str | ControllerClient | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> RolloutQueue:
-    """The rollout queue at ``url``, under the contract of
-    :class:`~phalanx.transport.base.RolloutQueue`: ``controller`` (a queue held by
-    the controller named by ``controller``: its URL, state dir or a client),
-    ``redis://host:port/db`` or a storage URL (a spool). ``name`` keeps jobs (and
-    runs) sharing a server or a bucket apart."""
-    if url == "controller":
-        if controller is None:
-            raise TransportError(
-                "the controller rollout queue must know its controller: got none. Pass "
-                "controller= (its URL or state dir, or a ControllerClient)."
-            )
-        from phalanx.transport.controller_queue import ControllerRolloutQueue
-
-        return ControllerRolloutQueue(controller, name, consumer, lease_s=lease_s)
-    if is_redis(url):
-        from phalanx.transport.redis_queue import RedisRolloutQueue
-
-        return RedisRolloutQueue(url, name, consumer, group=group, lease_s=lease_s)
-    from phalanx.transport.spool import SpoolRolloutQueue
-
-    return SpoolRolloutQueue(
-        url,
-        consumer,
-        name=name,
-        lease_s=lease_s,
-        keep_segments=keep_segments,
-        storage_options=storage_options,
-    )
 
 
 def rollout_store(t: TransportSection, name: str) -> RolloutStore | None:

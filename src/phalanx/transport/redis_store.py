@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from phalanx.protocol.rl import RolloutPayload
 from phalanx.transport.base import RolloutStore, TransportError, new_ref
-from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_conn import connect
 
 # KEYS[1]: the counts hash; ARGV: reason, then the payload keys.
 DROP = """

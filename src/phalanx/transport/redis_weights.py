@@ -30,7 +30,7 @@ import torch
 
 from phalanx.comm.base import CommError
 from phalanx.transport.base import TransportError, WeightStore
-from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_conn import connect
 from phalanx.transport.storage_weights import from_bytes, to_bytes
 
 MAX_BYTES = 512 << 20

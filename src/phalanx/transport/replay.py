@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from phalanx.transport.base import ReplayBuffer, TransportError
-from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_conn import connect
 
 
 def _check_capacity(capacity: int) -> None:

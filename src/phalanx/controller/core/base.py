@@ -4,6 +4,7 @@ must wake once a call's changes are durable."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,14 @@ if TYPE_CHECKING:
 
 Change = tuple[str, str, dict[str, Any] | None]
 """``(table, key, record)``: one row the journal must write (``None`` deletes it)."""
+
+PayloadOf = Callable[[str], Any]
+"""The payload log's lookup: the payload stored under a key, or None."""
+
+RETIRED_TABLES = ("rq_items", "rq_leases", "rq_done", "rq_meta", "rq_quarantine")
+"""Tables an older controller journaled and nothing reads any more (the named rollout
+queues it held, removed with the ``/v1/queue`` routes). A restore deletes their
+records, and the payload log drops the rollouts they kept (no record refers to them)."""
 
 
 class StateError(Exception):
@@ -89,14 +98,12 @@ class Tick:
     commands_for: set[str] = field(default_factory=set)
     ledger_for: set[str] = field(default_factory=set)
     """Replicas whose ledger long-poll (prompt or batch lease) may now have an answer."""
-    queues: set[str] = field(default_factory=set)
-    """Rollout queues (by name) whose lease long-polls may now have an answer."""
     puts: list[tuple[str, Any]] = field(default_factory=list)
     """(key, payload) to write to the controller's payload log *before* the commit:
-    the payloads of rollouts the call accepted or queued."""
+    the payloads of rollouts the call accepted."""
     drops: list[str] = field(default_factory=list)
-    """Keys of the payload log that nothing refers to any more (trained, discarded,
-    settled): dropped after the commit."""
+    """Keys of the payload log that nothing refers to any more (trained or
+    discarded): dropped after the commit."""
     sweeps: list[tuple[str, str]] = field(default_factory=list)
     """(ref, reason) of payloads to drop from a rollout store outside the controller
     (journaled until the service's collector has made them)."""
@@ -107,7 +114,6 @@ class Tick:
         self.probe += other.probe
         self.commands_for |= other.commands_for
         self.ledger_for |= other.ledger_for
-        self.queues |= other.queues
         self.puts += other.puts
         self.drops += other.drops
         self.sweeps += other.sweeps

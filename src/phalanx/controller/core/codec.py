@@ -1,5 +1,4 @@
-"""The compact JSON the journal and the payload log store, and the queues' checksums
-are taken over."""
+"""The compact JSON the journal and the payload log store."""
 
 from __future__ import annotations
 

@@ -191,7 +191,8 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
                 "tokens_per_s",
             )
         }
-        last_metrics = last_batch.get("metrics") or {}
+        measured = last_batch.get("metrics") or {}
+        job["rl"]["policy_idle"] = measured.get("idle")
         for key in (
             "train_tokens_per_s",
             "mismatch_kl",
@@ -200,7 +201,7 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
             "is_mask_frac",
             "staleness_tokens",
         ):
-            job["rl"][key] = last_metrics.get(key)
+            job["rl"][key] = measured.get(key)
         series["reward"] = [[h["step"], h["reward"]] for h in hist][-SERIES_POINTS:]
         series["exact_match"] = [[h["step"], h["exact_match"]] for h in hist][-SERIES_POINTS:]
         b = st.ledger.balance()

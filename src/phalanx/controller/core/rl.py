@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.controller.core.base import StateError, Tick
+from phalanx.controller.core.base import PayloadOf, StateError, Tick
 from phalanx.controller.core.ledger import Ledger, payload_key
 from phalanx.controller.core.membership import Membership
-from phalanx.controller.core.queues import PayloadOf
 from phalanx.controller.core.records import Member, RoleState
 from phalanx.protocol.rl import (
     Batch,

@@ -10,8 +10,9 @@ record and which field in one line (:class:`BadRecord`), and the service refuses
 to start with it (``--fresh`` sets the journal aside).
 
 Only the fields the restore reads are listed: a field a newer version added, or
-an optional one, is not required. The queues' tables are their reader's to
-check (each item carries a checksum, and a damaged one is set aside).
+an optional one, is not required. The tables of an older version that nothing
+reads any more (:data:`~.base.RETIRED_TABLES`) are not checked: the restore
+deletes them.
 """
 
 from __future__ import annotations

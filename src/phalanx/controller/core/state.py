@@ -20,8 +20,7 @@ The parts, each a class of its own:
 - :class:`~.quorum.Quorums`: quorum formation and heal assignment;
 - :class:`~.commands.Commands` and :class:`~.commands.CheckpointBook`;
 - :class:`~.ledger.Ledger`: the RL ledger, whose requests are :attr:`ControllerState.rl`
-  (:class:`~.rl.RLRequests`);
-- :class:`~.queues.RolloutQueues`: the controller's named rollout queues.
+  (:class:`~.rl.RLRequests`).
 
 This class orchestrates what spans parts (an eviction touches all of them)
 and is the one API the service calls.
@@ -32,11 +31,18 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.config import JobConfig
-from phalanx.controller.core.base import ChangeLog, Conflict, StateError, Tick, UnknownReplica
+from phalanx.controller.core.base import (
+    RETIRED_TABLES,
+    ChangeLog,
+    Conflict,
+    PayloadOf,
+    StateError,
+    Tick,
+    UnknownReplica,
+)
 from phalanx.controller.core.commands import CheckpointBook, Commands
 from phalanx.controller.core.ledger import Ledger, payload_key
 from phalanx.controller.core.membership import Membership
-from phalanx.controller.core.queues import PayloadOf, RolloutQueues
 from phalanx.controller.core.quorum import Quorums
 from phalanx.controller.core.records import Member, RoleState, save_role
 from phalanx.controller.core.rl import RLRequests
@@ -62,7 +68,7 @@ def _no_payloads(key: str) -> Any:
 
 
 class ControllerState:
-    """Membership, quorums, commands, the RL ledger and the queues of one job."""
+    """Membership, quorums, commands and the RL ledger of one job."""
 
     def __init__(self, cfg: JobConfig, *, run: str = "run", payload_of: PayloadOf = _no_payloads):
         self.cfg = cfg
@@ -93,8 +99,7 @@ class ControllerState:
             else None
         )
         self.rl = RLRequests(self.ledger, self.membership, self.roles, self.envelope, payload_of)
-        self.queues = RolloutQueues(self.log, payload_of)
-        """The controller's named rollout queues (the ``controller`` queue backend)."""
+        self.payload_of = payload_of
         self.moved: list[tuple[str, Any]] = []
         """Payloads a restore moved out of an old journal's records, for the payload log."""
 
@@ -161,8 +166,10 @@ class ControllerState:
             for k, v in meta.items()
             if k.startswith("desired/") and k.removeprefix("desired/") in st.roles
         }
-        moved = st.ledger.restore(tables, now) if st.ledger is not None else []
-        st.moved = moved + st.queues.restore(tables, now)
+        st.moved = st.ledger.restore(tables, now) if st.ledger is not None else []
+        for tbl in RETIRED_TABLES:
+            for key in tables.get(tbl, {}):
+                st.log.put(tbl, key, None)
         return st
 
     # -- membership --------------------------------------------------------
@@ -423,7 +430,7 @@ class ControllerState:
     def payload_keys(self) -> set[str]:
         """Every key of the payload log that the records refer to (a restart keeps
         these and drops the rest: payloads of a write the journal never took)."""
-        keys = self.queues.keys()
+        keys: set[str] = set()
         led = self.ledger
         if led is not None and not led.external_store:
             keys |= {payload_key(rec["ref"]) for rec in led.rollouts.records.values()}
@@ -435,7 +442,7 @@ class ControllerState:
         led = self.ledger
         if led is None or led.external_store:
             return Tick()
-        return led.reconcile(self.queues.payload_of, wall=wall)
+        return led.reconcile(self.payload_of, wall=wall)
 
     # -- status ------------------------------------------------------------
 

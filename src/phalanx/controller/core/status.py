@@ -41,7 +41,6 @@ def status_of(st: ControllerState, now: float, wall: float | None = None) -> Sta
             "events": st.events[-100:],
             "checkpoints": {"latest": st.checkpoints.latest, "committed": cks[-10:]},
             "rl": st.ledger.status() if st.ledger is not None else None,
-            "queues": st.queues.status() if st.queues.books else None,
             "overview": overview(st, now, wall),
         },
         strict=False,  # built here: lists stand for tuples

@@ -151,7 +151,8 @@ function render(st) {
       // Off-policy metrics of the latest batch (rl.grpo.correction; docs/architecture.md).
       card("mismatch KL", fmt(j.rl.mismatch_kl, 5), "mismatch_kl"), card("ESS", fmt(j.rl.ess), "ess"),
       card("IS clipped", fmt(j.rl.is_clip_frac), "is_clip_frac"), card("IS masked", fmt(j.rl.is_mask_frac), "is_mask_frac"),
-      card("tokens by staleness", lags(j.rl.staleness_tokens), "staleness_tokens"));
+      card("tokens by staleness", lags(j.rl.staleness_tokens), "staleness_tokens"),
+      card("policy idle", fmt(j.rl.policy_idle, 2), "policy_idle"));
   }
   if (j.diloco) cards.push(card("outer step", j.diloco.outer_step, "outer_step"), card("inner step", j.diloco.inner_step, "inner_step"));
   $("job").replaceChildren(...cards);

@@ -11,7 +11,7 @@ Every reply carries the controller epoch, in the body and in the
 restarted.
 
 The routes are plain functions, one module per part of the API:
-``membership.py``, ``commands.py``, ``rl.py``, ``queue.py``, and
+``membership.py``, ``commands.py``, ``rl.py``, and
 ``dashboard.py`` (the page and its stream); this module binds them.
 """
 
@@ -27,7 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from phalanx.controller.http import commands, errors, membership, queue, rl
+from phalanx.controller.http import commands, errors, membership, rl
 from phalanx.controller.http.base import Api, Route, json_response
 from phalanx.controller.http.dashboard import dashboard_routes, is_public
 from phalanx.controller.http.middleware import AuthAndEpoch, BodyLimit, FastPath
@@ -35,7 +35,7 @@ from phalanx.controller.service import ControllerService
 from phalanx.protocol.base import API_VERSION, Health
 from phalanx.protocol.status import Status
 
-ROUTES: list[Route] = [*membership.ROUTES, *commands.ROUTES, *rl.ROUTES, *queue.ROUTES]
+ROUTES: list[Route] = [*membership.ROUTES, *commands.ROUTES, *rl.ROUTES]
 
 _bearer = HTTPBearer(auto_error=False)
 
