@@ -93,10 +93,14 @@ def surrogate(
     """
     if correction not in CORRECTIONS:
         raise ValueError(
-            f"rl.grpo.correction must be one of {', '.join(CORRECTIONS)}: got {correction!r}."
+            f"rl.grpo.correction must be one of {', '.join(CORRECTIONS)}: got "
+            f"{correction!r}. Pick one of those (none: no correction)."
         )
     if is_cap <= 1:
-        raise ValueError(f"rl.grpo.is_cap must be > 1: got {is_cap}.")
+        raise ValueError(
+            f"rl.grpo.is_cap must be > 1: got {is_cap}. It caps the importance weight pi/mu; "
+            f"2 is usual."
+        )
     a = adv[:, None]
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     # Off-mask columns have old = 0 and arbitrary logp: zero the log-ratio there
@@ -106,7 +110,6 @@ def surrogate(
         # Today's computation, operation for operation (bit-for-bit the old loss).
         ratio = torch.exp((logp - old) * mask)
         per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + hi) * a)
-        weight = None
         clipped_w = masked = torch.zeros_like(mask, dtype=torch.bool)
     else:
         ratio = torch.exp((logp - logp.detach()) * mask)  # r_t: 1 in value, gradient of logp
