@@ -264,6 +264,17 @@ def test_rl_stale_rollouts_are_discarded_and_counted(rl_job):
     assert all(
         v >= b * 2 - 1 for e in policy.events("step") for b in [e["batch"]] for v in e["versions"]
     )
+    # The off-policy metrics: every step line has its tokens by staleness (a step
+    # trains from version 2b or 2b + 1, its rollouts are from 2b - 1 at the oldest),
+    # and the ledger's last batch carries them to the overview and /metrics.
+    for e in policy.events("step"):
+        assert e["staleness_tokens"] and all(0 <= int(k) <= 2 for k in e["staleness_tokens"])
+        assert 0 < e["ess"] <= 1 and e["is_clip_frac"] == e["is_mask_frac"] == 0.0
+    last = st["last"]["metrics"]
+    assert last["staleness_tokens"] and 0 < last["ess"] <= 1 and last["mismatch_kl"] >= 0
+    scraped = ctl.get("/metrics").text
+    assert "phalanx_rl_ess " in scraped and "phalanx_rl_mismatch_kl " in scraped
+    assert 'phalanx_rl_staleness_tokens{staleness="' in scraped
 
 
 def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):

@@ -922,6 +922,27 @@ def test_an_acks_metrics_go_into_the_history_with_the_jobs_token_rate(st):
     assert st.ledger.rollouts.history[1] == second
 
 
+def test_off_policy_metrics_survive_a_restart_and_reach_the_overview(journal):
+    st = job(journal=journal)
+    fill(st, PPS)
+    st.lease_batch(P, 0, now=0, wall=0)
+    off = {
+        "ess": 0.75,
+        "mismatch_kl": 0.02,
+        "is_mask_frac": 0.1,
+        "staleness_tokens": {"0": 30, "2": 5},
+    }
+    st.ack_batch(P, 1, now=3, wall=3, metrics={"tokens": 35, **off})
+    new = restart(st, journal, now=4)
+    status = new.status(now=4, wall=4)
+    assert status.rl is not None and status.rl.last is not None
+    m = status.rl.last.metrics
+    assert m is not None and m.staleness_tokens == {"0": 30, "2": 5} and m.ess == 0.75
+    rl = status.overview.job.rl
+    assert rl is not None and rl.staleness_tokens == {"0": 30, "2": 5}
+    assert (rl.ess, rl.mismatch_kl, rl.is_mask_frac, rl.is_clip_frac) == (0.75, 0.02, 0.1, None)
+
+
 def test_a_batch_ask_acknowledges_only_the_steps_a_checkpoint_holds(st):
     fill(st, PPS)
     st.lease_batch(P, 0, now=0, wall=0)

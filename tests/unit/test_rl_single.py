@@ -27,6 +27,23 @@ def test_one_inner_epoch_is_on_policy():
     overrides = ["--grpo.steps", "3", "--grpo.inner_epochs", "1", "--grpo.prompts_per_step", "4"]
     records = train(load_rl_config(None, overrides))
     assert all(r["clip_frac"] == 0.0 and abs(r["kl_behaviour"]) < 1e-6 for r in records)
+    # On policy: the importance weights are 1, and every token is 0 versions stale.
+    for r in records:
+        assert r["ess"] == pytest.approx(1.0, abs=1e-4) and abs(r["mismatch_kl"]) < 1e-6
+        assert r["staleness_tokens"] == {0: round(r["len"] * 4 * 16)}
+
+
+@pytest.mark.parametrize("correction", ["tis_sequence", "mis_token"])
+def test_a_correction_trains_and_reports_its_metrics(correction):
+    """The second inner epoch trains rollouts one version old, with the correction."""
+    overrides = ["--grpo.steps", "2", "--grpo.prompts_per_step", "4"]
+    overrides += ["--grpo.correction", correction, "--grpo.is_cap", "1.05"]
+    records = train(load_rl_config(None, overrides))
+    for r in records:
+        assert list(r["staleness_tokens"]) == [1]  # the last inner epoch's
+        assert 0 < r["ess"] <= 1 and r["mismatch_kl"] >= 0 and r["clip_frac"] == 0.0
+        assert 0 <= r["is_clip_frac"] <= 1 and 0 <= r["is_mask_frac"] <= 1
+        assert (r["is_mask_frac"] == 0) == (correction != "mis_token")
 
 
 def test_cli_prints_json_lines(capsys):

@@ -61,6 +61,20 @@ def test_a_batch_record_flattens_to_grouped_scalars():
     }
 
 
+def test_off_policy_metrics_are_tracked():
+    rec = _record(
+        2, ess=0.5, mismatch_kl=0.01, is_clip_frac=0.25, staleness_tokens={"0": 7, "3": 2}
+    )
+    m = batch_metrics(rec)
+    assert {k: v for k, v in m.items() if k.startswith(("offpolicy/", "staleness_"))} == {
+        "offpolicy/ess": 0.5,
+        "offpolicy/mismatch_kl": 0.01,
+        "offpolicy/is_clip_frac": 0.25,
+        "staleness_tokens/0": 7.0,
+        "staleness_tokens/3": 2.0,
+    }
+
+
 def test_tensorboard_event_files_read_back(tmp_path: Path):
     t = trackers(TrackSection(), tmp_path, "run", {})
     for b in range(3):

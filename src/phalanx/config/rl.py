@@ -22,14 +22,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.model import ModelSection
 from phalanx.config.track import TrackSection
 from phalanx.config.urls import check_storage_url
+
+Correction = Literal["none", "decoupled", "tis_token", "tis_sequence", "mis_token", "mis_sequence"]
+CORRECTIONS: tuple[str, ...] = get_args(Correction)
+"""The values of ``rl.grpo.correction`` (:mod:`phalanx.rl.corrections`)."""
 
 FORMAT_PATTERN = r"(\\boxed\{.+\}|####\s*\S+)\s*$"
 """What the ``format`` reward looks for at the end of a completion by default."""
@@ -138,6 +149,18 @@ class GRPOSection(_Section):
     """Upper epsilon (DAPO's clip-higher, arXiv:2503.14476); None: same as clip_eps. A wider
     upper band lets unlikely tokens with a positive advantage grow, which keeps exploration
     alive longer (on the sort task: fewer rounds stuck on repeated digits)."""
+    correction: Correction = "none"
+    """Off-policy correction of the surrogate for stale rollouts (phalanx.rl.corrections;
+    w = pi_prox/mu, pi_prox the trainer's log-probs at the step's start, mu the engine's,
+    C = is_cap). ``none``: PPO ratio and clip against mu. ``decoupled`` (AReaL,
+    arXiv:2505.24298): clip against pi_prox, each token weighted by min(w, C).
+    ``tis_token`` / ``tis_sequence`` (truncated IS, Yao et al. 2025): the loss against
+    pi_prox times min(w, C) per token / min(prod_t w_t, C) per completion.
+    ``mis_token`` / ``mis_sequence`` (masked IS, verl's ``mask`` mode): tokens /
+    completions (by the geometric mean of w) with w outside [1/C, C] leave the loss."""
+    is_cap: float = Field(2.0, le=1e6)
+    """C: the cap of the importance weight pi_prox/mu (truncation for decoupled and TIS,
+    the band [1/C, C] for MIS); must be > 1."""
     adv_eps: float = Field(1e-4, gt=0)
     """Added to the group std: a group whose rewards are all equal gets zero advantages."""
     kl_coef: float = Field(0.0, ge=0)
@@ -165,6 +188,26 @@ class GRPOSection(_Section):
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them
     (HF gradient checkpointing): less memory for about a third more compute."""
+
+    @field_validator("correction", mode="before")
+    @classmethod
+    def _known_correction(cls, v: Any) -> Any:
+        if v not in CORRECTIONS:
+            raise ValueError(
+                f"rl.grpo.correction must be one of {', '.join(CORRECTIONS)}: got {v!r}. "
+                f"none is plain PPO against the behaviour log-probs; see docs/architecture.md"
+            )
+        return v
+
+    @field_validator("is_cap")
+    @classmethod
+    def _cap_above_one(cls, v: float) -> float:
+        if not v > 1:
+            raise ValueError(
+                f"rl.grpo.is_cap must be > 1: got {v}. It caps the importance weight "
+                f"pi/mu; 2 is usual"
+            )
+        return v
 
     @model_validator(mode="after")
     def _exact_fits(self) -> GRPOSection:

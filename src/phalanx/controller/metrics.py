@@ -114,6 +114,10 @@ class OverviewCollector(Collector):
                 ("staleness", "Staleness of the latest batch, in policy steps."),
                 ("tokens_per_s", "Completion tokens trained per wall second (latest batch)."),
                 ("train_tokens_per_s", "Policy tokens through forward and backward per second."),
+                ("mismatch_kl", "k3 KL(behaviour || trainer) per token, latest batch."),
+                ("ess", "Effective sample size fraction of the importance weights (0-1)."),
+                ("is_clip_frac", "Fraction of tokens whose importance weight was truncated."),
+                ("is_mask_frac", "Fraction of tokens masked out of the loss (MIS)."),
                 ("policy_idle", "Fraction of the policy's time spent waiting for rollouts."),
             ):
                 if rl.get(key) is not None:
@@ -121,6 +125,15 @@ class OverviewCollector(Collector):
                         "phalanx_rl_staleness_steps" if key == "staleness" else f"phalanx_rl_{key}"
                     )
                     yield _single(name, doc, rl[key])
+            if rl.get("staleness_tokens"):
+                hist = _gauge(
+                    "phalanx_rl_staleness_tokens",
+                    "Completion tokens of the latest batch per staleness (policy steps).",
+                    ["staleness"],
+                )
+                for lag, n in sorted(rl["staleness_tokens"].items(), key=lambda kv: int(kv[0])):
+                    hist.add_metric([lag], n)
+                yield hist
         led = ov["ledger"]
         if led:
             prompts = _gauge("phalanx_ledger_prompts", "Prompts by state.", ["state"])

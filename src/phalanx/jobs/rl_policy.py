@@ -71,7 +71,7 @@ from phalanx.rl.idle import IdleClock
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb, prepare
 from phalanx.rl.tokenizer import task_tokenizer
-from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload
+from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, staleness_of
 from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
@@ -288,6 +288,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     break
             t1 = time.perf_counter()
             idle.work()
+            trained_from = manager.step  # the weights version this step's forward sees
             stats = trainer.compute(rows) if manager.error is None else {"loss": 0.0}
             total = manager.allreduce_grads(stats["loss"])
             t2 = time.perf_counter()
@@ -318,7 +319,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 plan = None
                 if lead:
                     assert orders is not None
-                    m = trainer.metrics(rows, stats, t2 - t1)
+                    m = trainer.metrics(rows, stats, t2 - t1, trained_from)
                     m = m.model_copy(update={"idle": idle.lap("ack")})
                     plan = coord.plan(acks.ack(manager, m))
                     if not plan.finished:
@@ -354,6 +355,11 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "entropy": round(stats.get("entropy", 0.0), 4),
                     "kl_behaviour": round(stats.get("kl_behaviour", 0.0), 6),
                     "clip_frac": round(stats.get("clip_frac", 0.0), 4),
+                    "mismatch_kl": round(stats.get("mismatch_kl", 0.0), 6),
+                    "ess": round(stats.get("ess", 1.0), 4),
+                    "is_clip_frac": round(stats.get("is_clip_frac", 0.0), 4),
+                    "is_mask_frac": round(stats.get("is_mask_frac", 0.0), 4),
+                    "staleness_tokens": staleness_of(rows, trained_from),
                     "idle": step_idle,  # waiting for rollouts, over the step's wall time
                     # This replica's share: the tokens it read, over its compute time.
                     "train_tokens": int(stats.get("train_tokens", 0)),

@@ -28,6 +28,7 @@ import torch
 
 from phalanx.config.rl import RLConfig, load_rl_config
 from phalanx.jobs.base import JobError, ReplicaArgs
+from phalanx.rl.corrections import staleness_histogram
 from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.generate import score_group
@@ -145,7 +146,8 @@ def _train(
         recent_em.append(mean_em)
         # reward / exact_match: this round's sampled completions (at the sampling
         # temperature); *_avg: trailing means over `window` rounds; loss,
-        # clip_frac, kl_behaviour: the round's last inner epoch; trained: rows
+        # clip_frac, kl_behaviour and the off-policy metrics (mismatch_kl, ess,
+        # is_*_frac, staleness_tokens): the round's last inner epoch; trained: rows
         # with a non-zero advantage that went through the backward pass.
         rec: dict[str, Any] = {
             "step": step + 1,
@@ -159,6 +161,14 @@ def _train(
             "loss": round(stats["loss"], 5),
             "clip_frac": round(stats["clip_frac"], 4),
             "kl_behaviour": round(stats["kl_behaviour"], 6),
+            "mismatch_kl": round(stats["mismatch_kl"], 6),
+            "ess": round(stats["ess"], 4),
+            "is_clip_frac": round(stats["is_clip_frac"], 4),
+            "is_mask_frac": round(stats["is_mask_frac"], 4),
+            # The last inner epoch trains from version (step + 1) * inner_epochs - 1.
+            "staleness_tokens": staleness_histogram(
+                ((c.version, c) for c in comps), (step + 1) * g.inner_epochs - 1
+            ),
             "lr": sched.get_last_lr()[0],
             "entropy": round(stats["entropy"], 4),
             "gen_s": round(t_gen, 4),

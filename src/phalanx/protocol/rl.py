@@ -47,6 +47,8 @@ PayloadRef = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_TOKENS)]
 LogProbs = Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=MAX_TOKENS)]
 SignedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+Staleness = Annotated[str, Field(min_length=1, max_length=20, pattern=r"^-?[0-9]+$")]
+"""A staleness in versions, as a JSON object key: decimal text."""
 
 
 def parse_rollout_id(rollout_id: str) -> tuple[int, int]:
@@ -282,6 +284,19 @@ class BatchMetrics(Wire):
     kl_ref: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
     """k3 estimate of KL(policy || reference), with ``grpo.kl_coef > 0``."""
     clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    mismatch_kl: Annotated[float, Field(ge=-1e6, le=1e6)] | None = None
+    """k3 estimate of KL(behaviour || trainer) per token at the step's start
+    (:mod:`phalanx.rl.corrections`)."""
+    ess: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Effective sample size fraction of the importance weights trainer/behaviour."""
+    is_clip_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of tokens whose importance weight was truncated (``grpo.correction``
+    decoupled or tis_*)."""
+    is_mask_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fraction of tokens masked out of the loss (``grpo.correction`` mis_*)."""
+    staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=MAX_GROUP)] | None = None
+    """Completion tokens per staleness (trained step - the token's behaviour version), the
+    staleness as decimal text: JSON keys are text, and the wire is strict."""
     idle: Annotated[float, Field(ge=0, le=1)] | None = None
     """Fraction of the replica's wall time since its previous ack spent waiting for
     rollouts (its batch lease long-poll): near 1, the policy is starved

@@ -27,7 +27,7 @@ from phalanx.protocol.base import (
 )
 from phalanx.protocol.commands import CheckpointRecord
 from phalanx.protocol.membership import Quorum
-from phalanx.protocol.rl import BatchMetrics, SignedInt
+from phalanx.protocol.rl import BatchMetrics, SignedInt, Staleness
 
 Many = Field(max_length=100_000)
 Ids = Annotated[list[ReplicaId], Many]
@@ -213,6 +213,17 @@ class JobRL(Wire):
     """Completion tokens trained per wall second over the latest batch."""
     train_tokens_per_s: float | None = None
     """The acknowledging policy replica's tokens through forward and backward per second."""
+    mismatch_kl: float | None = None
+    """The acknowledging policy replica's off-policy metrics of the latest batch
+    (:class:`~phalanx.protocol.rl.BatchMetrics`): KL(behaviour || trainer), k3."""
+    ess: float | None = None
+    """Effective sample size fraction of the importance weights trainer/behaviour."""
+    is_clip_frac: float | None = None
+    """Fraction of tokens whose importance weight was truncated."""
+    is_mask_frac: float | None = None
+    """Fraction of tokens masked out of the loss."""
+    staleness_tokens: Annotated[dict[Staleness, Count], Field(max_length=4096)] | None = None
+    """Completion tokens per staleness (trained step - behaviour version)."""
     policy_idle: Annotated[float, Field(ge=0, le=1)] | None = None
     """The fraction of its time that replica waited for rollouts since its previous ack."""
 

@@ -19,7 +19,8 @@ N is the number of completion tokens in the batch: token-level normalisation
 whatever the length of its completion. Under data parallelism each replica sums
 over its own tokens and divides by the GLOBAL N (``num_tokens``); the
 all-reduced (summed) gradients then equal the single-process gradient of the
-whole batch.
+whole batch. Off-policy corrections of the surrogate (decoupled PPO, TIS, MIS)
+are in :mod:`phalanx.rl.corrections`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from phalanx.config.rl import GRPOSection
+from phalanx.rl.corrections import surrogate
 from phalanx.rl.engine.base import Completion
 
 
@@ -154,6 +156,8 @@ def grpo_loss(
     num_tokens: float | None = None,
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    correction: str = "none",
+    is_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of ``batch`` under ``model`` (see the module docstring), and stats.
 
@@ -162,7 +166,9 @@ def grpo_loss(
     uses this batch's completion-token count, a distributed caller passes the
     global count over all replicas and micro-batches. ``ref_logprobs``
     (``reference_logprobs`` of the reference model) is required iff
-    ``kl_coef > 0``. Call ``.backward()`` on the returned loss.
+    ``kl_coef > 0``. ``correction`` and ``is_cap`` pick the off-policy correction of the
+    surrogate (:mod:`phalanx.rl.corrections`; "none" is the formula above). Call
+    ``.backward()`` on the returned loss.
     """
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(
@@ -172,14 +178,16 @@ def grpo_loss(
     mask = batch.completion_mask
     n = float(num_tokens) if num_tokens is not None else max(float(mask.sum().item()), 1.0)
     logp, ent = _forward(model, batch, temperature, entropy=True)
-    # Off-mask columns have old = 0 and arbitrary logp: zero the log-ratio there
-    # so exp() cannot overflow into inf * 0 = NaN.
-    log_ratio = (logp - batch.old_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    adv = batch.advantages[:, None]
-    hi = clip_eps if clip_eps_high is None else clip_eps_high
-    surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + hi) * adv)
-    per_token = -surr
+    per_token, corr = surrogate(
+        logp,
+        batch.old_logprobs,
+        batch.advantages,
+        mask,
+        correction=correction,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        is_cap=is_cap,
+    )
     kl = None
     if kl_coef > 0:
         if ref_logprobs is None:
@@ -193,16 +201,18 @@ def grpo_loss(
     loss = (per_token * mask).sum() / n
     with torch.no_grad():
         local = max(float(mask.sum().item()), 1.0)
-        clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))
+        # pi_theta / mu in value, whatever the correction (pi_theta = pi_prox at the forward).
+        log_ratio = (logp - batch.old_logprobs) * mask
+        ratio = torch.exp(log_ratio)
         stats = {
             "loss": float(loss.item()),
             "num_tokens": float(mask.sum().item()),
             "ratio_mean": float((ratio * mask).sum().item() / local),
             "ratio_max": float(ratio.masked_fill(mask == 0, 1.0).max().item()),
-            "clip_frac": float((clipped.float() * mask).sum().item() / local),
             # k3 estimate of KL(mu || pi_theta): 0 on the first step after a sync.
             "kl_behaviour": float(((ratio - 1 - log_ratio) * mask).sum().item() / local),
             "entropy": float(((ent if ent is not None else 0.0) * mask).sum().item() / local),
+            **corr,
         }
         if kl is not None:
             stats["kl_ref"] = float((kl * mask).sum().item() / local)

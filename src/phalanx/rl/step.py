@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from phalanx.config.rl import GRPOSection
+from phalanx.rl.corrections import ess
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import collate, grpo_loss, reference_logprobs
 from phalanx.rl.model import checkpoint_activations
@@ -38,7 +39,16 @@ __all__ = [
     "peak_tflops",
 ]
 
-_WEIGHTED = ("ratio_mean", "clip_frac", "kl_behaviour", "entropy", "kl_ref")
+_WEIGHTED = (
+    "ratio_mean",
+    "clip_frac",
+    "kl_behaviour",
+    "entropy",
+    "kl_ref",
+    "mismatch_kl",
+    "is_clip_frac",
+    "is_mask_frac",
+)
 """Stats that are per-token means of a micro-batch: merged weighted by its tokens."""
 
 
@@ -112,6 +122,8 @@ def backward_rows(
                 num_tokens=num_tokens,
                 kl_coef=g.kl_coef,
                 ref_logprobs=ref_lp,
+                correction=g.correction,
+                is_cap=g.is_cap,
             )
         (loss if real else loss * 0.0).backward()
         if real:
@@ -121,20 +133,26 @@ def backward_rows(
 
 def merge_stats(parts: Sequence[dict[str, float]], *, with_ref: bool) -> dict[str, float]:
     """The stats of several passes as one: the sums (``loss``, ``num_tokens``,
-    ``train_tokens``), the largest ``ratio_max``, and the per-token means weighted
-    by each pass's tokens (``kl_ref`` only ``with_ref``)."""
+    ``train_tokens``, ``is_w_sum``, ``is_w_sq_sum``), the largest ``ratio_max``, the
+    per-token means weighted by each pass's tokens (``kl_ref`` only ``with_ref``), and
+    ``ess`` from the merged sums, so it is the whole share's ESS exactly."""
     out: dict[str, float] = {"loss": 0.0, "num_tokens": 0.0, "ratio_max": 0.0, "train_tokens": 0.0}
     sums = dict.fromkeys(_WEIGHTED, 0.0)
+    w_sum = w_sq = 0.0
     for stats in parts:
         n = stats["num_tokens"]
         out["loss"] += stats["loss"]
         out["num_tokens"] += n
         out["ratio_max"] = max(out["ratio_max"], stats["ratio_max"])
         out["train_tokens"] += stats.get("train_tokens", 0.0)
+        w_sum += stats.get("is_w_sum", 0.0)
+        w_sq += stats.get("is_w_sq_sum", 0.0)
         for k in _WEIGHTED:
             if k in stats:
                 sums[k] += stats[k] * n
     for k in _WEIGHTED:
         if k != "kl_ref" or with_ref:
             out[k] = sums[k] / max(out["num_tokens"], 1.0)
+    out["is_w_sum"], out["is_w_sq_sum"] = w_sum, w_sq
+    out["ess"] = ess(w_sum, w_sq, out["num_tokens"])
     return out

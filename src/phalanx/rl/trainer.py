@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.config.rl import RLConfig
-from phalanx.protocol.rl import BatchMetrics
+from phalanx.protocol.rl import MAX_GROUP, BatchMetrics
+from phalanx.rl.corrections import staleness_histogram
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import group_advantages, rows_to_train
 from phalanx.rl.model import num_params
@@ -71,6 +72,12 @@ def completions_of(rows: Rows) -> tuple[list[Completion], list[float]]:
             )
             rewards.append(float(c.reward))
     return comps, rewards
+
+
+def staleness_of(rows: Rows, step: int) -> dict[int, int]:
+    """Completion tokens of the batch ``rows`` per staleness, trained from weights
+    version ``step`` (:func:`phalanx.rl.corrections.staleness_histogram`)."""
+    return staleness_histogram(((p.version, c) for _, p in rows for c in p.completions), step)
 
 
 class PolicyTrainer:
@@ -169,10 +176,17 @@ class PolicyTrainer:
             parts.append(stats)
         return merge_stats(parts, with_ref=self.ref is not None)
 
-    def metrics(self, rows: Rows, stats: dict[str, float], seconds: float) -> BatchMetrics:
+    def metrics(
+        self, rows: Rows, stats: dict[str, float], seconds: float, step: int | None = None
+    ) -> BatchMetrics:
         """What this replica measured on its last step of the batch ``rows``: the
-        batch's completion tokens, and its own share's throughput, MFU and stats."""
+        batch's completion tokens, and its own share's throughput, MFU and stats.
+        ``step``: the weights version that step trained from (the committed step count
+        before its commit), for the staleness histogram of the batch's tokens (None:
+        no histogram; nor one wider than the wire allows)."""
         tokens = sum(len(c.token_ids) for _, p in rows for c in p.completions)
+        hist = staleness_of(rows, step) if step is not None else None
+        hist = hist if hist is not None and len(hist) <= MAX_GROUP else None
         train = stats.get("train_tokens", 0.0)
         util = mfu(self.params, train, seconds, self.peak)
 
@@ -188,5 +202,10 @@ class PolicyTrainer:
             kl_behaviour=num("kl_behaviour"),
             kl_ref=num("kl_ref"),
             clip_frac=num("clip_frac"),
+            mismatch_kl=num("mismatch_kl"),
+            ess=num("ess"),
+            is_clip_frac=num("is_clip_frac"),
+            is_mask_frac=num("is_mask_frac"),
+            staleness_tokens={str(k): n for k, n in hist.items()} if hist is not None else None,
             peak_mem_mb=round(peak_memory_mb(torch.device(self.g.device)), 1),
         )

@@ -56,11 +56,18 @@ def batch_metrics(rec: BatchRecord, discarded: Mapping[str, int] | None = None) 
             ("kl_behaviour", "policy"),
             ("kl_ref", "policy"),
             ("clip_frac", "policy"),
+            ("mismatch_kl", "offpolicy"),
+            ("ess", "offpolicy"),
+            ("is_clip_frac", "offpolicy"),
+            ("is_mask_frac", "offpolicy"),
             ("idle", "perf"),
         ):
             v = getattr(m, key)
             if v is not None:
                 out[f"{group}/{key}"] = float(v)
+        # One scalar per staleness seen: the tokens trained that many versions late.
+        for s, n in (m.staleness_tokens or {}).items():
+            out[f"staleness_tokens/{s}"] = float(n)
     for reason, n in (discarded or {}).items():
         out[f"discarded/{reason}"] = float(n)
     return out

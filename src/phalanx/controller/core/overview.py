@@ -192,8 +192,16 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
             )
         }
         measured = last_batch.get("metrics") or {}
-        job["rl"]["train_tokens_per_s"] = measured.get("train_tokens_per_s")
         job["rl"]["policy_idle"] = measured.get("idle")
+        for key in (
+            "train_tokens_per_s",
+            "mismatch_kl",
+            "ess",
+            "is_clip_frac",
+            "is_mask_frac",
+            "staleness_tokens",
+        ):
+            job["rl"][key] = measured.get(key)
         series["reward"] = [[h["step"], h["reward"]] for h in hist][-SERIES_POINTS:]
         series["exact_match"] = [[h["step"], h["exact_match"]] for h in hist][-SERIES_POINTS:]
         b = st.ledger.balance()

@@ -23,6 +23,8 @@ function el(tag, attrs, ...kids) {
 }
 
 const fmt = (x, d = 3) => (x === null || x === undefined ? "-" : Number(x).toFixed(d));
+// {staleness: tokens} as "0:120 1:40", by staleness.
+const lags = (h) => (h ? Object.entries(h).sort((a, b) => a[0] - b[0]).map(([k, v]) => `${k}:${v}`).join(" ") || "-" : "-");
 const ago = (s) => (s === null || s === undefined ? "-" : s < 90 ? `${s.toFixed(1)} s` : s < 5400 ? `${(s / 60).toFixed(1)} min` : `${(s / 3600).toFixed(1)} h`);
 const bytes = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`);
 const clock = (t) => new Date(t * 1000).toLocaleTimeString();
@@ -146,6 +148,10 @@ function render(st) {
     cards.push(card("reward", fmt(j.rl.reward), "reward"), card("exact match", fmt(j.rl.exact_match), "exact_match"),
       card("exact match (avg)", fmt(j.rl.exact_match_avg), "exact_match_avg"), card("staleness", j.rl.staleness ?? "-", "staleness"),
       card("tokens/s", fmt(j.rl.tokens_per_s, 0), "tokens_per_s"), card("train tokens/s", fmt(j.rl.train_tokens_per_s, 0), "train_tokens_per_s"),
+      // Off-policy metrics of the latest batch (rl.grpo.correction; docs/architecture.md).
+      card("mismatch KL", fmt(j.rl.mismatch_kl, 5), "mismatch_kl"), card("ESS", fmt(j.rl.ess), "ess"),
+      card("IS clipped", fmt(j.rl.is_clip_frac), "is_clip_frac"), card("IS masked", fmt(j.rl.is_mask_frac), "is_mask_frac"),
+      card("tokens by staleness", lags(j.rl.staleness_tokens), "staleness_tokens"),
       card("policy idle", fmt(j.rl.policy_idle, 2), "policy_idle"));
   }
   if (j.diloco) cards.push(card("outer step", j.diloco.outer_step, "outer_step"), card("inner step", j.diloco.inner_step, "inner_step"));
