@@ -72,10 +72,11 @@ WEIGHTS = {
     # The geometric mean exp(mean d): row 0 exp(0.3) kept, row 1 exp(-0.767) < 1/2 dropped.
     "mis_sequence": [[E(0.3)] * 3, [0.0] * 3],
 }
-WEIGHTS["decoupled"] = WEIGHTS["tis_token"]
+# exp(d) with the token over the cap (d = 1.0) dropped, as AReaL does.
+WEIGHTS["decoupled"] = [[E(0.1), 0.0, E(-0.2)], [E(-0.9), E(-1.5), E(0.1)]]
 IS_FRACS = {
     "tis_token": (1 / 6, 0.0),
-    "decoupled": (1 / 6, 0.0),
+    "decoupled": (0.0, 1 / 6),
     "tis_sequence": (3 / 6, 0.0),
     "mis_token": (0.0, 3 / 6),
     "mis_sequence": (0.0, 3 / 6),
@@ -218,9 +219,9 @@ def test_micro_batches_accumulate_to_the_unsplit_step(model, correction):
     for k in ("ess", "mismatch_kl", "is_clip_frac", "is_mask_frac", "clip_frac"):
         assert s_split[k] == pytest.approx(s_whole[k], rel=1e-6, abs=1e-9), k
     assert 0 < s_whole["ess"] < 1 and s_whole["mismatch_kl"] > 0
-    if correction.startswith("mis"):
+    if correction.startswith(("mis", "decoupled")):
         assert s_whole["is_mask_frac"] > 0
-    if correction.startswith(("tis", "decoupled")):
+    if correction.startswith("tis"):
         assert s_whole["is_clip_frac"] > 0
 
 

@@ -153,14 +153,15 @@ class GRPOSection(_Section):
     """Off-policy correction of the surrogate for stale rollouts (phalanx.rl.corrections;
     w = pi_prox/mu, pi_prox the trainer's log-probs at the step's start, mu the engine's,
     C = is_cap). ``none``: PPO ratio and clip against mu. ``decoupled`` (AReaL,
-    arXiv:2505.24298): clip against pi_prox, each token weighted by min(w, C).
+    arXiv:2505.24298): clip against pi_prox, each token weighted by w, and dropped
+    when w > C.
     ``tis_token`` / ``tis_sequence`` (truncated IS, Yao et al. 2025): the loss against
     pi_prox times min(w, C) per token / min(prod_t w_t, C) per completion.
     ``mis_token`` / ``mis_sequence`` (masked IS, verl's ``mask`` mode): tokens /
     completions (by the geometric mean of w) with w outside [1/C, C] leave the loss."""
     is_cap: float = Field(2.0, le=1e6)
-    """C: the cap of the importance weight pi_prox/mu (truncation for decoupled and TIS,
-    the band [1/C, C] for MIS); must be > 1."""
+    """C: the cap of the importance weight pi_prox/mu (truncation for TIS, the cut-off
+    of decoupled PPO, the band [1/C, C] for MIS); must be > 1."""
     adv_eps: float = Field(1e-4, gt=0)
     """Added to the group std: a group whose rewards are all equal gets zero advantages."""
     kl_coef: float = Field(0.0, ge=0)

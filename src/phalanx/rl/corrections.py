@@ -20,17 +20,17 @@ stack) that is not the trainer's pi_theta. Symbols, per completion token t of ro
 - **decoupled**: decoupled PPO (Hilton et al. 2021, "Batch size-invariance for
   policy optimization", arXiv:2110.00137; AReaL, Fu et al. 2025, arXiv:2505.24298).
   The clip is against pi_prox, r_t = pi_theta/pi_prox, and each token is weighted by
-  the behaviour weight truncated at C (AReaL's ``behav_imp_weight_cap``):
-  l_t = -min(w_t, C) * min(r_t A, clip(r_t, 1-eps_lo, 1+eps_hi) A).
+  the behaviour weight w_t; a token whose weight exceeds C is dropped (weight 0), as
+  AReaL's ``behav_imp_weight_cap`` does (it masks, it does not truncate):
+  l_t = -1[w_t <= C] w_t * min(r_t A, clip(r_t, 1-eps_lo, 1+eps_hi) A).
   With pi_prox taken at the step's own weights r_t is 1 in value at the forward, so
-  the clip is inactive and the gradient is the min(w, C)-weighted policy gradient:
-  the trust region is the cap (and the optimizer's step size), not the clip.
+  the clip is inactive and the gradient is the w-weighted policy gradient over the
+  tokens under the cap: the trust region is the cap (and the optimizer's step size).
 - **tis_token**: truncated importance sampling (Yao et al. 2025, "Your Efficient RL
   Framework Secretly Brings You Off-Policy RL Training", fengyao.notion.site;
   truncation as in IMPALA, Espeholt et al. 2018, arXiv:1802.01561): the PPO-clipped
-  loss against pi_prox times min(w_t, C). Since pi_prox is the step's own weights it
-  coincides with ``decoupled`` here; the two would part only if pi_prox were an
-  older snapshot than the step's weights.
+  loss against pi_prox times min(w_t, C). It differs from ``decoupled`` only above
+  the cap: TIS keeps such a token at weight C, decoupled PPO drops it.
 - **tis_sequence**: the same with one weight per completion,
   w_i = min(exp(sum_t d_t), C), applied to every token of row i.
 - **mis_token**: masked importance sampling (the ``mask`` mode of verl's rollout
@@ -56,8 +56,9 @@ Metrics (per micro-batch, merged by :func:`phalanx.rl.step.merge_stats`):
 - ``ess``: effective sample size fraction of the weights w over the share's tokens,
   (sum w)^2 / (N sum w^2) in (0, 1] (Kong 1992); 1 when mu = pi_prox. The sums
   ``is_w_sum`` and ``is_w_sq_sum`` travel with it so a merge is exact;
-- ``is_clip_frac``: fraction of tokens whose weight was truncated (decoupled, TIS);
-- ``is_mask_frac``: fraction of tokens masked out (MIS).
+- ``is_clip_frac``: fraction of tokens whose weight was truncated (TIS);
+- ``is_mask_frac``: fraction of tokens masked out (MIS, and decoupled's tokens over
+  the cap).
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def _weights(
     log_cap = math.log(cap)
     on = mask > 0
     none = torch.zeros_like(on)
-    if correction in ("decoupled", "tis_token"):
+    if correction == "decoupled":
+        # AReaL: a token over the cap leaves the loss (clamped first: never inf * 0).
+        over = d > log_cap
+        return torch.exp(d.clamp(max=log_cap)) * ~over, none, over & on
+    if correction == "tis_token":
         # exp(min(d, log C)) = min(w, C), and never inf for a large d.
         return torch.exp(d.clamp(max=log_cap)), (d > log_cap) & on, none
     if correction == "tis_sequence":
