@@ -54,3 +54,30 @@ def test_sampling_is_uniform(make_buffer):
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         MemoryReplayBuffer(0)
+
+
+def test_redis_samples_on_the_server_by_insertion_rank(redis_url):  # noqa: F811
+    from phalanx.controller.core.base import ChangeLog
+    from phalanx.controller.core.ledger.replay import ReplayBook, positions
+
+    b = RedisReplayBuffer(redis_url, f"r-{uuid.uuid4().hex[:10]}", 6)
+    docs = [
+        {"rollout_id": f"p{i}.0", "prompt": i, "version": i // 2, "reward": 0.1 * i,
+         "exact_match": 0.0, "completions": [{"token_ids": [i]}]}
+        for i in range(9)
+    ]  # fmt: skip
+    assert b.add(docs[:4]) == 4 and b.add(docs[2:9]) == 5  # p2, p3 held already
+    # The oldest three went (rank 0 is the oldest held); ranks follow insertion.
+    assert b.size() == 6
+    assert [e["rollout_id"] for e in b.entries_at([0, 5, 6])[:2]] == ["p3.0", "p8.0"]
+    assert b.entries_at([6]) == [None]  # past the end
+    assert b.entries_at([1])[0] == {
+        k: docs[4][k] for k in ("rollout_id", "prompt", "version", "reward", "exact_match")
+    }
+    assert set(b.get(["p0.0", "p4.0"])) == {"p4.0"} and b.get(["p4.0"])["p4.0"] == docs[4]
+    # The ledger's draw reads the same ranks as a memory replay holding the same ids.
+    book = ReplayBook(ChangeLog(10), {}, lambda ref, why: None, kind="redis", capacity=6, seed=5)
+    book.remote = b
+    drawn = [e["rollout_id"] for e in book.draw(3, 2, book.size())]
+    assert drawn == [f"p{3 + p}.0" for p in positions(5, 3, 6, 2)]
+    b.close()

@@ -366,7 +366,10 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "healed": healed,
                     "version": manager.step,
                     # Audit trail: which rollouts (prompt.attempt) this batch trained on.
-                    "rollouts": [r.rollout_id for r in batch.rollouts]
+                    "rollouts": [r.rollout_id for r in batch.rollouts if not r.replayed]
+                    if manager.step % g.inner_epochs == 0
+                    else [],
+                    "replayed": [r.rollout_id for r in batch.rollouts if r.replayed]
                     if manager.step % g.inner_epochs == 0
                     else [],
                     "versions": sorted({r.version for r in batch.rollouts}),
