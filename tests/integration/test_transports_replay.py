@@ -78,6 +78,62 @@ def test_redis_samples_on_the_server_by_insertion_rank(redis_url):  # noqa: F811
     # The ledger's draw reads the same ranks as a memory replay holding the same ids.
     book = ReplayBook(ChangeLog(10), {}, lambda ref, why: None, kind="redis", capacity=6, seed=5)
     book.remote = b
-    drawn = [e["rollout_id"] for e in book.draw(3, 2, book.size())]
+    drawn = [e["rollout_id"] for e in book.draw(3, 2, book.size(0.0))]
     assert drawn == [f"p{3 + p}.0" for p in positions(5, 3, 6, 2)]
     b.close()
+
+
+def test_the_controllers_writer_keeps_its_outbox_until_the_server_answers(
+    redis_url,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import asyncio
+    import socket
+
+    from phalanx.controller import replay_writer
+    from phalanx.controller.core.ledger import payload_key
+    from phalanx.protocol.rl import Completion, RolloutPayload
+
+    monkeypatch.setattr(replay_writer, "RETRY_S", 0.05)
+    with socket.socket() as s:  # a port nothing listens on: a server that is down
+        s.bind(("127.0.0.1", 0))
+        down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    name = f"w-{uuid.uuid4().hex[:10]}"
+    comp = Completion(
+        prompt_ids=[1], token_ids=[2, 3], logprobs=[-0.1, -0.2], finished=True, reward=1.0
+    )
+    payload = RolloutPayload(rollout_id="p0.0", version=3, completions=[comp])
+    row = {"rollout_id": "p0.0", "prompt": 0, "version": 3, "reward": 1.0, "exact_match": 1.0}
+    outbox = [row | {"ref": "p0.0"}]
+    log = {payload_key("p0.0"): payload}
+    live = RedisReplayBuffer(redis_url, name, 8)
+    writer = replay_writer.ReplayWriter(
+        RedisReplayBuffer(down, name, 8, timeout_s=0.5), log.get, None
+    )
+    said: list[str] = []
+
+    async def scenario() -> list[str]:
+        done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+
+        def unreachable(error: str) -> None:
+            said.append(error)
+            assert outbox, "the outbox is kept while the server is down"
+            writer.replay = live  # the server is back
+
+        task = asyncio.create_task(writer.run(lambda: outbox, done.set_result, unreachable))
+        writer.wake.set()
+        try:
+            return await asyncio.wait_for(done, 30)
+        finally:
+            task.cancel()
+
+    assert asyncio.run(scenario()) == ["p0.0"]
+    assert len(said) == 1 and "redis replay" in said[0]
+    # The payload as it was made (behaviour log-probs and version), with its summary.
+    doc = live.get(["p0.0"])["p0.0"]
+    assert (
+        RolloutPayload.model_validate({k: doc[k] for k in ("rollout_id", "version", "completions")})
+        == payload
+    )
+    assert live.entries_at([0]) == [row]
+    live.close()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx.config import JobConfig
-from phalanx.controller.core.ledger import Ledger
+from phalanx.controller.core.ledger import Ledger, payload_key
 from phalanx.protocol.rl import RolloutPayload
 from phalanx.transport.base import RolloutStore, TransportError, store_name
 from phalanx.transport.replay import RedisReplayBuffer
@@ -91,8 +91,6 @@ class ReplayWriter:
         """The payloads the payload log holds, read on the loop (where it lives)."""
         if self.payload_of is None:
             return {}
-        from phalanx.controller.core.ledger import payload_key
-
         return {r["ref"]: self.payload_of(payload_key(r["ref"])) for r in rows}
 
     def _write(self, rows: list[dict[str, Any]], held: dict[str, Any]) -> list[str]:

@@ -222,7 +222,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     weights = (
         weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
     )
-    name = job_store_name(cfg.job.id, client)
+    name = job_store_name(cfg.job.id, client) if lead else ""  # the leader reads payloads
     payloads = rollout_store(rl.transport, name) if lead else None
     replay = replay_reader(rl.transport, name) if lead else None
     coord = Coordinator(ranks, manager, acks, Publisher(client, weights, lead), ckpt, extra)

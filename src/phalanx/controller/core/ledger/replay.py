@@ -28,6 +28,10 @@ entries at the drawn ranks are read on the server (``ZCARD``, ``ZRANGE`` by
 rank). The frozen batch records the drawn entries (``replayed``), apart from
 its fresh ``rollout_ids``, so every replica and every retry trains the same
 batch and the fresh rollouts' accounting is untouched.
+
+A rollback takes the replayed uses of the batches it takes back out of the
+count with them, and leaves the replay as it is: an entry is behaviour data
+with its own log-probs, whichever lineage trained it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ def positions(seed: int, index: int, n: int, k: int) -> list[int]:
         out.append(swapped.get(j, j))
         swapped[j] = swapped.get(i, i)
     return sorted(out)
+
+
+RETRY_S = 2.0
+"""Seconds a Redis replay that failed a draw is left alone before the next ask."""
 
 
 class ReplayUnavailable(Exception):
@@ -89,6 +97,9 @@ class ReplayBook:
         self.remote: RemoteReplay | None = None
         """Redis: the server's replay, attached by the service once the run is known."""
         self.seq = 0
+        self.retry_at = 0.0
+        """Redis: wall time before which the server is not asked again after a failed
+        draw (each ask would stall the controller's loop for the draw's timeout)."""
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
         rows = tables.get("replay", {}).values()
@@ -153,15 +164,19 @@ class ReplayBook:
 
     # -- drawing -------------------------------------------------------------
 
-    def size(self) -> int:
-        """Entries to draw from; raises :class:`ReplayUnavailable`."""
+    def size(self, wall: float) -> int:
+        """Entries to draw from; raises :class:`ReplayUnavailable` (and, for
+        :data:`RETRY_S` after that, without asking the server again)."""
         if self.kind == "memory":
             return len(self.entries)
         if self.remote is None:
             raise ReplayUnavailable("the redis replay is not attached yet")
+        if wall < self.retry_at:
+            raise ReplayUnavailable("the redis replay did not answer a moment ago")
         try:
             return self.remote.size()
         except Exception as e:  # a TransportError, whatever the server did
+            self.retry_at = wall + RETRY_S
             raise ReplayUnavailable(str(e)) from e
 
     def draw(self, index: int, k: int, n: int) -> list[dict[str, Any]]:

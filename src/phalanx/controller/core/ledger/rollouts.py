@@ -253,7 +253,7 @@ class RolloutBook:
         if k == 0:
             return []
         try:
-            drawn = self.replay.draw(b, k, self.replay.size())
+            drawn = self.replay.draw(b, k, self.replay.size(wall))
         except ReplayUnavailable as e:
             if len(self.pending) < need:
                 return None  # wait for fresh ones to fill the batch, asking again
