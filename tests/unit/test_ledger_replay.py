@@ -162,3 +162,16 @@ def test_an_unreachable_redis_replay_freezes_fresh_only_and_keeps_what_was_train
     st.commit(st.ledger.take(Tick()))
     assert st.ledger.replay.out == {} and not [k for k in st.payloads if k.startswith("rl/")]
     check(st)
+
+
+def test_a_replay_entry_whose_payload_the_log_lost_leaves_the_replay_at_a_restart(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite")
+    st = job(*MEMORY, journal=journal)
+    batch_step(st, 0)
+    gone, *kept = st.ledger.replay.entries
+    del st.payloads[payload_key(st.ledger.replay.entries[gone]["ref"])]  # a torn segment
+    st = restart(st, journal, now=1)
+    st.reconcile(now=1, wall=1)
+    assert list(st.ledger.replay.entries) == kept
+    assert check(st)["replay"]["lost"] == 1
+    journal.close()

@@ -344,8 +344,10 @@ class Ledger:
         ]
         self.lose(lost, wall=wall)
         kept = {**self.replay.entries, **self.replay.out}
-        gone = [rid for rid, row in kept.items() if payload_of(payload_key(row["ref"])) is None]
-        self.lose([(rid, "payload_missing") for rid in gone], wall=wall)
+        for rid, row in kept.items():
+            if payload_of(payload_key(row["ref"])) is None:
+                self.lose([(rid, "payload_missing")], wall=wall)
+                self.replay.forget(rid, "payload_missing", unwritten=True)
         return self.take(Tick())
 
     def lose(self, lost: list[tuple[str, str]], *, wall: float) -> tuple[list[str], list[int]]:
@@ -356,7 +358,7 @@ class Ledger:
         reopened: list[int] = []
         for rid, reason in lost:
             if rid not in self.rollouts.records:
-                reopened += self._lose_replayed(rid, reason)
+                reopened += self.rollouts.lose_replayed(rid, reason)
                 continue  # trained or discarded already: nothing left to lose
             b = self.rollouts.batch_of(rid)
             if b is not None:
@@ -367,23 +369,6 @@ class Ledger:
         if discarded:
             self.save()
         return discarded, reopened
-
-    def _lose_replayed(self, rid: str, reason: str) -> list[int]:
-        """A replay entry's payload could not be read: it leaves the replay, and the
-        untrained batches that drew it are unfrozen (drawn again at the next ask)."""
-        ro, replay = self.rollouts, self.replay
-        batches = [
-            b
-            for b, batch in ro.batches.items()
-            if "trained_at" not in batch
-            and any(r["rollout_id"] == rid for r in batch.get("replayed", []))
-        ]
-        for b in batches:
-            ro.reopen(b)
-        if replay.forget(rid, reason) or batches:
-            self.counts["replay_lost"] += 1
-            self.save()
-        return batches
 
     # -- training batches (policy replicas) ------------------------------
 

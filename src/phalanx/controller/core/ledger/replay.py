@@ -135,10 +135,12 @@ class ReplayBook:
             self.counts["replay_evicted"] += 1
         return True
 
-    def forget(self, rid: str, reason: str) -> bool:
-        """The entry leaves the replay (or its write to the server is given up), and
-        its payload goes. False: not held."""
-        for table, held in (("replay", self.entries), ("replay_out", self.out)):
+    def forget(self, rid: str, reason: str, *, unwritten: bool = False) -> bool:
+        """The entry leaves the replay, and its payload goes. ``unwritten``: also give
+        up its write to the server when it waits for one (its payload is gone). False:
+        not held."""
+        tables = [("replay", self.entries)] + ([("replay_out", self.out)] if unwritten else [])
+        for table, held in tables:
             row = held.pop(rid, None)
             if row is not None:
                 self.log.put(table, rid, None)

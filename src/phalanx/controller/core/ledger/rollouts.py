@@ -179,6 +179,23 @@ class RolloutBook:
                 return b
         return None
 
+    def lose_replayed(self, rid: str, reason: str) -> list[int]:
+        """A replay entry's payload could not be read: it leaves the replay, and the
+        untrained batches that drew it are unfrozen (drawn again at the next ask).
+        Returns those batches."""
+        batches = [
+            b
+            for b, batch in self.batches.items()
+            if "trained_at" not in batch
+            and any(r["rollout_id"] == rid for r in batch.get("replayed", []))
+        ]
+        for b in batches:
+            self.reopen(b)
+        if self.replay.forget(rid, reason) or batches:
+            self.counts["replay_lost"] += 1
+            self.save()
+        return batches
+
     # -- training batches ------------------------------------------------
 
     def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
