@@ -57,15 +57,17 @@ def test_rl_job_with_a_redis_replay_trains_the_same_batches_on_every_replica(
     seen = audit([p0, p1])
     assert sorted(seen) == list(range(BATCHES))
     check_ledger(st, trained_prompts([p0, p1]))  # fresh rollouts: each prompt once
-    # Half of every batch after the first is replayed: rollouts trained before it.
+    # Half of a batch is replayed (rollouts trained before it) once the server holds
+    # any: a batch frozen before the last one's rollouts were written draws from
+    # what the server held then (none, for the first ones).
     trained_before: set[str] = set()
     for b in sorted(seen):
         fresh, replayed = seen[b]
         assert len(fresh) + len(replayed) == PPS
         assert set(replayed) <= trained_before and len(set(replayed)) == len(replayed)
-        if b > 0:
-            assert len(replayed) == PPS // 2, (b, seen[b])
+        assert len(replayed) in (0, PPS // 2), (b, seen[b])
         trained_before |= set(fresh)
+    assert sum(1 for _, r in seen.values() if r) >= 2
     replay = st["replay"]
     assert replay["replayed"] == sum(len(r) for _, r in seen.values())
     assert (replay["batched"], replay["unavailable"], replay["lost"]) == (0, 0, 0)

@@ -27,7 +27,8 @@ imports no ``random``). For Redis the count and the
 entries at the drawn ranks are read on the server (``ZCARD``, ``ZRANGE`` by
 rank). The frozen batch records the drawn entries (``replayed``), apart from
 its fresh ``rollout_ids``, so every replica and every retry trains the same
-batch and the fresh rollouts' accounting is untouched.
+batch and the fresh rollouts' accounting is untouched. A Redis draw sees what
+the server holds at the freeze (rollouts still in the outbox are not drawn yet).
 
 A rollback takes the replayed uses of the batches it takes back out of the
 count with them, and leaves the replay as it is: an entry is behaviour data
