@@ -1,14 +1,15 @@
-"""The RL job with half of each batch drawn from a Redis replay memory
-(``rl.loop.replay_ratio = 0.5``): real controller, two policy replicas (one
-SIGKILLed mid-job), a rollout replica and a real ``redis-server``. The ledger
-decides each batch's draw once, so both policy replicas train identical
-batches; every replayed use is accounted for apart from the fresh rollouts,
-and the ledger balances at the end."""
+"""The RL job with half of each batch drawn from a replay memory
+(``rl.loop.replay_ratio = 0.5``), in Redis (a real ``redis-server``) or in the
+controller (``memory``): real controller, two policy replicas (one SIGKILLed
+mid-job) and a rollout replica. The ledger decides each batch's draw once, so
+both policy replicas train identical batches; every replayed use is accounted
+for apart from the fresh rollouts, and the ledger balances at the end."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
@@ -33,15 +34,15 @@ def audit(policy: list[RLReplica]) -> dict[int, tuple[list[str], list[str]]]:
     return seen
 
 
-def test_rl_job_with_a_redis_replay_trains_the_same_batches_on_every_replica(
-    tmp_path: Path,
-    procs: Procs,
-    redis_url: str,  # noqa: F811
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+def test_rl_job_with_a_replay_trains_the_same_batches_on_every_replica(
+    kind: str, tmp_path: Path, procs: Procs, request: pytest.FixtureRequest
 ):
+    url = request.getfixturevalue("redis_url") if kind == "redis" else "memory"
     sections = job_sections(policy_init=2, rollout_init=1, steps=BATCHES, target_reward=0.99)
     sections["job"]["id"] = f"rl-replay-{tmp_path.name}"[:60]
     sections["rl.loop"]["replay_ratio"] = 0.5
-    sections["rl.transport"] = {"replay": redis_url}
+    sections["rl.transport"] = {"replay": url}
     config = write_job_toml(tmp_path / "rl.toml", sections)
     ctl = Controller(procs, tmp_path / "state", config).start()
     p0, p1 = (RLReplica(procs, ctl, config, "policy", f"policy-{i}") for i in range(2))
@@ -71,8 +72,11 @@ def test_rl_job_with_a_redis_replay_trains_the_same_batches_on_every_replica(
     replay = st["replay"]
     assert replay["replayed"] == sum(len(r) for _, r in seen.values())
     assert (replay["batched"], replay["unavailable"], replay["lost"]) == (0, 0, 0)
+    if kind == "memory":  # every trained rollout is held (replay_size is larger)
+        assert replay["held"] == BATCHES * PPS - replay["replayed"]
+        return
     # Every trained rollout reached the Redis replay, under the job's store name.
-    r = connect(redis_url)
+    r = connect(url)
     (key,) = r.keys(f"phalanx:{sections['job']['id']}.*:replay:ids")
     wait_for(lambda: rl_status(ctl)["replay"]["unwritten"] == 0, PROGRESS_S, "the replay writes")
     assert r.zcard(key) == BATCHES * PPS - replay["replayed"]
