@@ -137,3 +137,24 @@ def test_the_controllers_writer_keeps_its_outbox_until_the_server_answers(
     )
     assert live.entries_at([0]) == [row]
     live.close()
+
+
+def test_a_draw_from_a_server_that_is_down_gives_up_soon_and_is_not_retried_at_once(caplog):
+    import socket
+
+    from phalanx.controller.core.base import ChangeLog
+    from phalanx.controller.core.ledger.replay import RETRY_S, ReplayBook, ReplayUnavailable
+    from phalanx.controller.replay_writer import DrawSource
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    book = ReplayBook(ChangeLog(10), {}, lambda ref, why: None, kind="redis", capacity=4, seed=0)
+    book.remote = DrawSource(RedisReplayBuffer(down, "d", 4, timeout_s=0.5))
+    with pytest.raises(ReplayUnavailable, match="redis replay"):
+        book.size(10.0)
+    assert "fresh rollouts only" in caplog.text and book.retry_at == 10.0 + RETRY_S
+    caplog.clear()
+    with pytest.raises(ReplayUnavailable, match="a moment ago"):
+        book.size(10.0 + RETRY_S / 2)  # not asked again: the loop is not stalled twice
+    assert caplog.text == ""

@@ -108,6 +108,29 @@ class ReplayWriter:
             self.store.close()
 
 
+class DrawSource:
+    """The Redis replay as the ledger's draws read it (``ZCARD``, ``ZRANGE`` by rank),
+    with a warning in the controller's log when the server does not answer (the
+    ledger then freezes the batch from fresh rollouts only, and counts it)."""
+
+    def __init__(self, replay: RedisReplayBuffer):
+        self.replay = replay
+
+    def size(self) -> int:
+        try:
+            return self.replay.size()
+        except TransportError as e:
+            log.warning("replay: no draw for this batch (fresh rollouts only): %s", e)
+            raise
+
+    def entries_at(self, positions: list[int]) -> list[dict[str, Any] | None]:
+        try:
+            return self.replay.entries_at(positions)
+        except TransportError as e:
+            log.warning("replay: no draw for this batch (fresh rollouts only): %s", e)
+            raise
+
+
 def open_writer(
     cfg: JobConfig, led: Ledger | None, payload_of: Callable[[str], Any]
 ) -> ReplayWriter | None:
@@ -117,7 +140,8 @@ def open_writer(
         return None
     t = cfg.rl.transport
     url, name = str(t.replay), store_name(cfg.job.id, led.run)
-    led.replay.remote = RedisReplayBuffer(url, name, t.replay_size, timeout_s=DRAW_TIMEOUT_S)
+    draws = RedisReplayBuffer(url, name, t.replay_size, timeout_s=DRAW_TIMEOUT_S)
+    led.replay.remote = DrawSource(draws)
     store = None
     if t.rollouts != "controller":
         from phalanx.transport.factory import open_store

@@ -163,7 +163,7 @@ class ReplayBook:
 
     def unreachable(self, error: str, wall: float) -> None:
         """Redis: the outbox could not be written (it is kept, and retried)."""
-        self.log.event("replay_unavailable", wall, phase="write", error=error[:300])
+        self.log.event("replay_write_waits", wall, error=error[:300])
 
     # -- drawing -------------------------------------------------------------
 
