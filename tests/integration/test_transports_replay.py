@@ -158,3 +158,28 @@ def test_a_draw_from_a_server_that_is_down_gives_up_soon_and_is_not_retried_at_o
     with pytest.raises(ReplayUnavailable, match="a moment ago"):
         book.size(10.0 + RETRY_S / 2)  # not asked again: the loop is not stalled twice
     assert caplog.text == ""
+
+
+def test_a_policy_reads_replayed_payloads_by_id_and_reports_unreadable_ones(redis_url):  # noqa: F811
+    import socket
+
+    from phalanx.protocol.rl import Batch, BatchRollout, Completion, RolloutPayload
+    from phalanx.transport.replay import replayed_payloads
+
+    comp = Completion(prompt_ids=[1], token_ids=[2], logprobs=[-0.3], finished=True, reward=1.0)
+    payload = RolloutPayload(rollout_id="p1.0", version=2, completions=[comp])
+    live = RedisReplayBuffer(redis_url, f"r-{uuid.uuid4().hex[:10]}", 4)
+    live.add([payload.model_dump(mode="json") | {"prompt": 1, "reward": 1.0, "exact_match": 1.0}])
+    summary = {"prompt": 1, "version": 2, "reward": 1.0, "exact_match": 1.0, "replayed": True}
+    rows = [BatchRollout(rollout_id=rid, **summary) for rid in ("p1.0", "p9.0")]
+    fresh = BatchRollout(rollout_id="p5.0", prompt=5, version=2, reward=0.0, exact_match=0.0)
+    batch = Batch(
+        index=3, step=3, frozen_at=0.0, reward=0.0, exact_match=0.0, staleness=0,
+        rollouts=[*rows, fresh],
+    )  # fmt: skip
+    assert replayed_payloads(batch, live) == {"p1.0": payload}  # p9.0 is not held: lost
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = RedisReplayBuffer(f"redis://127.0.0.1:{s.getsockname()[1]}/0", "d", 4, timeout_s=0.5)
+    assert replayed_payloads(batch, down) == {}  # reported lost: the batch is drawn again
+    live.close()

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ from phalanx.transport.redis_queue import connect
 
 if TYPE_CHECKING:
     from phalanx.config.rl import TransportSection
+
+log = logging.getLogger("phalanx.transport")
 
 
 def _check_capacity(capacity: int) -> None:
@@ -207,12 +210,21 @@ def replay_reader(t: TransportSection, name: str) -> ReplayReader | None:
 def replayed_payloads(batch: Batch, replay: ReplayReader | None) -> dict[str, RolloutPayload]:
     """The payloads of the batch's replayed rollouts that came without one, read by id
     from the Redis replay (one ``HMGET``); an id it no longer holds is left out (the
-    caller reports it lost, and the ledger draws the batch again)."""
+    caller reports it lost, and the ledger draws the batch again), and so is every
+    id when the server does not answer (the ledger's new draw then fails too, and
+    the batch is frozen from fresh rollouts only)."""
     ids = [r.rollout_id for r in batch.rollouts if r.replayed and not (r.ref or r.completions)]
     if not ids or replay is None:
         return {}
+    try:
+        held = replay.get(ids)
+    except TransportError as e:
+        log.warning(
+            "replay: %d replayed payload(s) of batch %d unread: %s", len(ids), batch.index, e
+        )
+        return {}
     out: dict[str, RolloutPayload] = {}
-    for rid, doc in replay.get(ids).items():
+    for rid, doc in held.items():
         try:
             out[rid] = RolloutPayload.model_validate(
                 {k: doc[k] for k in ("rollout_id", "version", "completions")}, strict=False
