@@ -97,6 +97,9 @@ def durable(led: Ledger) -> dict[str, Any]:
         "mesh": w.mesh,
         "counts": led.counts,
         "unswept": led.unswept,
+        "replay": led.replay.entries,
+        "replay_out": led.replay.out,
+        "lineage_replayed": r.lineage.replayed,
     }
     out: dict[str, Any] = json.loads(json.dumps(d))
     return out
@@ -121,6 +124,12 @@ def check(st: ControllerState) -> dict[str, Any]:
         "trained_at" in led.rollouts.batches[k] for k in set(done) & set(led.rollouts.batches)
     )
     assert led.rollouts.lineage.rollouts() == led.counts["trained_rollouts"]
+    # Replayed uses are counted apart: never a pending or batched fresh rollout.
+    replayed = [
+        r["rollout_id"] for bt in led.rollouts.batches.values() for r in bt.get("replayed", [])
+    ]
+    assert not set(replayed) & set(led.rollouts.records)
+    assert sum(map(len, led.rollouts.lineage.replayed.values())) == led.counts["replayed_rollouts"]
     assert sum(led.rollouts.discarded.values()) == sum(r["discarded"].values())
     batched = [rid for bt in led.rollouts.batches.values() for rid in bt["rollout_ids"]]
     assert len(batched) == len(set(batched)), "a rollout in two batches"

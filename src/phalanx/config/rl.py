@@ -261,6 +261,12 @@ class LoopSection(_Section):
     wait this long before the sync is ordered again without it."""
     history: int = Field(2000, ge=10, le=1_000_000)
     """Trained batches whose metrics the controller keeps for status and charts."""
+    replay_ratio: float = Field(0.0, ge=0, lt=1)
+    """Fraction of each batch's rollouts drawn from the replay memory
+    (``rl.transport.replay``); the rest are fresh. The ledger draws
+    ``round(replay_ratio * prompts_per_step)`` of them when it freezes the batch,
+    seeded by (job seed, batch index), so every replica and every retry trains the
+    same batch. 0: fresh rollouts only (a configured replay is still filled)."""
 
 
 def _check_url(value: str, fixed: str, what: str) -> str:
@@ -292,9 +298,15 @@ class TransportSection(_Section):
     """Weight sync: ``collective`` (broadcast from the policy leader), a storage URL (safetensors
     and a manifest) or ``redis://host:port/db`` (small models)."""
     replay: str | None = None
-    """Replay buffer for off-policy algorithms: ``memory``, ``redis://host:port/db``, or None."""
+    """Replay memory of trained rollouts (``rl.loop.replay_ratio`` of each batch is drawn
+    from it): ``memory`` (held by the controller: its journal indexes the entries, its
+    payload log or the rollout store keeps their payloads; survives a controller
+    restart), ``redis://host:port/db`` (the controller writes every trained rollout's
+    payload there; sampled on the server, shared by the policy replicas), or None.
+    Set with ``replay_ratio = 0``, the memory is still filled, for a later run to draw
+    from."""
     replay_size: int = Field(4096, ge=1, le=1 << 24)
-    """Rollouts the replay buffer holds (the last N; sampling is uniform over them)."""
+    """Rollouts the replay memory holds (the last N trained; draws are uniform over them)."""
     keep_versions: int = Field(2, ge=1, le=1000)
     """Published weight versions kept (storage and redis); older ones are deleted."""
 
@@ -368,6 +380,16 @@ class RLConfig(_Section):
             raise ValueError(
                 f"loop.window must be <= loop.history: got window={self.loop.window}, "
                 f"history={self.loop.history}. The trailing means need that many batches kept."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _replay_to_draw_from(self) -> RLConfig:
+        if self.loop.replay_ratio > 0 and self.transport.replay is None:
+            raise ValueError(
+                "rl.loop.replay_ratio needs rl.transport.replay ('memory' or "
+                "redis://host:port/db): got none. Set rl.transport.replay, or "
+                "rl.loop.replay_ratio = 0."
             )
         return self
 

@@ -24,6 +24,7 @@ from phalanx.controller.core.state import ControllerState, Tick
 from phalanx.controller.journal import Journal
 from phalanx.controller.metrics import Metrics
 from phalanx.controller.payloads import PayloadLog
+from phalanx.controller.replay_writer import open_writer
 from phalanx.controller.statedir import CannotStart
 from phalanx.net import connect
 from phalanx.transport.base import store_name
@@ -84,6 +85,9 @@ class ControllerService:
         if dropped:
             log.info("payload log: %d payload(s) no journal record refers to were dropped", dropped)
         self.state.start(clock(), wall())
+        self.replay = open_writer(cfg, self.state.ledger, payloads.get)
+        """Writes trained rollouts to a Redis replay (None: no Redis replay)."""
+        self._replay_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self)
         self._waiters: dict[str, dict[str, list[asyncio.Future[None]]]] = {k: {} for k in WAITS}
         self._ticker: asyncio.Task[None] | None = None
@@ -122,6 +126,9 @@ class ControllerService:
             self.metrics.journal_writes.inc()
             for key in list(self._waiters["status"]):
                 self._wake("status", key)
+        led = self.state.ledger
+        if self.replay is not None and led is not None and led.replay.out:
+            self.replay.wake.set()
         if tick is None:
             return
         if tick.drops:
@@ -219,6 +226,23 @@ class ControllerService:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._ticker = loop.create_task(self.run_ticker())
+        led = self.state.ledger
+        if self.replay is not None and led is not None:
+            ledger, replay = led, led.replay
+
+            def unreachable(error: str) -> None:
+                self.apply(lambda *, now, wall: replay.unreachable(error, wall))
+
+            def made(ids: list[str], *, now: float, wall: float) -> Tick:
+                replay.written(ids)  # their payloads may go now
+                return ledger.take(Tick())
+
+            def written(ids: list[str]) -> None:
+                self.apply(made, ids)
+
+            outbox = led.replay.outbox
+            self._replay_task = loop.create_task(self.replay.run(outbox, written, unreachable))
+            self.replay.wake.set()
         if self.collector is not None:
             led = self.state.ledger
 
@@ -226,7 +250,9 @@ class ControllerService:
                 loop.call_soon_threadsafe(self.apply, self.state.swept, refs)
 
             def referenced() -> set[str]:
-                return {r["ref"] for r in led.rollouts.records.values()} if led else set()
+                if led is None:
+                    return set()
+                return {r["ref"] for r in led.rollouts.records.values()} | led.replay.refs()
 
             name = store_name(self.cfg.job.id, led.run if led is not None else "")
             self.collector.start(name, swept, loop, referenced)
@@ -236,12 +262,16 @@ class ControllerService:
     async def stop(self) -> None:
         for task in list(self._probes):
             task.cancel()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for loop_task in (self._ticker, self._replay_task):
+            if loop_task is None:
+                continue
+            loop_task.cancel()
             try:
-                await self._ticker
+                await loop_task
             except asyncio.CancelledError:
                 pass
+        if self.replay is not None:
+            self.replay.close()
         if self.collector is not None:
             # Drops still queued get a few seconds; the rest stay journaled for the next start.
             await asyncio.get_running_loop().run_in_executor(None, self.collector.stop)

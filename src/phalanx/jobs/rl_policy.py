@@ -80,18 +80,22 @@ from phalanx.train.shards import shard_model
 from phalanx.train.snapshot import save_state
 from phalanx.transport.base import RolloutStore
 from phalanx.transport.factory import rollout_store, weight_channel
+from phalanx.transport.replay import ReplayReader, replay_reader, replayed_payloads
 
 log = logging.getLogger("phalanx.jobs.rl_policy")
 
 
 def payloads_of(
-    batch: Batch, store: RolloutStore | None, rl: RLConfig
+    batch: Batch, store: RolloutStore | None, rl: RLConfig, replay: ReplayReader | None = None
 ) -> tuple[Rows, list[tuple[str, str]]]:
     """The batch's (prompt, payload) rows, and the rollouts whose payloads could not
-    be read or do not fit (``(rollout id, reason)``)."""
+    be read or do not fit (``(rollout id, reason)``). Replayed rollouts that come
+    without their payload are read by id from the Redis ``replay``; their stored
+    behaviour log-probs are what the loss's importance weights use."""
     g = rl.grpo
     found: dict[str, Any] = {}
     lost: list[tuple[str, str]] = []
+    replayed = replayed_payloads(batch, replay)
     refs = [r.ref for r in batch.rollouts if r.ref is not None]
     if refs:
         if store is None:
@@ -110,6 +114,8 @@ def payloads_of(
                 continue  # counted as lost above
         elif r.completions:
             p = r.payload()
+        elif r.rollout_id in replayed:
+            p = replayed[r.rollout_id]
         else:
             lost.append((r.rollout_id, "payload_missing"))
             continue
@@ -217,7 +223,9 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     weights = (
         weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
     )
-    payloads = rollout_store(rl.transport, job_store_name(cfg.job.id, client)) if lead else None
+    name = job_store_name(cfg.job.id, client) if lead else ""  # the leader reads payloads
+    payloads = rollout_store(rl.transport, name) if lead else None
+    replay = replay_reader(rl.transport, name) if lead else None
     coord = Coordinator(ranks, manager, acks, Publisher(client, weights, lead), ckpt, extra)
     metrics: OrderedDict[int, tuple[float, float]] = OrderedDict()
     idle = IdleClock()  # waiting for rollouts (the batch lease), per step and per ack
@@ -272,7 +280,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                         if batch is not None:
                             plan.batch, (plan.rows, lost) = (
                                 batch.index,
-                                payloads_of(batch, payloads, rl),
+                                payloads_of(batch, payloads, rl, replay),
                             )
                             if lost:
                                 client.lost_payloads(lost)
@@ -372,7 +380,10 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     "healed": healed,
                     "version": manager.step,
                     # Audit trail: which rollouts (prompt.attempt) this batch trained on.
-                    "rollouts": [r.rollout_id for r in batch.rollouts]
+                    "rollouts": [r.rollout_id for r in batch.rollouts if not r.replayed]
+                    if manager.step % g.inner_epochs == 0
+                    else [],
+                    "replayed": [r.rollout_id for r in batch.rollouts if r.replayed]
                     if manager.step % g.inner_epochs == 0
                     else [],
                     "versions": sorted({r.version for r in batch.rollouts}),

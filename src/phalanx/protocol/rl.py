@@ -219,6 +219,10 @@ class BatchRollout(Wire):
     """Where the payload is, when the rollout store is outside the controller."""
     completions: Annotated[list[Completion], Field(max_length=MAX_GROUP)] = []
     """The payload, when the controller stores it."""
+    replayed: bool = False
+    """Drawn from the replay memory (``rl.loop.replay_ratio``): a rollout trained
+    before, under its original id. Its payload comes like a fresh one's (completions
+    or ref) with a ``memory`` replay, or neither: read it by id from the Redis replay."""
 
     def payload(self) -> RolloutPayload:
         """The payload that came with the batch (when the controller stores payloads)."""

@@ -177,6 +177,28 @@ class WeightsStatus(Wire):
     """Weights version each rollout replica last declared."""
 
 
+class ReplayCounts(Wire):
+    """The replay memory (``rl.transport.replay``), its uses counted apart from the
+    fresh rollouts' accounting."""
+
+    kind: Annotated[str, Field(max_length=16)]
+    """``memory`` or ``redis``."""
+    held: Count | None = None
+    """Entries held (a memory replay; a Redis one is counted on its server)."""
+    unwritten: Count = 0
+    """Redis: trained rollouts not yet written to the server (kept until they are)."""
+    added: Count
+    evicted: Count
+    batched: Count
+    """Replayed uses in frozen batches not yet trained."""
+    replayed: Count
+    """Replayed uses in trained batches (in the lineage)."""
+    lost: Count
+    """Entries whose payload could not be read (their batches were drawn again)."""
+    unavailable: Count
+    """Batches frozen from fresh rollouts only: the replay's server did not answer."""
+
+
 class LedgerStatus(Wire):
     ok: bool
     """The ledger balances: every prompt and every rollout is accounted for."""
@@ -197,6 +219,8 @@ class LedgerStatus(Wire):
     payloads: Annotated[dict[Key, Count], Field(max_length=64)] = {}
     """With a rollout store outside the controller: ``unswept``, the payload drops
     journaled and not yet made by the collector."""
+    replay: ReplayCounts | None = None
+    """With ``rl.transport.replay``: the replay memory's counts."""
 
 
 # -- the overview ---------------------------------------------------------------

@@ -25,6 +25,8 @@ EVENT_TEXT = {
     "rl_finished": "RL job finished",
     "rl_final_step": "RL job's last step is {step} (batch {batch}): finished once a save holds it",
     "journal_record_dropped": "journal record {table}/{key} dropped at restart: {reason}",
+    "replay_unavailable": "replay unreachable: batch {batch} frozen from fresh rollouts only",
+    "replay_write_waits": "replay unreachable: trained rollouts wait to be written ({error})",
 }
 """Timeline events said in one line from their fields."""
 

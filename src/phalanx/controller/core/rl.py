@@ -196,9 +196,12 @@ class RLRequests:
         """The wire batch: each rollout's summary, with its payload from the payload
         log, or its ref in the external rollout store."""
         rollouts = []
-        for rid in b["rollout_ids"]:
-            rec = led.rollouts.records[rid]
-            payload = None if led.external_store else self._payload(rec["ref"])
+        held = led.replay.entries  # a memory replay's entries: payloads where fresh ones are
+        fresh = [(led.rollouts.records[rid], False) for rid in b["rollout_ids"]]
+        for rec, replayed in fresh + [(r, True) for r in b.get("replayed", [])]:
+            rid = rec["rollout_id"]
+            ref: str | None = rec["ref"] if not replayed else held.get(rid, {}).get("ref")
+            payload = None if ref is None or led.external_store else self._payload(ref)
             rollouts.append(
                 BatchRollout.model_construct(
                     rollout_id=rid,
@@ -206,8 +209,9 @@ class RLRequests:
                     version=rec["version"],
                     reward=rec["reward"],
                     exact_match=rec["exact_match"],
-                    ref=rec["ref"] if led.external_store else None,
+                    ref=ref if led.external_store else None,
                     completions=payload.completions if payload is not None else [],
+                    replayed=replayed,
                 )
             )
         return Batch.model_construct(

@@ -67,6 +67,8 @@ TABLES: dict[str, Shape] = {
     "rl_history": {"batch": INT},
     "lineage": {"index": INT, "rollouts": LIST},
     "payload_drops": {"reason": TEXT},
+    "replay": {"rollout_id": TEXT, "prompt": INT, "version": INT, "ref": TEXT, "seq": INT},
+    "replay_out": {"rollout_id": TEXT, "prompt": INT, "version": INT, "ref": TEXT},
 }
 """Per table, what each of its records must hold."""
 

@@ -94,6 +94,7 @@ class ControllerState:
                 sync_timeout_s=2 * cfg.rl.loop.sync_timeout_s + cfg.timeouts.heartbeat_s,
                 external_store=cfg.rl.transport.rollouts != "controller",
                 first_mesh_hold_s=cfg.timeouts.quorum_s,  # as a first quorum waits
+                seed=cfg.job.seed,
             )
             if cfg.rl is not None
             else None
@@ -434,6 +435,7 @@ class ControllerState:
         led = self.ledger
         if led is not None and not led.external_store:
             keys |= {payload_key(rec["ref"]) for rec in led.rollouts.records.values()}
+            keys |= {payload_key(ref) for ref in led.replay.refs()}
         return keys
 
     def reconcile(self, *, now: float, wall: float) -> Tick:

@@ -6,7 +6,9 @@ composed of three books:
 
 - :class:`~.prompts.PromptBook`: the cursor, prompts in flight, their leases;
 - :class:`~.rollouts.RolloutBook`: accepted rollouts and training batches;
-- :class:`~.sync.WeightSync`: weight-sync orders and the replicas' versions.
+- :class:`~.sync.WeightSync`: weight-sync orders and the replicas' versions;
+- :class:`~.replay.ReplayBook`: the replay memory of trained rollouts that a
+  share of each batch is drawn from (``rl.loop.replay_ratio``).
 
 The ledger records each rollout's id, prompt, weights version, state and
 summary figures, and the ``ref`` of its payload, never the payload itself: the
@@ -18,6 +20,10 @@ Where each prompt is, at every moment (:meth:`Ledger.balance` checks it)::
 
     issued (cursor) = queued + leased + done + trained
     accepted rollouts = pending + batched + trained + discarded (by reason)
+
+Replayed uses are counted apart (``replay`` in the balance: ``batched`` in frozen
+batches, ``replayed`` in trained ones), so a rollout trained again from the
+replay never counts twice among the accepted ones.
 """
 
 from __future__ import annotations
@@ -26,22 +32,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from phalanx.config.rl import RLConfig
-from phalanx.controller.core.base import ChangeLog, StateError, Tick
+from phalanx.controller.core.base import ChangeLog, Tick
 from phalanx.controller.core.ledger.prompts import Lease, PromptBook
+from phalanx.controller.core.ledger.replay import RemoteReplay, ReplayBook
 from phalanx.controller.core.ledger.rollouts import RolloutBook, payload_key
+from phalanx.controller.core.ledger.submission import check_submission, rollout_prompt
 from phalanx.controller.core.ledger.sync import Sync, WeightSync
-from phalanx.protocol.rl import RolloutIn, RolloutPayload, parse_rollout_id
+from phalanx.protocol.rl import RolloutIn, RolloutPayload
 from phalanx.protocol.status import LedgerStatus
 
-__all__ = ["Lease", "Ledger", "Sync", "payload_key"]
-
-
-def rollout_prompt(rollout_id: str) -> tuple[int, int]:
-    """``p<prompt>.<attempt>`` -> (prompt, attempt); a 400 naming the field if malformed."""
-    try:
-        return parse_rollout_id(rollout_id)
-    except ValueError as e:
-        raise StateError(str(e), field="rollouts.rollout_id") from None
+__all__ = ["Lease", "Ledger", "RemoteReplay", "Sync", "payload_key", "rollout_prompt"]
 
 
 class Ledger:
@@ -56,7 +56,10 @@ class Ledger:
         sync_timeout_s: float = 60.0,
         external_store: bool = False,
         first_mesh_hold_s: float = 0.0,
+        seed: int = 0,
     ):
+        """``seed``: the job's seed, which with the batch index decides each batch's
+        draw from the replay."""
         self.rl, self.log = rl, log
         self.loop, self.grpo = rl.loop, rl.grpo
         self.run = run
@@ -76,11 +79,25 @@ class Ledger:
             "unleased": 0,
             "leases_issued": 0,
             "leases_expired": 0,
+            "replay_added": 0,
+            "replay_evicted": 0,
+            "replayed_rollouts": 0,
+            "replay_lost": 0,
+            "replay_unavailable": 0,
         }
         self.prompts = PromptBook(log, self.counts, self.save, self.loop.lease_s)
         self.weights = WeightSync(log, self.save, sync_timeout_s, first_mesh_hold_s)
+        replay = rl.transport.replay
+        self.replay = ReplayBook(
+            log,
+            self.counts,
+            self._drop,
+            kind=None if replay is None else "memory" if replay == "memory" else "redis",
+            capacity=rl.transport.replay_size,
+            seed=seed,
+        )
         self.rollouts = RolloutBook(
-            rl, log, self.counts, self.save, self._drop, self.prompts, self.weights
+            rl, log, self.counts, self.save, self._drop, self.prompts, self.weights, self.replay
         )
         self.puts: list[tuple[str, RolloutPayload]] = []
         """(key, payload) of rollouts accepted by the last calls, for the controller's
@@ -120,6 +137,7 @@ class Ledger:
         self.run = meta.get("run", self.run)
         self.prompts.restore(meta, tables, now)
         moved = self.rollouts.restore(meta, tables)
+        self.replay.restore(tables)
         self.weights.restore(meta)
         return moved
 
@@ -199,6 +217,11 @@ class Ledger:
                 "issued": c["leases_issued"],
                 "expired": c["leases_expired"],
             },
+            **(
+                {"replay": self.replay.status(ro.batched_replayed())}
+                if self.replay.kind is not None
+                else {}
+            ),
         }
 
     def status(self) -> LedgerStatus:
@@ -248,49 +271,6 @@ class Ledger:
 
     # -- rollouts --------------------------------------------------------
 
-    def _check(self, rollouts: list[RolloutIn]) -> None:
-        """Refuse a submission whose payloads do not fit the job, before recording
-        anything."""
-        g = self.grpo
-        for k, r in enumerate(rollouts):
-            rollout_prompt(r.rollout_id)
-            if r.discard:
-                continue  # no payload to check
-            if self.external_store != (r.ref is not None):
-                where = (
-                    "its ref in the job's rollout store"
-                    if self.external_store
-                    else ("its completions (this job's rollout store is the controller)")
-                )
-                raise StateError(
-                    f"rollouts[{k}] must carry {where}: check rl.transport.rollouts, which "
-                    f"must be the same for the controller and every replica.",
-                    field=f"rollouts.{k}",
-                )
-            if r.ref is not None:
-                continue  # the payload is checked by the policy when it reads it
-            comps = r.completions
-            if len(comps) != g.group_size:
-                raise StateError(
-                    f"rollouts[{k}].completions must hold group_size={g.group_size} "
-                    f"completions: got {len(comps)}. Submit every sample of the group.",
-                    field=f"rollouts.{k}.completions",
-                )
-            for j, c in enumerate(comps):
-                if len(c.token_ids) != len(c.logprobs) or not c.token_ids:
-                    raise StateError(
-                        f"rollouts[{k}].completions[{j}] must have one log-prob per token and "
-                        f"at least one token: got {len(c.token_ids)} tokens, "
-                        f"{len(c.logprobs)} log-probs.",
-                        field=f"rollouts.{k}.completions.{j}",
-                    )
-                if len(c.token_ids) > g.max_new_tokens:
-                    raise StateError(
-                        f"rollouts[{k}].completions[{j}] must have at most max_new_tokens="
-                        f"{g.max_new_tokens} tokens: got {len(c.token_ids)}.",
-                        field=f"rollouts.{k}.completions.{j}.token_ids",
-                    )
-
     def submit(
         self, replica_id: str, lease_id: str, rollouts: list[RolloutIn], *, now: float, wall: float
     ) -> dict[str, list[str]]:
@@ -301,7 +281,7 @@ class Ledger:
         lease, another replica's lease) is refused as ``unleased`` and counted apart.
         Validates everything before recording anything. Returns the ids by verdict:
         ``accepted``, ``duplicate``, ``stale``, ``unleased``."""
-        self._check(rollouts)
+        check_submission(rollouts, self.grpo, self.external_store)
         out: dict[str, list[str]] = {
             "accepted": [],
             "duplicate": [],
@@ -363,6 +343,11 @@ class Ledger:
             if payload_of(payload_key(rec["ref"])) is None
         ]
         self.lose(lost, wall=wall)
+        kept = {**self.replay.entries, **self.replay.out}
+        for rid, row in kept.items():
+            if payload_of(payload_key(row["ref"])) is None:
+                self.lose([(rid, "payload_missing")], wall=wall)
+                self.replay.forget(rid, "payload_missing", unwritten=True)
         return self.take(Tick())
 
     def lose(self, lost: list[tuple[str, str]], *, wall: float) -> tuple[list[str], list[int]]:
@@ -373,6 +358,7 @@ class Ledger:
         reopened: list[int] = []
         for rid, reason in lost:
             if rid not in self.rollouts.records:
+                reopened += self.rollouts.lose_replayed(rid, reason)
                 continue  # trained or discarded already: nothing left to lose
             b = self.rollouts.batch_of(rid)
             if b is not None:

@@ -25,20 +25,37 @@ class LineageBook:
         self.log = log
         self.batches: dict[int, list[str]] = {}
         """Trained batch index -> the ids of the rollouts it trained on."""
+        self.replayed: dict[int, list[str]] = {}
+        """Trained batch index -> the replay entries it trained on too (by original id)."""
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
         for rec in tables.get("lineage", {}).values():
             self.batches[int(rec["index"])] = [str(r) for r in rec["rollouts"]]
+            if rec.get("replayed"):
+                self.replayed[int(rec["index"])] = [str(r) for r in rec["replayed"]]
 
-    def add(self, index: int, rollout_ids: list[str], step: int) -> None:
-        """Batch ``index`` is trained: a committed save holds ``step``, its last step."""
+    def add(
+        self, index: int, rollout_ids: list[str], step: int, replayed: list[str] | None = None
+    ) -> None:
+        """Batch ``index`` is trained: a committed save holds ``step``, its last step.
+        ``replayed``: the replay entries it trained on besides its fresh rollouts."""
         self.batches[index] = list(rollout_ids)
-        self.log.put("lineage", str(index), {"index": index, "rollouts": rollout_ids, "step": step})
+        rec: dict[str, Any] = {"index": index, "rollouts": rollout_ids, "step": step}
+        if replayed:
+            self.replayed[index] = list(replayed)
+            rec["replayed"] = replayed
+        self.log.put("lineage", str(index), rec)
+
+    def replayed_from(self, first: int) -> int:
+        """Replayed uses in the batches from ``first`` on."""
+        return sum(len(ids) for b, ids in self.replayed.items() if b >= first)
 
     def take_back(self, first: int) -> dict[int, list[str]]:
         """Remove the batches from ``first`` on (the job rolled back before their last
         step); returns them, by index, oldest first."""
         gone = {b: self.batches.pop(b) for b in sorted(self.batches) if b >= first}
+        for b in gone:
+            self.replayed.pop(b, None)
         for b in gone:
             self.log.put("lineage", str(b), None)
         return gone

@@ -25,6 +25,7 @@ from phalanx.config.rl import RLConfig
 from phalanx.controller.core.base import ChangeLog
 from phalanx.controller.core.ledger.lineage import LineageBook
 from phalanx.controller.core.ledger.prompts import PromptBook
+from phalanx.controller.core.ledger.replay import ReplayBook, ReplayUnavailable
 from phalanx.controller.core.ledger.sync import WeightSync
 from phalanx.protocol.rl import parse_rollout_id
 
@@ -47,8 +48,10 @@ class RolloutBook:
         drop: Drop,
         prompts: PromptBook,
         weights: WeightSync,
+        replay: ReplayBook,
     ):
         self.loop, self.grpo = rl.loop, rl.grpo
+        self.replay = replay
         self.log, self.counts, self.save, self.drop = log, counts, save, drop
         self.prompts, self.weights = prompts, weights
         self.records: dict[str, dict[str, Any]] = {}
@@ -118,6 +121,13 @@ class RolloutBook:
     def batched(self) -> int:
         return sum(len(b["rollout_ids"]) for b in self.batches.values())
 
+    def pinned(self) -> set[str]:
+        """Replay entries drawn into the frozen batches (their payloads are needed)."""
+        return {r["rollout_id"] for b in self.batches.values() for r in b.get("replayed", [])}
+
+    def batched_replayed(self) -> int:
+        return sum(len(b.get("replayed", [])) for b in self.batches.values())
+
     def floor(self) -> int:
         """Oldest version a rollout leased now may be made with and still train."""
         return self.next_batch * self.grpo.inner_epochs - self.loop.max_staleness
@@ -169,6 +179,23 @@ class RolloutBook:
                 return b
         return None
 
+    def lose_replayed(self, rid: str, reason: str) -> list[int]:
+        """A replay entry's payload could not be read: it leaves the replay, and the
+        untrained batches that drew it are unfrozen (drawn again at the next ask).
+        Returns those batches."""
+        batches = [
+            b
+            for b, batch in self.batches.items()
+            if "trained_at" not in batch
+            and any(r["rollout_id"] == rid for r in batch.get("replayed", []))
+        ]
+        for b in batches:
+            self.reopen(b)
+        if self.replay.forget(rid, reason) or batches:
+            self.counts["replay_lost"] += 1
+            self.save()
+        return batches
+
     # -- training batches ------------------------------------------------
 
     def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
@@ -205,26 +232,52 @@ class RolloutBook:
         for rid in [rid for rid, r in self.pending.items() if r["version"] < floor]:
             self.discard(rid, "stale", wall)
         need = self.grpo.prompts_per_step
-        if len(self.pending) < need:
+        replayed = self._draw(b, need, wall)
+        if replayed is None:
             self.save()
             return None
-        ids = list(self.pending)[:need]
+        fresh = need - len(replayed)
+        ids = list(self.pending)[:fresh]
         rows = [self.pending.pop(rid) for rid in ids]
         batch = {
             "index": b,
             "step": step,
             "rollout_ids": ids,
             "frozen_at": wall,
-            "reward": sum(r["reward"] for r in rows) / need,
-            "exact_match": sum(r["exact_match"] for r in rows) / need,
+            # The figures are the fresh rollouts': the finish test follows the policy
+            # as it is now, not the replay's past.
+            "reward": sum(r["reward"] for r in rows) / fresh,
+            "exact_match": sum(r["exact_match"] for r in rows) / fresh,
             "staleness": b * self.grpo.inner_epochs - min(r["version"] for r in rows),
         }
+        if replayed:
+            batch["replayed"] = replayed
         self.batches[b] = batch
         self.reopened.discard(b)
         self.next_batch = max(self.next_batch, b + 1)
         self.log.put("batches", str(b), batch)
         self.save()
         return batch
+
+    def _draw(self, b: int, need: int, wall: float) -> list[dict[str, Any]] | None:
+        """The replay entries batch ``b`` trains on (module :mod:`.replay`), or None when
+        the fresh rollouts pending are too few for the rest (ask again). A replay that
+        cannot be reached gives none: the batch is frozen fresh only, and that is
+        counted (``replay_unavailable``) and told (an event)."""
+        k = min(round(self.loop.replay_ratio * need), need - 1)
+        if len(self.pending) < need - k:
+            return None  # too few even with a full draw: the server is not asked
+        if k == 0:
+            return []
+        try:
+            drawn = self.replay.draw(b, k, self.replay.size(wall))
+        except ReplayUnavailable as e:
+            if len(self.pending) < need:
+                return None  # wait for fresh ones to fill the batch, asking again
+            self.counts["replay_unavailable"] += 1
+            self.log.event("replay_unavailable", wall, batch=b, error=str(e)[:300])
+            return []
+        return drawn if len(self.pending) >= need - len(drawn) else None
 
     def rollback(self, to_step: int, *, wall: float) -> dict[str, int]:
         """The policy's step went back to ``to_step``: every replica and checkpoint that
@@ -239,6 +292,7 @@ class RolloutBook:
         first = to_step // inner  # the first batch the lineage no longer holds whole
         lost = sum(1 for b, batch in self.batches.items() if b >= first and "trained_at" in batch)
         again = 0
+        self.counts["replayed_rollouts"] -= self.lineage.replayed_from(first)
         taken = self.lineage.take_back(first)
         for ids in taken.values():
             for rid in ids:
@@ -307,15 +361,18 @@ class RolloutBook:
                 continue
             batch = self.batches.pop(b)
             self.log.put("batches", str(b), None)
+            replayed = [r["rollout_id"] for r in batch.get("replayed", [])]
+            self.counts["replayed_rollouts"] += len(replayed)
             for rid in batch["rollout_ids"]:
                 rec = self.records.pop(rid)
                 self.log.put("rollouts", rid, None)
                 self.prompts.trained(rec["prompt"])
-                self.drop(rec["ref"], "trained")
+                if not self.replay.keep(rec, self.pinned()):
+                    self.drop(rec["ref"], "trained")
                 self.counts["trained_prompts"] += 1
                 self.counts["trained_rollouts"] += 1
                 self.counts["trained_completions"] += self.grpo.group_size
-            self.lineage.add(b, batch["rollout_ids"], (b + 1) * inner)
+            self.lineage.add(b, batch["rollout_ids"], (b + 1) * inner, replayed)
         final = self.final_step
         if not self.finished and final is not None and self.policy_step >= final:
             self.finished = True
