@@ -14,7 +14,7 @@ from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
-from phalanx.transport.redis_queue import connect
+from phalanx.transport.redis_conn import connect
 
 BATCHES = 8
 PPS = 8

@@ -1,5 +1,6 @@
 """Pick each transport backend from the URL in the job's ``[rl.transport]``: the
-rollout store, the weight channel, the replay buffer.
+rollout store and the weight channel (the replay memory is the controller's:
+:mod:`phalanx.controller.replay_writer`).
 
 Heavy and optional imports (redis, fsspec backends) happen only for the
 backend asked for.
@@ -11,11 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from phalanx.transport.base import (
-    ReplayBuffer,
-    RolloutStore,
-    WeightChannel,
-)
+from phalanx.transport.base import RolloutStore, WeightChannel
 
 if TYPE_CHECKING:
     from phalanx.config.rl import TransportSection
@@ -69,14 +66,3 @@ def weight_channel(
     from phalanx.transport.storage_weights import StorageWeightStore
 
     return StoreWeightChannel(StorageWeightStore(t.weights, keep=t.keep_versions), timeout_s)
-
-
-def replay_buffer(t: TransportSection, name: str) -> ReplayBuffer | None:
-    """The job's replay buffer, or None when none is configured."""
-    if t.replay is None:
-        return None
-    from phalanx.transport.replay import MemoryReplayBuffer, RedisReplayBuffer
-
-    if t.replay == "memory":
-        return MemoryReplayBuffer(t.replay_size)
-    return RedisReplayBuffer(t.replay, name, t.replay_size)
