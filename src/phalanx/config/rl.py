@@ -211,10 +211,15 @@ class LoopSection(_Section):
     gen_delay_s: float = Field(0.0, ge=0, le=3600)
     """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
     model, for demos and failure tests (a lease is then held long enough to be hit)."""
+    chunk_delay_s: float = Field(0.0, ge=0, le=3600)
+    """Extra seconds at each point of a generation where a weight update may land (every
+    ``rl.engine.chunk`` tokens, engines with in-flight updates): a stand-in for a slower
+    engine, for tests and demos of syncs that land mid-generation."""
     sync_timeout_s: float = Field(2.0, gt=0, le=3600)
-    """Time limit of one weight sync (rendezvous and broadcast). Members are idle when
-    ordered, so they join at once; a member that died since the order makes the others
-    wait this long before the sync is ordered again without it."""
+    """Time limit of one weight sync (rendezvous and broadcast). Idle members join at
+    once; a generating one that takes updates in flight joins at its next chunk boundary,
+    so this must cover one chunk's time. A member that died since the order makes the
+    others wait this long before the sync is ordered again without it."""
     history: int = Field(2000, ge=10, le=1_000_000)
     """Trained batches whose metrics the controller keeps for status and charts."""
 

@@ -161,6 +161,8 @@ class Syncs:
     weights: WeightChannel
     engine: GenerationEngine
     rlog: ReplicaLogger
+    delay_s: float = 0.0
+    """``rl.loop.chunk_delay_s``: paces each chunk (a stand-in for a slower engine)."""
     seq: int = 0
     """The newest order taken (an order is taken once)."""
     inflight: int = 0
@@ -174,6 +176,8 @@ class Syncs:
 
     def between(self) -> None:
         """Between two chunks: join the sync that names this replica, if any."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
         self.take(self.client.sync_poll(self.engine.version), inflight=True)
 
 
@@ -215,7 +219,7 @@ def run(args: ReplicaArgs) -> int:
         raise JobError(str(e)) from e
     store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
     orders = Orders(client, kinds=("drain",))
-    syncs = Syncs(client, weights, engine, rlog)
+    syncs = Syncs(client, weights, engine, rlog, rl.loop.chunk_delay_s)
     between = syncs.between if engine.inflight_updates else None
     released = 0
     drained = False
