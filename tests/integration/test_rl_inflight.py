@@ -23,13 +23,17 @@ STEPS = 8
 
 @pytest.fixture
 def inflight_job(tmp_path: Path, procs: Procs) -> Iterator[Callable[..., tuple[Controller, Any]]]:
-    def make(rollout_init: int) -> tuple[Controller, Callable[..., RLReplica]]:
+    def make(
+        rollout_init: int, weights: str = "collective"
+    ) -> tuple[Controller, Callable[..., RLReplica]]:
         sections = job_sections(rollout_init=rollout_init, steps=STEPS, target_reward=1e9)
         sections["rl.grpo"]["max_new_tokens"] = 24
         # A rollout submitted a few versions late still trains: this test is about
         # versions within a rollout, not about discards.
         sections["rl.loop"].update(max_staleness=6, lease_s=6.0, sync_timeout_s=4.0)
         sections["rl.engine"] = {"chunk": 4}
+        if weights == "storage":  # a pull: the same in-flight path, no rendezvous
+            sections["rl.transport"] = {"weights": f"file://{tmp_path}/weights"}
         config = write_job_toml(tmp_path / "rl.toml", sections)
         ctl = Controller(procs, tmp_path / "state", config).start()
 
@@ -46,8 +50,9 @@ def synced_versions(r: RLReplica) -> set[int]:
     return {0} | {e["version"] for e in r.events("sync") if e["ok"]}
 
 
-def test_a_sync_lands_during_a_long_generation(inflight_job):
-    ctl, start = inflight_job(rollout_init=1)
+@pytest.mark.parametrize("weights", ["collective", "storage"])
+def test_a_sync_lands_during_a_long_generation(inflight_job, weights):
+    ctl, start = inflight_job(rollout_init=1, weights=weights)
     policy = start("policy", "policy-0")
     # 0.2 s at each of the 5 chunk boundaries of a lease: about 1 s of generating per
     # lease, so the syncs the policy's commits order find it generating.

@@ -50,7 +50,9 @@ lease's prompts go back to the front of the queue at once. It leaves
 holding a lease on purpose: the controller names only idle replicas (no
 lease) in weight-sync orders, so leaving right after a submit could let a
 sync name it on its way out, and the others would wait for it until
-``sync_timeout_s``.
+``sync_timeout_s``. (A replica that takes updates in flight may be named while
+it holds a lease too: its deregistration then fails that sync at once, and the
+members already inside the broadcast wait out ``sync_timeout_s``.)
 """
 
 from __future__ import annotations
