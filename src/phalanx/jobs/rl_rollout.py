@@ -176,11 +176,25 @@ class Syncs:
             self.inflight += inflight
             take_sync(self.client, self.weights, self.engine, order, self.rlog, inflight)
 
+    def poll(self) -> None:
+        """Join the sync that names this replica now, if any (it holds a lease)."""
+        self.take(self.client.sync_poll(self.engine.version), inflight=True)
+
     def between(self) -> None:
-        """Between two chunks: join the sync that names this replica, if any."""
+        """The engine's hook between two chunks of a generation."""
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.take(self.client.sync_poll(self.engine.version), inflight=True)
+        self.poll()
+
+    def pause(self, seconds: float) -> None:
+        """``rl.loop.gen_delay_s``: a stand-in for generation time, so a replica that
+        takes updates in flight keeps polling through it (in 0.1 s slices): the
+        controller counts on it to join a sync within one chunk's time."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+            if self.engine.inflight_updates:
+                self.poll()
 
 
 def run(args: ReplicaArgs) -> int:
@@ -266,7 +280,7 @@ def run(args: ReplicaArgs) -> int:
                 rlog.warning("lease %s abandoned: %s", lease.lease_id, str(e)[:200])
                 continue
             if rl.loop.gen_delay_s:
-                time.sleep(rl.loop.gen_delay_s * len(rollouts))
+                syncs.pause(rl.loop.gen_delay_s * len(rollouts))
             gen_s = time.perf_counter() - t0
             res = submit(client, store, lease.lease_id, rollouts)
             n = len(rollouts)
