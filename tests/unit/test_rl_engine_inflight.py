@@ -9,12 +9,16 @@ import copy
 import pytest
 import torch
 
-from phalanx.config.rl import ModelSection
+from phalanx.config.rl import ModelSection, RLConfig
+from phalanx.protocol.rl import BatchRollout, PromptRef, RolloutPayload
 from phalanx.rl.engine.base import Completion, EngineError, prompt_key
 from phalanx.rl.engine.hf import HFEngine
+from phalanx.rl.generate import make_rollouts
 from phalanx.rl.grpo import collate, token_logprobs
 from phalanx.rl.model import build_model
-from phalanx.rl.tokenizer import CharTokenizer
+from phalanx.rl.tasks import task_from_config
+from phalanx.rl.tokenizer import CharTokenizer, task_tokenizer
+from phalanx.rl.trainer import check_payload, completions_of
 
 TOK = CharTokenizer()
 PROMPTS = [TOK.encode(p) for p in ("3142>", "90>", "7>", "55012>")]
@@ -173,3 +177,41 @@ def test_a_load_that_fails_before_copying_keeps_the_old_version(models):
 def test_chunk_must_be_positive(models):
     with pytest.raises(ValueError, match=r"rl\.engine\.chunk"):
         HFEngine(models[0], TOK.eos_id, TOK.pad_id, chunk=0)
+
+
+def test_versions_reach_the_trainer_through_the_rollout():
+    """make_rollouts -> wire payload -> check_payload and completions_of: the rollout's
+    version is its oldest token's, and each trainer Completion lists its tokens'."""
+    rl = RLConfig.model_validate({"grpo": {"group_size": 2, "max_new_tokens": 12}})
+    tok = task_tokenizer(rl.task)
+    model = build_model(rl.model, tok)
+    engine = HFEngine(copy.deepcopy(model), tok.eos_id, tok.pad_id, version=4, chunk=CHUNK)
+    newer = {k: v + 0.01 for k, v in model.state_dict().items()}
+    hook, _ = load_after(engine, 1, newer, 5)
+    refs = [PromptRef(index=i, rollout_id=f"p{i}.0") for i in range(3)]
+    rolls = make_rollouts(rl, engine, tok, task_from_config(rl.task), refs, hook)
+    assert all(r.version == 4 for r in rolls)
+    spans = [c for r in rolls for c in r.completions if len(c.token_ids) > CHUNK]
+    assert spans and all(
+        c.versions == [4] * CHUNK + [5] * (len(c.token_ids) - CHUNK) for c in spans
+    )
+    rows = []
+    for i, r in enumerate(rolls):
+        payload = RolloutPayload.model_validate(r.payload().model_dump())  # as a store reads it
+        summary = BatchRollout(
+            rollout_id=r.rollout_id, prompt=i, version=4, reward=0, exact_match=0
+        )
+        assert check_payload(payload, summary, 2, 12) is None
+        rows.append((i, payload))
+    comps, _ = completions_of(rows)
+    wire = [c for r in rolls for c in r.completions]
+    assert [c.versions for c in comps] == [c.versions for c in wire]
+    assert all(c.version == 4 for c in comps)
+    # A payload whose tokens are older than the ledger's version for it is refused.
+    bad = rows[0][1].model_copy(update={"version": 5})
+    assert "older than" in (
+        check_payload(
+            bad, summary.model_copy(update={"rollout_id": bad.rollout_id, "version": 5}), 2, 12
+        )
+        or ""
+    )
