@@ -44,13 +44,16 @@ def make_rollouts(
     g = rl.grpo
     # A finite task's rows are used in epochs: prompt index i is row i mod N.
     texts = [task.prompts(p.index, 1)[0] for p in prompts]
+    # The hook only when there is one: an engine without in-flight updates is called
+    # exactly as before the ``between`` parameter existed.
+    hook = {"between": between} if between is not None else {}
     comps = engine.generate(
         [tok.encode_prompt(t) for t in texts],
         g.group_size,
         g.max_new_tokens,
         g.temperature,
         keys=[prompt_key(g.seed, p.index) for p in prompts],
-        between=between,
+        **hook,
     )
     out = []
     for i, p in enumerate(prompts):
