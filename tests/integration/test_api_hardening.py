@@ -48,6 +48,7 @@ INTS: list[tuple[str, dict[str, Any], dict[str, tuple[int, int]]]] = [
     ),
     ("/v1/checkpoints/trigger", {}, {"lead_steps": (1, 1_000_000)}),
     ("/v1/weights/done", {"replica_id": "{rid}", "seq": 1, "version": 0, "ok": True}, {"seq": (1, MAX_INT), "version": (-1, MAX_INT)}),
+    ("/v1/weights/poll", {"replica_id": "{rid}", "version": 0}, {"version": (-1, MAX_INT)}),
 ]  # fmt: skip
 
 

@@ -352,6 +352,7 @@ def rollout(
             "logprobs": [-0.5] * tokens,
             "finished": True,
             "reward": reward,
+            "versions": [],  # every token at the rollout's version
         }
         for _ in range(group)
     ]
@@ -1241,6 +1242,7 @@ def synced() -> CheckedState:
         "members": [P, R1, R2],
         "rank": 0,
         "store": "p1-host:29500",
+        "ordered_at": 0.0,
     }
     assert tick.ledger_for == {P, R1, R2}
     return st
@@ -1256,6 +1258,7 @@ def test_sync_is_ordered_after_sync_every_commits(synced):
         "members": [P, R1, R2],
         "rank": 2,
         "store": "p1-host:29500",
+        "ordered_at": 0.0,
     }
     assert reply["lease"] is not None  # version 0 is still fresh enough to generate
     b, _ = st.lease_batch(P2, 2, now=0, wall=0)
@@ -1400,6 +1403,7 @@ def test_joiner_syncs_before_it_may_lease(synced):
         "members": [P, r3],
         "rank": 1,
         "store": "p1-host:29500",
+        "ordered_at": 1.0,
     }
     st.sync_done(P, 2, 2, True, now=2, wall=2)
     again = lease(st, r3, version=-1, now=2)  # not before it has the weights
@@ -1475,6 +1479,7 @@ def test_a_replica_that_has_not_asked_stays_out_of_the_sync():
         "members": [P, R2],
         "rank": 1,
         "store": "p1-host:29500",
+        "ordered_at": 1.0,
     }
 
 
@@ -1592,6 +1597,7 @@ def test_a_joiner_gets_its_weights_from_an_idle_rollout_peer():
         "members": [R1, r3],  # R1 holds version 2: it relays it; the leader trains on
         "rank": 1,
         "store": "r1-host:29500",
+        "ordered_at": 2.0,
     }
     assert sync_for(st, R1) == {**reply["sync"], "rank": 0} and sync_for(st, P) is None
     ordered = [e for e in st.events if e["kind"] == "sync_ordered"][-1]

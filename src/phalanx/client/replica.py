@@ -31,11 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from phalanx.client.liveness import Liveness
-from phalanx.client.transport import (
-    Evicted,
-    QuorumTimeout,
-    Transport,
-)
+from phalanx.client.transport import Evicted, QuorumTimeout, Transport
 from phalanx.log import ReplicaLogger, Who
 from phalanx.protocol.base import OkReply, Scalar
 from phalanx.protocol.commands import (
@@ -78,6 +74,9 @@ from phalanx.protocol.rl import (
     SubmitReq,
     SyncDoneReply,
     SyncDoneReq,
+    SyncOrder,
+    SyncPollReply,
+    SyncPollReq,
 )
 from phalanx.protocol.status import Status
 
@@ -428,6 +427,16 @@ class ControllerClient:
             )
 
         return self._as_member(send)
+
+    def sync_poll(self, version: int) -> SyncOrder | None:
+        """The weight-sync order that names this rollout replica now, if any (answered at
+        once). For a replica that takes updates in flight, between generation chunks."""
+
+        def send(rid: str) -> SyncPollReply:
+            req = SyncPollReq(replica_id=rid, version=version)
+            return self.transport.call("/v1/weights/poll", req, SyncPollReply)
+
+        return self._as_member(send).sync
 
     def sync_done(self, seq: int, version: int, ok: bool, error: str = "") -> SyncDoneReply:
         """Report the end of weight sync ``seq`` (every mesh member, leader included)."""

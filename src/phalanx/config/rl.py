@@ -255,10 +255,15 @@ class LoopSection(_Section):
     gen_delay_s: float = Field(0.0, ge=0, le=3600)
     """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
     model, for demos and failure tests (a lease is then held long enough to be hit)."""
+    chunk_delay_s: float = Field(0.0, ge=0, le=3600)
+    """Extra seconds at each point of a generation where a weight update may land (every
+    ``rl.engine.chunk`` tokens, engines with in-flight updates): a stand-in for a slower
+    engine, for tests and demos of syncs that land mid-generation."""
     sync_timeout_s: float = Field(2.0, gt=0, le=3600)
-    """Time limit of one weight sync (rendezvous and broadcast). Members are idle when
-    ordered, so they join at once; a member that died since the order makes the others
-    wait this long before the sync is ordered again without it."""
+    """Time limit of one weight sync (rendezvous and broadcast). Idle members join at
+    once; a generating one that takes updates in flight joins at its next chunk boundary,
+    so this must cover one chunk's time. A member that died since the order makes the
+    others wait this long before the sync is ordered again without it."""
     history: int = Field(2000, ge=10, le=1_000_000)
     """Trained batches whose metrics the controller keeps for status and charts."""
     replay_ratio: float = Field(0.0, ge=0, lt=1)
@@ -327,12 +332,24 @@ class TransportSection(_Section):
 class EngineSection(_Section):
     """The rollout replicas' generation engine. ``hf`` is our KV-cached loop over the
     transformers model (any device); ``vllm`` is vLLM, run in the replica's own process
-    (``pip install 'phalanx[vllm]'``, or ``make install``). The other fields are vLLM's
-    and are passed to ``vllm.LLM``; ``hf`` ignores them."""
+    (``pip install 'phalanx[vllm]'``, or ``make install``). ``chunk`` and
+    ``recompute_kv_on_update`` shape in-flight weight updates; the other fields are
+    vLLM's and are passed to ``vllm.LLM``; ``hf`` ignores them."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
     kind: Literal["hf", "vllm"] = "hf"
+    chunk: int = Field(8, ge=1, le=1 << 16)
+    """Tokens the ``hf`` engine samples between two points where a weight update may
+    land during a generation (the rollout replica asks the controller for a sync order
+    at each). Smaller: a sync reaches a generating replica sooner, at one small request
+    per chunk. ``rl.loop.sync_timeout_s`` must cover one chunk's time."""
+    recompute_kv_on_update: bool = True
+    """After a weight update during a generation, prefill the running batch again with
+    the new weights (``hf``), so that every later token is drawn from exactly the new
+    version's policy, the one the trainer evaluates it under: one prefill of prompt +
+    tokens so far per update. False keeps the old weights' KV cache (PipelineRL,
+    AReaL): no extra cost, but later tokens come from a mix no trainer reproduces."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and activations in vLLM. float32 matches the trainer, so the importance
     ratio right after a sync is 1 up to kernel noise; bfloat16 halves memory and time at

@@ -19,6 +19,22 @@ The loop, between two generation batches:
    first and only their refs are submitted. Every rollout carries the
    version that made it.
 
+**In-flight weight updates.** An engine that takes them
+(``engine.inflight_updates``: the HF engine) registers the capability
+``inflight_updates``, and the controller then names it in a sync order even
+while it holds a lease. Between two chunks of a generation (``rl.engine.chunk``
+tokens) the replica asks the controller whether an order names it
+(``ControllerClient.sync_poll``, answered at once) and takes it there: the
+tokens after it carry the new version (``Completion.versions``), and each
+rollout's version is the oldest of its tokens'. With the collective channel
+every member must rendezvous, and a generating replica joins only at its next
+chunk boundary: ``rl.loop.sync_timeout_s`` must cover one chunk's time (plus
+the scoring and submit of a lease that just ended). Storage and Redis channels
+are pulls and need nothing more. A load that fails part-way leaves the engine
+at version -1 and the engine abandons the batch (EngineError): those
+completions are not submitted, and the lease's prompts are dispatched again
+when it expires.
+
 A replica that joins a running job holds no weights (version -1) and gets
 no prompts until a sync has brought it to the current version; at the very
 start (nothing trained yet) it builds version 0 itself from the model
@@ -34,7 +50,9 @@ lease's prompts go back to the front of the queue at once. It leaves
 holding a lease on purpose: the controller names only idle replicas (no
 lease) in weight-sync orders, so leaving right after a submit could let a
 sync name it on its way out, and the others would wait for it until
-``sync_timeout_s``.
+``sync_timeout_s``. (A replica that takes updates in flight may be named while
+it holds a lease too: its deregistration then fails that sync at once, and the
+members already inside the broadcast wait out ``sync_timeout_s``.)
 """
 
 from __future__ import annotations
@@ -42,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +74,7 @@ from phalanx.log import ReplicaLogger
 from phalanx.protocol.base import Scalar
 from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
 from phalanx.rl.engine.base import EngineError, GenerationEngine
-from phalanx.rl.engine.factory import rollout_engine
+from phalanx.rl.engine.factory import rollout_engine, takes_inflight_updates
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.idle import IdleClock
 from phalanx.rl.model import build_model
@@ -91,10 +110,16 @@ def take_sync(
     engine: GenerationEngine,
     order: SyncOrder,
     rlog: ReplicaLogger,
+    inflight: bool = False,
 ) -> None:
     """Take part in a sync order: fetch the weights and load them into the engine, or,
     as the order's source (rank 0), relay the version the engine holds. Reported to
-    the controller either way."""
+    the controller either way. ``inflight``: taken between two chunks of a generation.
+
+    The ``sync`` event's ``sync_effect_s`` is the wall time from the order (the
+    policy's publish: ``SyncOrder.ordered_at``) to the new weights being loaded,
+    which is when the engine's next token is drawn from them (between leases, the
+    generation of the lease that came with the order starts right after)."""
     t0 = time.perf_counter()
     source = order.rank == 0
     if source:
@@ -112,6 +137,7 @@ def take_sync(
     if not ok:
         rlog.warning("weight sync %d failed%s: %s", order.seq, " as source" * source, err[:200])
     ms = 1e3 * (time.perf_counter() - t0)
+    effect = time.time() - order.ordered_at if ok and not source and order.ordered_at else None
     client.sync_done(order.seq, engine.version, ok, err)
     emit(
         {
@@ -123,8 +149,53 @@ def take_sync(
             "ms": round(ms, 3),
             "ok": ok,
             "source": order.members[0],
+            "inflight": inflight,
+            "sync_effect_s": None if effect is None else round(max(effect, 0.0), 4),
         }
     )
+
+
+@dataclass
+class Syncs:
+    """The sync orders this replica took: between leases (from a lease reply) and in
+    flight (polled between chunks of a generation, as the engine's ``between`` hook)."""
+
+    client: ControllerClient
+    weights: WeightChannel
+    engine: GenerationEngine
+    rlog: ReplicaLogger
+    delay_s: float = 0.0
+    """``rl.loop.chunk_delay_s``: paces each chunk (a stand-in for a slower engine)."""
+    seq: int = 0
+    """The newest order taken (an order is taken once)."""
+    inflight: int = 0
+    """Orders taken during the current generation."""
+
+    def take(self, order: SyncOrder | None, inflight: bool = False) -> None:
+        if order is not None and order.seq > self.seq:
+            self.seq = order.seq
+            self.inflight += inflight
+            take_sync(self.client, self.weights, self.engine, order, self.rlog, inflight)
+
+    def poll(self) -> None:
+        """Join the sync that names this replica now, if any (it holds a lease)."""
+        self.take(self.client.sync_poll(self.engine.version), inflight=True)
+
+    def between(self) -> None:
+        """The engine's hook between two chunks of a generation."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.poll()
+
+    def pause(self, seconds: float) -> None:
+        """``rl.loop.gen_delay_s``: a stand-in for generation time, so a replica that
+        takes updates in flight keeps polling through it (in 0.1 s slices): the
+        controller counts on it to join a sync within one chunk's time."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+            if self.engine.inflight_updates:
+                self.poll()
 
 
 def run(args: ReplicaArgs) -> int:
@@ -145,7 +216,9 @@ def run(args: ReplicaArgs) -> int:
     caps: dict[str, Scalar] = {}
     if weights.relays:
         _rendezvous, address = serve_store()
-        caps = {"relays_weights": True}
+        caps["relays_weights"] = True
+    if takes_inflight_updates(rl):  # the controller may then order syncs mid-generation
+        caps["inflight_updates"] = True
     client = ControllerClient(
         str(args.controller), "rollout", args.name, address=address, capabilities=caps
     )
@@ -163,7 +236,9 @@ def run(args: ReplicaArgs) -> int:
         raise JobError(str(e)) from e
     store = rollout_store(rl.transport, job_store_name(cfg.job.id, client))
     orders = Orders(client, kinds=("drain",))
-    synced = released = 0
+    syncs = Syncs(client, weights, engine, rlog, rl.loop.chunk_delay_s)
+    between = syncs.between if engine.inflight_updates else None
+    released = 0
     drained = False
     idle = IdleClock()  # waiting for a lease or for weights, per generation batch
     emit(
@@ -179,13 +254,10 @@ def run(args: ReplicaArgs) -> int:
         while True:
             idle.wait()
             r = client.lease_prompts(engine.version, rl.loop.prompts_per_lease, wait_s=5.0)
-            order = r.sync
-            if order is not None and order.seq > synced:
-                synced = order.seq
-                take_sync(client, weights, engine, order, rlog)
+            syncs.take(r.sync)
             if r.finished:
                 break  # after any sync in flight: the leader is waiting on this replica
-            if engine.version < 0 and r.init_weights and synced == 0:
+            if engine.version < 0 and r.init_weights and syncs.seq == 0:
                 # The model was built from config: the policy's step 0. (Not after a
                 # sync that failed part-way: that engine waits for a good one.)
                 engine.version = 0
@@ -202,9 +274,17 @@ def run(args: ReplicaArgs) -> int:
                 continue
             idle.work()
             t0 = time.perf_counter()
-            rollouts = make_rollouts(rl, engine, tok, task, lease.prompts)
+            syncs.inflight = 0
+            try:
+                rollouts = make_rollouts(rl, engine, tok, task, lease.prompts, between)
+            except EngineError as e:
+                # A weight update in flight failed part-way: the batch was abandoned
+                # rather than finished on mixed weights. Its prompts go out again when
+                # the lease expires; this replica waits for a sync that succeeds.
+                rlog.warning("lease %s abandoned: %s", lease.lease_id, str(e)[:200])
+                continue
             if rl.loop.gen_delay_s:
-                time.sleep(rl.loop.gen_delay_s * len(rollouts))
+                syncs.pause(rl.loop.gen_delay_s * len(rollouts))
             gen_s = time.perf_counter() - t0
             res = submit(client, store, lease.lease_id, rollouts)
             n = len(rollouts)
@@ -215,6 +295,13 @@ def run(args: ReplicaArgs) -> int:
                     "role": "rollout",
                     "replica": client.replica_id,
                     "version": engine.version,
+                    # The behaviour versions of the lease's tokens (two or more when a
+                    # sync landed during the generation: inflight_syncs).
+                    "versions": sorted(
+                        {v for x in rollouts for c in x.completions for v in c.versions}
+                        | {x.version for x in rollouts}
+                    ),
+                    "inflight_syncs": syncs.inflight,
                     "prompts": n,
                     # Audit trail: the rollouts (prompt.attempt) of this lease.
                     "rollouts": [x.rollout_id for x in rollouts],

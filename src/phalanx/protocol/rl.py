@@ -15,6 +15,7 @@ A rollout travels in two parts (DESIGN.md, "three planes"):
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -82,6 +83,25 @@ class Completion(Wire):
     finished: bool
     """Ended with EOS (False: cut off at ``max_new_tokens``)."""
     reward: float
+    versions: Annotated[list[Count], Field(max_length=MAX_TOKENS)] = []
+    """The behaviour version of each token of ``token_ids`` (non-decreasing: a weight
+    update landed during generation), or empty: every token is at the rollout's
+    ``version``."""
+
+    @model_validator(mode="after")
+    def _versions(self) -> Completion:
+        v = self.versions
+        if v and len(v) != len(self.token_ids):
+            raise ValueError(
+                f"completion versions must be empty or one per token: got {len(v)} versions "
+                f"for {len(self.token_ids)} tokens"
+            )
+        if any(b < a for a, b in pairwise(v)):
+            raise ValueError(
+                f"completion versions must be non-decreasing (weights only move forward "
+                f"during a generation): got {v[:16]}"
+            )
+        return self
 
 
 class RolloutPayload(Wire):
@@ -98,7 +118,9 @@ class RolloutIn(Wire):
 
     rollout_id: RolloutId
     version: Count
-    """The weights version that generated it."""
+    """The weights version that generated it: the oldest of its tokens' when a weight
+    update landed during generation (:attr:`Completion.versions`), so the ledger's
+    staleness check measures the oldest token."""
     reward: float
     """Mean reward of the group."""
     exact_match: float = Field(ge=0, le=1)
@@ -121,6 +143,12 @@ class RolloutIn(Wire):
                     f"ref: got {len(self.completions)} completions and ref {self.ref!r}"
                 )
             return self
+        oldest = min((c.versions[0] for c in self.completions if c.versions), default=None)
+        if oldest is not None and oldest < self.version:
+            raise ValueError(
+                f"a rollout's version must be the oldest of its tokens': got version "
+                f"{self.version} with a token of version {oldest}"
+            )
         if bool(self.completions) == (self.ref is not None):
             raise ValueError(
                 "a rollout must carry its completions or the ref of its stored payload, not "
@@ -151,6 +179,9 @@ class SyncOrder(Wire):
     """This member's position in ``members`` (0: the source)."""
     store: Address
     """Rendezvous address (``host:port``) of the source's store."""
+    ordered_at: Wall = 0.0
+    """When the controller ordered it (wall clock): a receiver measures from it how long
+    the new weights took to reach its generation (``sync_effect_s``)."""
 
 
 class PromptRef(Wire):
@@ -356,3 +387,17 @@ class SyncDoneReq(Wire):
 
 class SyncDoneReply(Reply):
     synced_version: Count
+
+
+class SyncPollReq(Wire):
+    """A rollout replica that takes weight updates in flight asks, between two chunks
+    of a generation, whether a sync order names it (answered at once: no long-poll)."""
+
+    replica_id: ReplicaId
+    version: Version
+    """The weights version it generates with."""
+
+
+class SyncPollReply(Reply):
+    sync: SyncOrder | None = None
+    """The sync order it must join now, if any."""

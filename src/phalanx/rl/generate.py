@@ -8,7 +8,7 @@ with the reason."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from phalanx.config.rl import RLConfig
 from phalanx.protocol.rl import Completion, PromptRef, RolloutIn
@@ -35,23 +35,31 @@ def make_rollouts(
     tok: Tokenizer,
     task: Task,
     prompts: list[PromptRef],
+    between: Callable[[], None] | None = None,
 ) -> list[RolloutIn]:
     """One rollout per leased prompt, with its completions (the payload), as a
-    submission to the ledger takes it."""
+    submission to the ledger takes it. ``between`` goes to the engine's ``generate``
+    (a weight update in flight); a rollout's version is then the oldest of its
+    tokens', each completion listing its tokens' versions."""
     g = rl.grpo
     # A finite task's rows are used in epochs: prompt index i is row i mod N.
     texts = [task.prompts(p.index, 1)[0] for p in prompts]
+    # The hook only when there is one: an engine without in-flight updates is called
+    # exactly as before the ``between`` parameter existed.
+    hook = {"between": between} if between is not None else {}
     comps = engine.generate(
         [tok.encode_prompt(t) for t in texts],
         g.group_size,
         g.max_new_tokens,
         g.temperature,
         keys=[prompt_key(g.seed, p.index) for p in prompts],
+        **hook,
     )
     out = []
     for i, p in enumerate(prompts):
         group = comps[i * g.group_size : (i + 1) * g.group_size]
         rows, rewards, exact = [], [], []
+        oldest = min(c.version for c in group)
         try:
             scores = score_group(task, tok, texts[i], group)
         except RewardError as e:
@@ -59,7 +67,7 @@ def make_rollouts(
             out.append(
                 RolloutIn(
                     rollout_id=p.rollout_id,
-                    version=engine.version,
+                    version=oldest,
                     reward=0.0,
                     exact_match=0.0,
                     discard=str(e)[:300],
@@ -78,12 +86,14 @@ def make_rollouts(
                     logprobs=[min(lp, 0.0) for lp in c.logprobs],
                     finished=c.finished,
                     reward=r,
+                    # Every token at the rollout's version when none is listed.
+                    versions=c.token_versions() if c.versions or c.version != oldest else [],
                 )
             )
         out.append(
             RolloutIn(
                 rollout_id=p.rollout_id,
-                version=engine.version,
+                version=oldest,
                 reward=sum(rewards) / len(rewards),
                 exact_match=sum(exact) / len(exact),
                 completions=rows,

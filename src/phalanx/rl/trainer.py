@@ -48,6 +48,8 @@ def check_payload(
             return "has a completion without one log-prob per token"
         if len(c.token_ids) > max_new_tokens:
             return f"has a completion of {len(c.token_ids)} tokens > max_new_tokens"
+        if c.versions and c.versions[0] < payload.version:
+            return f"has a token of version {c.versions[0]} older than its v{payload.version}"
     return None
 
 
@@ -68,6 +70,7 @@ def completions_of(rows: Rows) -> tuple[list[Completion], list[float]]:
                     list(c.logprobs),
                     c.finished,
                     p.version,
+                    versions=list(c.versions),
                 )
             )
             rewards.append(float(c.reward))

@@ -31,6 +31,7 @@ from phalanx.protocol.rl import (
     RolloutPayload,
     SubmitReply,
     SyncDoneReply,
+    SyncPollReply,
 )
 
 Envelope = Callable[[], dict[str, Any]]
@@ -79,14 +80,17 @@ class RLRequests:
         if self.ledger is None:
             return Tick()
         rs = self.roles["rollout"]
-        relays = {}
+        relays, inflight = {}, set()
         for rid in rs.member_ids:
             m = self.members.members[rid]
             if m.capabilities.get("relays_weights") and m.address:
                 relays[rid] = m.address
+            if m.capabilities.get("inflight_updates"):
+                inflight.add(rid)
         order = self.ledger.maybe_sync(
             self.leader(),
             rs.member_ids,
+            inflight=inflight,
             relays=relays,
             n_init=rs.cfg.n_init_replicas,
             now=now,
@@ -272,6 +276,22 @@ class RLRequests:
         if discarded:
             tick.ledger_for |= self.roles["rollout"].member_ids | self.roles["policy"].member_ids
         reply = LostReply(**self.envelope(), discarded=discarded, reopened=reopened)
+        return reply, self._tick(led, tick)
+
+    def sync_poll(
+        self, replica_id: str, version: int, *, now: float, wall: float
+    ) -> tuple[SyncPollReply, Tick]:
+        """A rollout replica between two chunks of a generation asks whether a sync
+        order names it (it registered ``inflight_updates``). Cheap: no lease changes
+        hands; a sync that is due may be ordered by the ask."""
+        m, led = self._ledger(replica_id, "rollout")
+        m.last_seen = now
+        if replica_id in led.weights.versions:  # not one a failed sync left out
+            led.weights.versions[replica_id] = version
+        tick = self.maybe_sync(now, wall)
+        reply = SyncPollReply.model_construct(
+            **self.envelope(), sync=led.weights.order_for(replica_id)
+        )
         return reply, self._tick(led, tick)
 
     def sync_done(

@@ -22,6 +22,8 @@ from phalanx.protocol.rl import (
     SubmitReq,
     SyncDoneReply,
     SyncDoneReq,
+    SyncPollReply,
+    SyncPollReq,
 )
 
 R = TypeVar("R", PromptLeaseReply, BatchLeaseReply)
@@ -110,6 +112,13 @@ async def sync_done(api: Api, req: SyncDoneReq) -> SyncDoneReply:
     return reply
 
 
+async def sync_poll(api: Api, req: SyncPollReq) -> SyncPollReply:
+    """The sync order this rollout replica must join now, if any (answered at once: a
+    replica that takes weight updates in flight asks between chunks of a generation)."""
+    reply: SyncPollReply = api.service.apply(api.state.rl.sync_poll, req.replica_id, req.version)
+    return reply
+
+
 ROUTES = [
     Route("/v1/prompts/lease", lease_prompts, PromptLeaseReq, PromptLeaseReply),
     Route("/v1/rollouts/submit", submit_rollouts, SubmitReq, SubmitReply),
@@ -117,4 +126,5 @@ ROUTES = [
     Route("/v1/rollouts/ack", ack_batch, BatchAckReq, BatchAckReply),
     Route("/v1/rollouts/lost", lost, LostReq, LostReply),
     Route("/v1/weights/done", sync_done, SyncDoneReq, SyncDoneReply),
+    Route("/v1/weights/poll", sync_poll, SyncPollReq, SyncPollReply),
 ]

@@ -40,12 +40,26 @@ Engines
   :func:`sample_seed`, ``logprobs_mode="processed_logprobs"`` (vLLM's default
   reports log-probs before temperature, which is not the behaviour policy when
   T != 1), weights reloaded in place.
+
+In-flight weight updates
+------------------------
+An engine with ``inflight_updates = True`` takes a weight update in the middle
+of a generation: ``generate(..., between=hook)`` calls ``hook()`` between decode
+steps (the HF engine every ``chunk`` tokens), from the thread that called
+``generate``; the hook may call :meth:`GenerationEngine.load_weights`, and
+every token sampled after it is drawn from, and records the log-prob under,
+the new weights. ``Completion.versions[t]`` is then the behaviour version of
+``token_ids[t]`` (non-decreasing along a completion) and ``Completion.version``
+the oldest of them, the first token's, so a staleness check on ``version``
+measures the oldest token (PipelineRL, Piche et al. 2025; AReaL, Fu et al.
+2025, interrupt generation the same way). An engine without the capability
+never calls ``hook`` (or calls it only before the first token).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,10 +103,17 @@ class Completion:
     finished: bool
     """True when the completion ended with EOS; False when cut off by max_new_tokens."""
     version: int
-    """Weights version that produced it."""
+    """Weights version that produced it: the oldest of ``versions`` when it spans several."""
     reward: float | None = None
     advantage: float | None = None
     info: dict = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
+    """Behaviour version of each token (same length as ``token_ids``, non-decreasing),
+    or empty, meaning every token is at ``version``."""
+
+    def token_versions(self) -> list[int]:
+        """The behaviour version of each token (``versions``, or ``version`` repeated)."""
+        return list(self.versions) if self.versions else [self.version] * len(self.token_ids)
 
 
 class GenerationEngine(ABC):
@@ -105,6 +126,11 @@ class GenerationEngine(ABC):
     version: int
     """Weights version currently loaded (the policy step that produced them); -1 before any load."""
 
+    inflight_updates: bool = False
+    """True when ``generate`` calls its ``between`` hook between decode steps, so a
+    weight update can land during a generation (see "In-flight weight updates");
+    a rollout replica declares the capability ``inflight_updates`` from this."""
+
     @abstractmethod
     def generate(
         self,
@@ -113,6 +139,7 @@ class GenerationEngine(ABC):
         max_new_tokens: int,
         temperature: float = 1.0,
         keys: Sequence[int] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions for each prompt (token ids, BOS included where used).
 
@@ -123,6 +150,13 @@ class GenerationEngine(ABC):
         its prompt's key (see "Sampling keys"); without them the engine's own
         seeded stream is used. Raises ValueError on empty prompts or arguments
         out of range.
+
+        ``between``, on an engine with ``inflight_updates``, is called between
+        decode steps (never after the last); it may load new weights, and the
+        tokens sampled after it then carry the new version in
+        ``Completion.versions``. With keys, the completions are a function of
+        the keys, the weights and the steps at which the weights changed. An
+        exception it raises ends the generation and propagates.
         """
 
     @abstractmethod

@@ -16,6 +16,17 @@ from phalanx.rl.engine.base import EngineError, GenerationEngine
 from phalanx.rl.engine.hf import HFEngine
 
 
+def takes_inflight_updates(rl: RLConfig) -> bool:
+    """Whether ``[rl.engine]``'s engine takes weight updates during a generation (its
+    class's ``inflight_updates``), known before it is built: a rollout replica
+    declares the capability when it registers, before it loads the model."""
+    if rl.engine.kind == "hf":
+        return HFEngine.inflight_updates
+    from phalanx.rl.engine.vllm import VLLMEngine  # light: vLLM itself is imported lazily
+
+    return VLLMEngine.inflight_updates
+
+
 def rollout_engine(
     rl: RLConfig, tok: Tokenizer, model: Any, device: torch.device, name: str
 ) -> GenerationEngine:
@@ -29,7 +40,15 @@ def rollout_engine(
     """
     g = rl.grpo
     if rl.engine.kind == "hf":
-        return HFEngine(model, tok.eos_id, tok.pad_id, seed=g.seed, version=-1)
+        return HFEngine(
+            model,
+            tok.eos_id,
+            tok.pad_id,
+            seed=g.seed,
+            version=-1,
+            chunk=rl.engine.chunk,
+            recompute_kv_on_update=rl.engine.recompute_kv_on_update,
+        )
     if importlib.util.find_spec("vllm") is None:  # not imported here: see vllm._prepare_env
         raise EngineError(
             'rl.engine.kind = "vllm" needs vLLM, which is not installed. Install it with '

@@ -111,6 +111,7 @@ class WeightSync:
         rollout_ids: Iterable[str],
         busy: set[str],
         *,
+        inflight: Iterable[str] = (),
         relays: Mapping[str, str] | None = None,
         n_init: int = 1,
         finished: bool,
@@ -120,7 +121,8 @@ class WeightSync:
         """Order a sync if none is in flight and an idle rollout replica needs newer
         weights (a commit reached ``want_version``, or a joiner has none). The mesh is
         the source and those replicas. ``leader`` is the policy leader's (replica id,
-        rendezvous address); ``busy`` the replicas holding a prompt lease; ``relays``
+        rendezvous address); ``busy`` the replicas holding a prompt lease; ``inflight``
+        those among them that take a sync in the middle of a generation; ``relays``
         the rollout replicas that can relay what they hold (id -> address);
         ``n_init`` the rollout replicas the first mesh waits for. Returns the new order."""
         if self.sync is not None:
@@ -148,10 +150,13 @@ class WeightSync:
         # Only replicas between two generation batches (holding no lease) take part:
         # a broadcast waits for its slowest member, and one replica busy generating
         # must not hold back the weights of all the others (nor the policy, which
-        # waits for fresh rollouts). A busy one joins the next sync.
+        # waits for fresh rollouts). A busy one joins the next sync, unless it takes
+        # updates in flight (capability ``inflight_updates``): it polls for orders
+        # between chunks of its generation and joins within one chunk's time.
         # And only replicas that asked for prompts since they (re)started or failed a
         # sync: one still loading its model would hold the broadcast until it times out.
-        behind = [r for r in rollouts if r not in busy and self.versions.get(r, target) < target]
+        takes = busy - set(inflight)
+        behind = [r for r in rollouts if r not in takes and self.versions.get(r, target) < target]
         if not behind or self._hold_first(rollouts, n_init, now, wall):
             return None
         source = self._source(leader, rollouts, busy, relays or {}, target)
@@ -291,6 +296,7 @@ class WeightSync:
             members=tuple(s.members),
             rank=s.members.index(replica_id),
             store=s.store,
+            ordered_at=s.ordered_at,
         )
 
     def status(self) -> dict[str, Any]:
