@@ -23,10 +23,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make install installs
 
 from phalanx.config import ConfigError
 from phalanx.config.rl import RLConfig, load_rl_config
-from phalanx.rl.engine.base import EngineError, prompt_key
+from phalanx.rl.engine.base import Completion, EngineError, prompt_key
 from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.engine.hf import HFEngine
 from phalanx.rl.engine.vllm import VLLMEngine, check_model_dir
+from phalanx.rl.grpo import collate, token_logprobs
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
@@ -189,6 +190,86 @@ def test_a_reload_that_fails_part_way_leaves_no_usable_version(setup: Setup):
     ]
 
 
+def _weights(seed: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def test_an_update_during_generation_goes_on_under_the_new_weights(setup: Setup):
+    # A hook loads version 31 after the engine's first chunk of steps (8 tokens); the
+    # requests go on, their keys and values recomputed under the new weights.
+    engine, old = setup.engine, setup.model.state_dict()
+    new = _weights(7, old)
+    prompts, t = setup.prompts(70, 6), 0.7
+
+    def run() -> list[Completion]:
+        engine.load_weights(old, 30)
+        calls: list[int] = []
+
+        def hook() -> None:
+            calls.append(engine.version)
+            if len(calls) == 1:
+                engine.load_weights(new, 31)
+
+        comps = engine.generate(prompts, 4, 24, t, keys(70, 6), between=hook)
+        assert calls[0] == 30 and set(calls[1:]) <= {31}
+        return comps
+
+    comps = run()
+    for c in comps:
+        want = [30] * min(len(c.token_ids), engine.chunk)
+        want += [31] * (len(c.token_ids) - len(want))
+        assert c.token_versions() == want and c.version == 30
+    spanning = [c for c in comps if c.versions]
+    assert spanning, "no completion outlived the first chunk"
+    # Reproducible: the same keys and the same update step give the same completions.
+    again = run()
+    assert [(c.token_ids, c.logprobs, c.versions) for c in again] == [
+        (c.token_ids, c.logprobs, c.versions) for c in comps
+    ]
+    # Every token's log-prob is the trainer's under its own version (recomputed KV),
+    # within the tolerance of the test above; under the other version it is far off.
+    batch = collate(comps, [0.0] * len(comps), setup.tok.pad_id)
+    trainer = {}
+    for v, sd in ((30, old), (31, new)):
+        setup.hf.load_weights(sd, v)
+        with torch.no_grad():
+            trainer[v] = token_logprobs(setup.hf.model, batch, t)
+    worst, gap = 0.0, 0.0
+    for row, c in enumerate(comps):
+        at = len(c.prompt_ids) - 1
+        for i, (lp, v) in enumerate(zip(c.logprobs, c.token_versions(), strict=True)):
+            worst = max(worst, abs(trainer[v][row, at + i].item() - lp))
+            if v == 31:
+                gap = max(gap, abs(trainer[30][row, at + i].item() - lp))
+    assert worst < 1e-4, worst
+    assert gap > 100 * worst
+
+
+def test_a_reload_that_fails_during_generation_abandons_the_batch(setup: Setup):
+    engine, sd = setup.engine, setup.model.state_dict()
+    engine.load_weights(sd, 40)
+    names = sorted(sd)
+    pairs: list[tuple[str, Any]] = [(k, sd[k] * 1.5) for k in names[:-1]]
+    pairs.append((names[-1], torch.empty(sd[names[-1]].shape, device="meta")))
+
+    def hook() -> None:
+        engine.load_weights(iter(pairs), 41)
+
+    with pytest.raises(EngineError, match="reloading weights 41 into vLLM failed"):
+        engine.generate(setup.prompts(80, 4), 2, 24, 1.0, keys(80, 4), between=hook)
+    assert engine.version == -1
+    # Its requests were aborted: after the retry, the engine serves a fresh batch alone.
+    engine.load_weights(sd, 42)
+    setup.hf.load_weights(sd, 42)
+    prompts = setup.prompts(84, 4)
+    ours = engine.generate(prompts, 1, 8, 0.0)
+    assert [c.token_ids for c in ours] == [
+        c.token_ids for c in setup.hf.generate(prompts, 1, 8, 0.0)
+    ]
+    assert all(c.version == 42 and not c.versions for c in ours)
+
+
 # -- bad input: one line each ---------------------------------------------------
 
 
@@ -243,6 +324,14 @@ def test_a_bad_engine_option_is_one_line(tmp_path: Path, toml: str, message: str
         load_rl_config(path)
     # The file, then one line for the one thing wrong.
     assert len(str(e.value).strip().splitlines()) == 2, str(e.value)
+
+
+def test_keeping_the_old_kv_cache_on_an_update_is_refused_in_one_line(tmp_path: Path):
+    # vLLM always recomputes it after an in-flight update; the setting is the hf engine's.
+    rl = load_rl_config(None, [*MODEL, "--engine.recompute_kv_on_update", "false"])
+    with pytest.raises(EngineError, match="recompute_kv_on_update = false is for the hf") as e:
+        VLLMEngine(_model_dir(tmp_path, None), 0, {}, rl.engine)
+    assert "\n" not in str(e.value)
 
 
 def test_a_vllm_that_fails_to_start_says_why_in_one_line(setup: Setup):

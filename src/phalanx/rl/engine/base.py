@@ -222,3 +222,19 @@ def check_args(
             f"keys must hold one sampling key per prompt: got {len(keys)} keys for "
             f"{len(prompts)} prompts. Use prompt_key(seed, index) for each prompt."
         )
+
+
+def call_between(engine: GenerationEngine, between: Callable[[], None]) -> bool:
+    """Run a ``between`` hook for ``engine``'s generation; True when it loaded another
+    version. A hook that left the engine without whole weights (a load failed part-way:
+    version -1) ends the generation with EngineError: what it would sample next comes
+    from no version at all."""
+    before = engine.version
+    between()
+    if engine.version < 0 <= before:
+        raise EngineError(
+            f"a weight update during generation failed part-way (the engine held "
+            f"version {before}): the batch is abandoned, as its next tokens would come "
+            f"from mixed weights. Sync again before generating."
+        )
+    return engine.version != before

@@ -51,9 +51,9 @@ import torch
 
 from phalanx.rl.engine.base import (
     Completion,
-    EngineError,
     GenerationEngine,
     Weights,
+    call_between,
     check_args,
     check_names,
 )
@@ -149,7 +149,9 @@ class HFEngine(GenerationEngine):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], 1)
             pos = pos[:, -1:] + 1
-            updated = between is not None and (t + 1) % self.chunk == 0 and self._update(between)
+            updated = (
+                between is not None and (t + 1) % self.chunk == 0 and call_between(self, between)
+            )
             if updated and self.recompute_kv_on_update:
                 # The whole sequence again under the new weights: prompt + tokens so far.
                 seq = torch.cat([ids, torch.stack(toks, 1)], 1)
@@ -167,20 +169,6 @@ class HFEngine(GenerationEngine):
                 )
             past, logits = out.past_key_values, out.logits[:, -1, :]
         return self._completions(rows, n, torch.stack(toks, 1), torch.stack(lps, 1), versions)
-
-    def _update(self, between: Callable[[], None]) -> bool:
-        """Run the ``between`` hook; True when it loaded another version. A hook that
-        left the engine without whole weights (a load failed part-way) ends the
-        generation: what it would sample next comes from no version at all."""
-        before = self.version
-        between()
-        if self.version < 0 <= before:
-            raise EngineError(
-                f"a weight update during generation failed part-way (the engine held "
-                f"version {before}): the batch is abandoned, as its next tokens would come "
-                f"from mixed weights. Sync again before generating."
-            )
-        return self.version != before
 
     def _sample(
         self, logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None

@@ -30,6 +30,43 @@ model's before anything is copied, then reloads in place and drops the
 prefix cache (its keys and values were computed with the old weights). A
 reload that fails part-way leaves the engine at version -1, which gets no
 prompts until a sync succeeds: it never generates with mixed weights.
+
+In-flight weight updates
+------------------------
+``generate(..., between=hook)`` drives vLLM's engine one step at a time, as
+``LLM.generate`` does inside (``LLM.enqueue``, then ``LLMEngine.step`` until
+no request is left), and calls ``hook()`` after every ``chunk`` steps while
+requests remain. A step samples one token of every running request, so the
+hook runs every ``chunk`` tokens, as in the HF engine (a request vLLM admits
+later, when the batch exceeds its ``max_num_seqs``, has fewer tokens at the
+first hook; its versions are recorded all the same). When the hook loads
+new weights, the running requests go on; they are neither aborted nor
+restarted. Their KV cache is **recomputed**: ``load_weights`` calls
+``reset_prefix_cache(reset_running_requests=True)``, which preempts every
+running request (vLLM's preemption by recompute) and frees its blocks, so
+the next step prefills prompt + tokens so far under the new weights and
+samples the next token from them. Each token after the update is therefore
+drawn from exactly ``pi_new(. | prefix)``, and its recorded log-prob is the
+one the trainer computes under its own version (the test checks it against
+``grpo.token_logprobs``). Keeping the stale cache instead, as PipelineRL
+(Piche et al. 2025) does, would sample later tokens from a mix of the two
+versions that no trainer forward reproduces (on the test model their
+log-probs were 0.42 off the new version's); ``rl.engine.recompute_kv_on_update
+= false`` is therefore refused. A request keeps its seeded generator across the
+preemption (the model runner keeps its state), so with the same keys and
+the same update step the completions are reproducible. The cost is one
+prefill of prompt + tokens so far per update: on the test model about two
+decode steps, and with the reload about 4 % of a 32-token generation
+(docs/architecture.md, "vLLM rollout replicas", gives the measurement).
+
+Each token's version is vLLM's own record: the engine core labels every
+step's output with ``set_weight_version`` (set from :attr:`version` before
+the first step and after every hook), and a finished request carries
+``weight_versions`` spans, which become ``Completion.versions``.
+
+Scheduling is synchronous (``async_scheduling=False``; vLLM's GPU default is
+asynchronous): with an asynchronous batch queue a batch may still be in
+flight when ``step`` returns, and a reload between two steps would race it.
 """
 
 from __future__ import annotations
@@ -37,7 +74,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +86,7 @@ from phalanx.rl.engine.base import (
     EngineError,
     GenerationEngine,
     Weights,
+    call_between,
     check_args,
     check_names,
     sample_seed,
@@ -121,13 +159,33 @@ def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
     return cfg
 
 
+def _token_versions(spans: Any, count: int) -> list[int]:
+    """One version per output token from vLLM's ``weight_versions`` spans (``[start, end)``
+    of output-token indexes, each with the label the engine core held when it sampled them)."""
+    versions: list[int] = []
+    for span in spans or []:
+        if span.start != len(versions) or span.end < span.start:
+            raise EngineError(f"vLLM returned weight-version spans with a gap: {spans!r}")
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != count or not versions:
+        raise EngineError(
+            f"vLLM's weight-version spans must cover every token: got {len(versions)} "
+            f"versions for {count} tokens"
+        )
+    return versions
+
+
 class VLLMEngine(GenerationEngine):
     """Samples with vLLM from the causal LM saved in ``model_dir``.
 
     ``like`` maps every HF parameter name of the model to a tensor of its shape:
     weight updates are checked against it (the sender's names are HF names, as in
-    the policy's ``state_dict``).
+    the policy's ``state_dict``). ``options.chunk`` is how many engine steps (one
+    token of every running request each) run between two calls of a ``between`` hook
+    (see "In-flight weight updates").
     """
+
+    inflight_updates = True
 
     def __init__(
         self,
@@ -141,6 +199,12 @@ class VLLMEngine(GenerationEngine):
         device: str = "cpu",
         max_model_len: int | None = None,
     ):
+        if not options.recompute_kv_on_update:
+            raise EngineError(
+                "rl.engine.recompute_kv_on_update = false is for the hf engine only: vLLM "
+                "recomputes the running requests' KV cache after every in-flight update. "
+                'Remove the setting, or use rl.engine.kind = "hf".'
+            )
         check_model_dir(model_dir, device)
         from vllm import LLM
 
@@ -156,6 +220,8 @@ class VLLMEngine(GenerationEngine):
             "distributed_executor_backend": "uni",
             "worker_extension_cls": EXTENSION,
             "disable_log_stats": True,
+            # A weight update between two steps must not race a batch still in flight.
+            "async_scheduling": False,
         }
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(options.cpu_kv_cache_gib * (1 << 30))
@@ -172,6 +238,7 @@ class VLLMEngine(GenerationEngine):
         self.like = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
         self.seed = int(seed)
         self.version = version
+        self.chunk = options.chunk
         self._calls = 0
 
     def generate(
@@ -181,6 +248,7 @@ class VLLMEngine(GenerationEngine):
         max_new_tokens: int,
         temperature: float = 1.0,
         keys: Sequence[int] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -205,9 +273,7 @@ class VLLMEngine(GenerationEngine):
             for i in range(len(prompts))
             for j in range(n)
         ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
-        )
+        outs = self._run([TokensPrompt(prompt_token_ids=r) for r in rows], params, between)
         result = []
         for k, (row, out) in enumerate(zip(rows, outs, strict=True)):
             c = out.outputs[0]
@@ -218,6 +284,7 @@ class VLLMEngine(GenerationEngine):
                     raise EngineError("vLLM returned no log-prob for a sampled token")
                 lps.append(float(step[t].logprob))
             finished = bool(toks) and toks[-1] == self.eos_id
+            versions = _token_versions(c.weight_versions, len(toks))
             result.append(
                 Completion(
                     prompt_index=k // n,
@@ -225,10 +292,38 @@ class VLLMEngine(GenerationEngine):
                     token_ids=toks,
                     logprobs=lps,
                     finished=finished,
-                    version=self.version,
+                    version=versions[0],
+                    # Only a completion that spans an update lists its tokens' versions.
+                    versions=versions if versions[0] != versions[-1] else [],
                 )
             )
         return result
+
+    def _run(
+        self, prompts: list[Any], params: list[Any], between: Callable[[], None] | None
+    ) -> list[Any]:
+        """``LLM.generate``'s loop, with ``between`` called every ``chunk`` steps while
+        requests remain. The requests' outputs, in the order of ``prompts``. Whatever
+        ends the loop early (the hook raised, a reload failed) aborts the requests
+        still in the engine, so that the next ``generate`` starts from an empty one."""
+        engine = self.llm.llm_engine
+        engine.set_weight_version(str(self.version))
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        done: dict[str, Any] = {}
+        steps = 0
+        try:
+            while engine.has_unfinished_requests():
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+                steps += 1
+                if between is None or steps % self.chunk or not engine.has_unfinished_requests():
+                    continue
+                call_between(self, between)
+                engine.set_weight_version(str(self.version))
+        except BaseException:
+            engine.abort_request(ids, internal=True)
+            raise
+        # As LLM.generate: outputs carry the request's external id, a counter.
+        return [done[k] for k in sorted(done, key=int)]
 
     def layout(self) -> Mapping[str, torch.Tensor]:
         return {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.like.items()}
@@ -249,7 +344,10 @@ class VLLMEngine(GenerationEngine):
         self.version = -1  # until the reload is whole: a failure leaves no usable version
         try:
             self.llm.collective_rpc("phalanx_reload", args=(pairs,))
-            self.llm.reset_prefix_cache()
+            # Also preempts the running requests of a generation this update lands in
+            # (a ``between`` hook): their keys and values are recomputed under the new
+            # weights at the next step, none is computed from the old ones again.
+            self.llm.reset_prefix_cache(reset_running_requests=True)
         except Exception as e:
             log.error(
                 "reloading weights %d into vLLM failed (%s): the engine held %d and now holds "
