@@ -205,7 +205,9 @@ def table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             f"{task}: best async {s['best_async_arm']} (vs sync {s['time_to_threshold_ratio_vs_sync']}, "
             f"gap {s['final_reward_gap']}; {s['no_correction_arm']} without a correction: "
             f"{s['final_reward_gap_no_correction']}), ratio_vs_trl {s['ratio_vs_trl']} "
-            f"(best {s['best_arm']}; TRL start-up {s['trl_startup_s']} s, training {s['trl_train_s']} s)"
+            f"(best {s['best_arm']}; TRL start-up {s['trl_startup_s']} s, training {s['trl_train_s']} s); "
+            f"sync_effect_s {s['sync_effect_s']} vs waiting {s['sync_effect_waiting_s']} "
+            f"(ratio {s['sync_effect_ratio']})"
         )
     print(f"load average {summary['loadavg_start']} -> {summary['loadavg_end']}; {summary['host']}")
 

@@ -13,7 +13,11 @@ Figures of one arm (every time in seconds, from the arm's launch):
   ``step`` lines / the rollout replicas' ``rollout`` lines (None where no line has
   one: this checkout does not measure it);
 - ``sync_effect_s``: the mean of the ``sync_effect_s`` fields of the rollout replicas'
-  ``sync`` lines (None likewise);
+  ``sync`` lines (None likewise): from a version's publish (the policy's commit) to a
+  rollout replica generating with it. The summary sets the corrected ``async2`` arm's
+  (in-flight updates) against the ``waiting`` arm's, the same job with
+  ``rl.engine.inflight_updates = false`` (a sync waits for generation to end):
+  ``sync_effect_s``, ``sync_effect_waiting_s`` and their ratio;
 - ``final_reward_gap``: the arm's trailing reward minus the sync arm's, both at the
   number of trained samples the sync arm ended at (every arm trains the same batch
   size, so that is the same batch count).
@@ -32,6 +36,8 @@ ABSENT_MEANS = {"rl.grpo.correction": "none"}
 """Overrides that a checkout without the key already runs as: plain GRPO has no
 correction, so an arm asking for ``none`` runs there without the key, while one asking
 for ``tis_token`` is skipped."""
+CHUNK = 2
+"""``rl.engine.chunk`` of every arm (see :func:`arms`)."""
 ARM_KEYS = (
     "arm",
     "task",
@@ -65,8 +71,15 @@ class Arm:
 def arms(correction: str = "tis_token", inner_epochs: int = 1) -> list[Arm]:
     """The benchmark's arms: ``sync`` (on-policy: max_staleness 0, a sync every commit),
     ``async2`` and ``async4`` (max_staleness 2 and 4), each without a correction and
-    with ``correction`` (named ``async2_<correction>``), and ``replay``: async2 with
-    ``correction``, a quarter of each batch drawn from an in-memory replay buffer.
+    with ``correction`` (named ``async2_<correction>``), ``replay``: async2 with
+    ``correction``, a quarter of each batch drawn from an in-memory replay buffer, and
+    ``waiting``: async2 with ``correction`` whose syncs wait for generation to end
+    (``rl.engine.inflight_updates = false``), for ``sync_effect_waiting_s``.
+
+    Every arm sets ``rl.engine.chunk`` = ``CHUNK``: a point where an update may land
+    every 2 tokens, since the tasks' completions are shorter than the default 8 (an
+    engine whose generation ends before its first chunk only ever syncs between
+    leases, which would make in-flight updates a no-op).
 
     Staleness counts versions (optimizer steps), ``inner_epochs`` of them per batch.
     ``max_ahead`` (rollout batches leased or waiting beside the one in training) is set
@@ -89,6 +102,7 @@ def arms(correction: str = "tis_token", inner_epochs: int = 1) -> list[Arm]:
             ("rl.loop.max_staleness", str(s)),
             ("rl.loop.sync_every", "1"),
             ("rl.loop.max_ahead", str(ahead)),
+            ("rl.engine.chunk", str(CHUNK)),
         )
 
     out = [Arm("sync", (*loop(0), ("rl.grpo.correction", "none")))]
@@ -104,6 +118,8 @@ def arms(correction: str = "tis_token", inner_epochs: int = 1) -> list[Arm]:
     replay = (("rl.loop.replay_ratio", "0.25"), ("rl.transport.replay", "memory"))
     base = next(a for a in out if a.name == f"async2_{correction}")
     out.append(Arm("replay", (*base.overrides, *replay), "async2"))
+    waiting = ("rl.engine.inflight_updates", "false")
+    out.append(Arm("waiting", (*base.overrides, waiting), "async2"))
     return out
 
 
@@ -243,6 +259,9 @@ def compare(results: list[dict[str, Any]], specs: Sequence[Arm]) -> dict[str, An
     trl = ran.get("trl")
     trl_t = trl.get("time_to_threshold_s") if trl else None
     no_corr = ran.get(twin.get(best["arm"]) or "") if best else None
+    inflight = next((r for n, r in ran.items() if n.startswith("async2_")), None)
+    effect = inflight.get("sync_effect_s") if inflight else None
+    waited = ran["waiting"].get("sync_effect_s") if "waiting" in ran else None
     return {
         "best_async_arm": best["arm"] if best else None,
         "time_to_threshold_ratio_vs_sync": best["time_to_threshold_ratio_vs_sync"]
@@ -257,6 +276,9 @@ def compare(results: list[dict[str, Any]], specs: Sequence[Arm]) -> dict[str, An
         "trl_startup_s": trl.get("startup_s") if trl else None,
         "trl_train_s": trl.get("train_s") if trl else None,
         "ratio_vs_trl": round(_time(best_any) / trl_t, 3) if best_any and trl_t else None,
+        "sync_effect_s": effect,
+        "sync_effect_waiting_s": waited,
+        "sync_effect_ratio": round(effect / waited, 3) if effect and waited else None,
     }
 
 

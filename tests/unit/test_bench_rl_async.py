@@ -33,7 +33,12 @@ def test_arms_set_staleness_ahead_and_correction():
         "async4",
         "async4_tis_token",
         "replay",
+        "waiting",
     ]
+    assert {by[n]["rl.engine.chunk"] for n in by} == {"2"}
+    assert by["waiting"]["rl.engine.inflight_updates"] == "false"
+    assert by["waiting"]["rl.grpo.correction"] == "tis_token"
+    assert "rl.engine.inflight_updates" not in by["async2_tis_token"]
     assert by["sync"]["rl.loop.max_staleness"] == "0" and by["sync"]["rl.loop.sync_every"] == "1"
     # 2 versions per batch: staleness 2 is one batch behind, 4 two.
     assert [by[n]["rl.loop.max_ahead"] for n in ("sync", "async2", "async4")] == ["1", "1", "2"]
@@ -138,7 +143,8 @@ def test_compare_ratios_best_arm_and_gaps():
     results = [
         rec("sync", 100.0, [[64, 0.5], [128, 0.80]]),
         rec("async2", 80.0, [[64, 0.5], [128, 0.70]]),
-        rec("async2_tis_token", 60.0, [[64, 0.5], [128, 0.79]]),
+        rec("async2_tis_token", 60.0, [[64, 0.5], [128, 0.79]], sync_effect_s=0.2),
+        rec("waiting", 65.0, [[64, 0.5], [128, 0.78]], sync_effect_s=0.8),
         rec("async4", None, [[64, 0.3], [128, 0.50]]),
         rec("async4_tis_token", 70.0, [[64, 0.3]]),  # stopped short of sync's samples
         {"arm": "replay", "task": "sort4", "skipped": "rl.loop.replay_ratio: unknown key"},
@@ -164,6 +170,11 @@ def test_compare_ratios_best_arm_and_gaps():
     assert s["final_samples"] == 128
     assert s["best_arm"] == "async2_tis_token"
     assert s["ratio_vs_trl"] == 0.3
+    assert (s["sync_effect_s"], s["sync_effect_waiting_s"], s["sync_effect_ratio"]) == (
+        0.2,
+        0.8,
+        0.25,
+    )
     assert (s["trl_time_to_threshold_s"], s["trl_startup_s"], s["trl_train_s"]) == (
         200.0,
         12.0,

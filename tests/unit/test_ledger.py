@@ -1243,6 +1243,7 @@ def synced() -> CheckedState:
         "rank": 0,
         "store": "p1-host:29500",
         "ordered_at": 0.0,
+        "published_at": 0.0,
     }
     assert tick.ledger_for == {P, R1, R2}
     return st
@@ -1259,6 +1260,7 @@ def test_sync_is_ordered_after_sync_every_commits(synced):
         "rank": 2,
         "store": "p1-host:29500",
         "ordered_at": 0.0,
+        "published_at": 0.0,
     }
     assert reply["lease"] is not None  # version 0 is still fresh enough to generate
     b, _ = st.lease_batch(P2, 2, now=0, wall=0)
@@ -1404,6 +1406,7 @@ def test_joiner_syncs_before_it_may_lease(synced):
         "rank": 1,
         "store": "p1-host:29500",
         "ordered_at": 1.0,
+        "published_at": 1.0,
     }
     st.sync_done(P, 2, 2, True, now=2, wall=2)
     again = lease(st, r3, version=-1, now=2)  # not before it has the weights
@@ -1480,6 +1483,7 @@ def test_a_replica_that_has_not_asked_stays_out_of_the_sync():
         "rank": 1,
         "store": "p1-host:29500",
         "ordered_at": 1.0,
+        "published_at": 1.0,
     }
 
 
@@ -1598,6 +1602,7 @@ def test_a_joiner_gets_its_weights_from_an_idle_rollout_peer():
         "rank": 1,
         "store": "r1-host:29500",
         "ordered_at": 2.0,
+        "published_at": 2.0,
     }
     assert sync_for(st, R1) == {**reply["sync"], "rank": 0} and sync_for(st, P) is None
     ordered = [e for e in st.events if e["kind"] == "sync_ordered"][-1]

@@ -60,6 +60,25 @@ def test_a_busy_replica_that_takes_updates_in_flight_joins_the_sync():
     assert {st.ledger.rollouts.records[x]["version"] for x in ids} == {1}
 
 
+def test_a_sync_that_waits_for_generation_says_when_its_version_was_published():
+    """Without in-flight updates a busy replica is named only once it is idle again:
+    its order comes after the publish, and ``published_at`` (the start of its
+    ``sync_effect_s``) is the commit's time, not the order's."""
+    st = job(rollouts=("r1",))
+    form(st, [P])
+    train(st, 0)
+    fill(st, PPS, 1)
+    held = lease(st, R1, 2, version=0)  # R1 generates when version 2 is published
+    st.lease_batch(P, 1, now=5, wall=5)
+    st.ack_batch(P, 2, now=5, wall=5)
+    assert st.ledger.weights.sync is None  # R1 is busy and takes no update in flight
+    ids = [p["rollout_id"] for p in held["lease"]["prompts"]]
+    st.submit_rollouts(R1, held["lease"]["lease_id"], [rollout(x, 0) for x in ids], now=9, wall=9)
+    reply = lease(st, R1, 0, version=0, now=9)
+    assert reply["sync"] is not None
+    assert (reply["sync"]["ordered_at"], reply["sync"]["published_at"]) == (9.0, 5.0)
+
+
 def test_a_rollout_is_as_stale_as_its_oldest_token():
     """Tokens of version 0 and 2 in one rollout: with the floor at 1, it is stale, and
     counted under that reason as any stale rollout."""

@@ -215,3 +215,21 @@ def test_versions_reach_the_trainer_through_the_rollout():
         )
         or ""
     )
+
+
+def test_inflight_updates_can_be_turned_off_in_the_job_file():
+    """``rl.engine.inflight_updates = false``: the replica declares no capability and
+    its engine takes no update mid-generation (syncs wait for it to end, as before)."""
+    from phalanx.rl.engine.factory import rollout_engine, takes_inflight_updates
+
+    on = RLConfig()
+    off = RLConfig.model_validate({"engine": {"inflight_updates": False}})
+    assert takes_inflight_updates(on) is True
+    assert takes_inflight_updates(off) is False
+    tok = task_tokenizer(off.task)
+    for rl, want in ((on, True), (off, False)):
+        engine = rollout_engine(
+            rl, tok, build_model(rl.model, tok, torch.device("cpu")), torch.device("cpu"), "r"
+        )
+        assert engine.inflight_updates is want
+    assert HFEngine.inflight_updates is True  # the class is left as it was

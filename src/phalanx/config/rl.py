@@ -344,6 +344,11 @@ class EngineSection(_Section):
     land during a generation (the rollout replica asks the controller for a sync order
     at each). Smaller: a sync reaches a generating replica sooner, at one small request
     per chunk. ``rl.loop.sync_timeout_s`` must cover one chunk's time."""
+    inflight_updates: bool = True
+    """Let a weight sync reach a replica while it generates (between two chunks), when
+    the engine can take one: the sync does not wait for the generation to end. False:
+    the sync waits until the replica is between two leases, as before in-flight
+    updates existed (``bench/rl_async.py`` measures the two against each other)."""
     recompute_kv_on_update: bool = True
     """After a weight update during a generation, prefill the running batch again with
     the new weights (``hf``), so that every later token is drawn from exactly the new

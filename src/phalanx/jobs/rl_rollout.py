@@ -116,8 +116,8 @@ def take_sync(
     as the order's source (rank 0), relay the version the engine holds. Reported to
     the controller either way. ``inflight``: taken between two chunks of a generation.
 
-    The ``sync`` event's ``sync_effect_s`` is the wall time from the order (the
-    policy's publish: ``SyncOrder.ordered_at``) to the new weights being loaded,
+    The ``sync`` event's ``sync_effect_s`` is the wall time from the policy's publish
+    of the version (its commit: ``SyncOrder.published_at``) to the new weights being loaded,
     which is when the engine's next token is drawn from them (between leases, the
     generation of the lease that came with the order starts right after)."""
     t0 = time.perf_counter()
@@ -137,7 +137,8 @@ def take_sync(
     if not ok:
         rlog.warning("weight sync %d failed%s: %s", order.seq, " as source" * source, err[:200])
     ms = 1e3 * (time.perf_counter() - t0)
-    effect = time.time() - order.ordered_at if ok and not source and order.ordered_at else None
+    since = order.published_at or order.ordered_at
+    effect = time.time() - since if ok and not source and since else None
     client.sync_done(order.seq, engine.version, ok, err)
     emit(
         {

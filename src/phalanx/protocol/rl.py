@@ -180,8 +180,12 @@ class SyncOrder(Wire):
     store: Address
     """Rendezvous address (``host:port``) of the source's store."""
     ordered_at: Wall = 0.0
-    """When the controller ordered it (wall clock): a receiver measures from it how long
-    the new weights took to reach its generation (``sync_effect_s``)."""
+    """When the controller ordered it (wall clock)."""
+    published_at: Wall = 0.0
+    """When the version it sends was committed and wanted by the rollout replicas (wall
+    clock; the order's own time when not known): a receiver measures from it how long
+    the new weights took to reach its generation (``sync_effect_s``). An order may
+    come long after the publish when the sync waits for generation to end."""
 
 
 class PromptRef(Wire):

@@ -19,7 +19,10 @@ from phalanx.rl.engine.hf import HFEngine
 def takes_inflight_updates(rl: RLConfig) -> bool:
     """Whether ``[rl.engine]``'s engine takes weight updates during a generation (its
     class's ``inflight_updates``), known before it is built: a rollout replica
-    declares the capability when it registers, before it loads the model."""
+    declares the capability when it registers, before it loads the model. False
+    when ``rl.engine.inflight_updates`` turns them off."""
+    if not rl.engine.inflight_updates:
+        return False
     if rl.engine.kind == "hf":
         return HFEngine.inflight_updates
     from phalanx.rl.engine.vllm import VLLMEngine  # light: vLLM itself is imported lazily
@@ -38,6 +41,15 @@ def rollout_engine(
     removed once vLLM has loaded it; ``model`` can then be dropped. A model or option vLLM cannot serve, or a vLLM that fails to
     start, is an EngineError saying why in one line.
     """
+    engine = _build(rl, tok, model, device, name)
+    if not rl.engine.inflight_updates:
+        engine.inflight_updates = False  # syncs wait for the generation to end
+    return engine
+
+
+def _build(
+    rl: RLConfig, tok: Tokenizer, model: Any, device: torch.device, name: str
+) -> GenerationEngine:
     g = rl.grpo
     if rl.engine.kind == "hf":
         return HFEngine(

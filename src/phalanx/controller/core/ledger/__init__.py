@@ -386,7 +386,7 @@ class Ledger:
         if step < w.want_version:
             self.log.event("policy_behind", wall, step=step, want_version=w.want_version)
             w.rewind(step)
-        w.committed(step, self.loop.sync_every)
+        w.committed(step, self.loop.sync_every, wall)
         self.rollouts.trained(step, wall=wall, metrics=metrics)
         if (w.want_version, w.synced_version) != before:
             self.save()

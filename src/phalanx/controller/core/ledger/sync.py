@@ -48,10 +48,13 @@ class Sync:
     """Members that finished, with the version they now hold."""
     handed: bool = field(default=False, compare=False)
     """Whether the order went out to its source (in a reply to it)."""
+    published_at: float = field(default=0.0, compare=False)
+    """When the version it sends was committed (wall clock; 0: not known, as after a
+    controller restart): the start of its ``sync_effect_s``."""
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["ordered_mono"], d["handed"]
+        del d["ordered_mono"], d["handed"], d["published_at"]
         return d
 
 
@@ -77,6 +80,10 @@ class WeightSync:
         """When the first mesh was first wanted (monotonic; not durable)."""
         self.versions: dict[str, int] = {}
         """Weights version each rollout replica last declared (not durable)."""
+        self.wanted_at = 0.0
+        """When ``want_version`` took its value (wall clock; not durable): when that
+        version was published to the rollout replicas, whether or not a sync could be
+        ordered at once."""
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -97,9 +104,11 @@ class WeightSync:
         """Whether a replica with no weights may build version 0 from config itself."""
         return self.synced_version == 0 and self.want_version == 0
 
-    def committed(self, step: int, sync_every: int) -> None:
+    def committed(self, step: int, sync_every: int, wall: float = 0.0) -> None:
         """The policy committed up to ``step``: every ``sync_every`` steps is wanted."""
-        self.want_version = max(self.want_version, step - step % sync_every)
+        want = max(self.want_version, step - step % sync_every)
+        if want != self.want_version:
+            self.want_version, self.wanted_at = want, wall
 
     def rewind(self, step: int) -> None:
         self.want_version = min(self.want_version, step)
@@ -169,6 +178,8 @@ class WeightSync:
         self.sync_seq += 1
         role = "policy" if leader is not None and source[0] == leader[0] else "rollout"
         self.sync = Sync(self.sync_seq, self.mesh_id, members, source[1], wall, now, role)
+        if target == self.want_version:
+            self.sync.published_at = self.wanted_at
         self.source_busy = (source[0], self.sync_seq)
         self.save()
         self.log.event(
@@ -297,6 +308,7 @@ class WeightSync:
             rank=s.members.index(replica_id),
             store=s.store,
             ordered_at=s.ordered_at,
+            published_at=s.published_at or s.ordered_at,
         )
 
     def status(self) -> dict[str, Any]:
