@@ -175,3 +175,20 @@ def test_a_replay_entry_whose_payload_the_log_lost_leaves_the_replay_at_a_restar
     assert list(st.ledger.replay.entries) == kept
     assert check(st)["replay"]["lost"] == 1
     journal.close()
+
+
+def test_leases_count_only_the_fresh_share_of_a_batch_once_the_replay_holds_it():
+    """Backpressure (``max_ahead`` batches) counts the fresh rollouts a batch takes:
+    PPS - K once the replay can supply K, so fresh rollouts never wait for batches
+    further ahead than that (and turn stale)."""
+    from test_ledger import AHEAD, R1, lease
+
+    st = job(*MEMORY)
+    assert st.ledger.replay.fresh_per_batch() == PPS  # nothing to replay yet
+    full = lease(st, R1, AHEAD * PPS + 1)
+    assert len(full["lease"]["prompts"]) == AHEAD * PPS
+    st = job(*MEMORY)
+    batch_step(st, 0)  # trained: the replay holds PPS >= K
+    assert st.ledger.replay.fresh_per_batch() == PPS - K
+    reply = lease(st, R1, AHEAD * PPS)
+    assert len(reply["lease"]["prompts"]) == AHEAD * (PPS - K)

@@ -286,3 +286,79 @@ def test_config_refuses_an_unknown_correction_in_one_line():
     g = load_rl_config(None, ["--grpo.correction", "mis_sequence", "--grpo.is_cap", "3"]).grpo
     assert (g.correction, g.is_cap) == ("mis_sequence", 3.0)
     assert GRPOSection().correction == "none"
+
+
+def test_a_recorded_proximal_policy_makes_the_clip_act_by_hand():
+    """On a batch's later inner epoch pi_prox is the batch's first step's: r = pi_theta /
+    pi_prox departs from 1, the PPO clip acts on it, and w = min(pi_prox / mu, C)."""
+    logp, old, adv, mask = _inputs()
+    # log pi_theta - log pi_prox per token, so r = exp(delta): band [0.8, 1.2].
+    delta = [[0.1, 0.3, -0.5], [0.0, 0.25, -0.1]]
+    prox = (logp.detach() - torch.tensor(delta, dtype=torch.float64)).clone()
+    per_token, stats = surrogate(
+        logp, old, adv, mask, correction="tis_token", clip_eps=0.2, is_cap=2.0, prox=prox
+    )
+    loss = (per_token * mask).sum() / N
+    loss.backward()
+    # w = min(exp(d - delta), 2): d - delta = [[0, 0.7, 0.3], [-0.9, -1.75, 0.2]].
+    w = [[1.0, 2.0, E(0.3)], [E(-0.9), E(-1.75), E(0.2)]]
+    r = [[E(x) for x in row] for row in delta]
+    # Row 0 (A = 1): r = 1.35 is clipped at 1.2 (no gradient); 0.607 < 0.8 keeps r
+    # (min picks it). Row 1 (A = -2): r = 1.284 keeps r A = -2.568 < -2.4.
+    surr = [[r[0][0], 1.2, r[0][2]], [-2 * r[1][0], -2 * r[1][1], -2 * r[1][2]]]
+    want = sum(-w[i][t] * surr[i][t] for i in range(2) for t in range(3)) / N
+    grad = [[-w[0][0] * r[0][0] / N, 0.0, -w[0][2] * r[0][2] / N]]
+    grad += [[2 * w[1][t] * r[1][t] / N for t in range(3)]]
+    torch.testing.assert_close(loss.detach(), torch.tensor(want, dtype=torch.float64))
+    assert logp.grad is not None
+    torch.testing.assert_close(
+        logp.grad, torch.tensor(grad, dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    assert stats["clip_frac"] == pytest.approx(1 / 6)  # the clip acted on one token
+    assert stats["is_clip_frac"] == pytest.approx(1 / 6)  # exp(0.7) > 2 was truncated
+    # A row without a record (NaN) takes the step's own forward: r = 1 there.
+    logp.grad = None
+    prox[1] = float("nan")
+    per_token, _ = surrogate(logp, old, adv, mask, correction="tis_token", is_cap=2.0, prox=prox)
+    ((per_token * mask).sum() / N).backward()
+    own = [2 * min(E(d), 2.0) / N for d in D[1]]
+    torch.testing.assert_close(
+        logp.grad[1], torch.tensor(own, dtype=torch.float64), rtol=0, atol=1e-12
+    )
+
+
+def test_inner_epochs_train_against_the_batch_first_step(model):
+    """backward_rows with a Proximal: the first epoch records pi_prox, the second is
+    clipped against it (not against its own weights), whatever the micro-batching; a
+    completion that is not the recorded one at its index is not given its record."""
+    import copy
+
+    from phalanx.rl.step import Proximal
+
+    comps, adv = _stale_batch(model)
+    model = copy.deepcopy(model)  # this test steps it: the module's model stays as it was
+    n = sum(len(c.token_ids) for c in comps)
+    g = GRPOSection(correction="tis_token", lr=0.05, micro_batch_size=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    prox = Proximal()
+    prox.start(7)
+    first = backward_rows(
+        model, comps, adv, list(range(5)), g=g, pad_id=TOK.pad_id, num_tokens=n, proximal=prox
+    )
+    assert first["clip_frac"] == 0.0 and sorted(prox.rows) == [0, 1, 2, 3, 4]
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    second = backward_rows(
+        model, comps, adv, list(range(5)), g=g, pad_id=TOK.pad_id, num_tokens=n, proximal=prox
+    )
+    assert second["clip_frac"] > 0  # the step moved the policy past the band on some tokens
+    # The per-step proximal (no record) would not clip at all.
+    model.zero_grad(set_to_none=True)
+    alone = backward_rows(model, comps, adv, list(range(5)), g=g, pad_id=TOK.pad_id, num_tokens=n)
+    assert alone["clip_frac"] == 0.0
+    # Another batch, or another completion at a recorded index, starts unrecorded.
+    other = Completion(0, comps[1].prompt_ids, comps[1].token_ids, comps[1].logprobs, True, 0)
+    batch = collate([other], [1.0], TOK.pad_id)
+    assert prox.tensor([other], [0], batch) is None
+    prox.start(8)
+    assert prox.rows == {}

@@ -35,15 +35,19 @@ def test_one_inner_epoch_is_on_policy():
 
 @pytest.mark.parametrize("correction", ["tis_sequence", "mis_token"])
 def test_a_correction_trains_and_reports_its_metrics(correction):
-    """The second inner epoch trains rollouts one version old, with the correction."""
+    """The second inner epoch trains rollouts one version old against the round's
+    proximal policy, its first step's weights, which sampled them (the single process
+    syncs its engine every round): the weights pi_prox/mu are 1, nothing is truncated
+    or masked, and the PPO clip acts on pi_theta/pi_prox as it did against mu."""
     overrides = ["--grpo.steps", "2", "--grpo.prompts_per_step", "4"]
     overrides += ["--grpo.correction", correction, "--grpo.is_cap", "1.05"]
     records = train(load_rl_config(None, overrides))
     for r in records:
         assert list(r["staleness_tokens"]) == [1]  # the last inner epoch's
-        assert 0 < r["ess"] <= 1 and r["mismatch_kl"] >= 0 and r["clip_frac"] == 0.0
-        assert 0 <= r["is_clip_frac"] <= 1 and 0 <= r["is_mask_frac"] <= 1
-        assert (r["is_mask_frac"] == 0) == (correction != "mis_token")
+        assert r["ess"] == pytest.approx(1.0, abs=1e-4) and abs(r["mismatch_kl"]) < 1e-6
+        assert r["is_clip_frac"] == 0 and r["is_mask_frac"] == 0
+        assert 0 <= r["clip_frac"] <= 1
+    assert any(r["clip_frac"] > 0 for r in records)
 
 
 def test_cli_prints_json_lines(capsys):

@@ -151,7 +151,7 @@ class GRPOSection(_Section):
     alive longer (on the sort task: fewer rounds stuck on repeated digits)."""
     correction: Correction = "none"
     """Off-policy correction of the surrogate for stale rollouts (phalanx.rl.corrections;
-    w = pi_prox/mu, pi_prox the trainer's log-probs at the step's start, mu the engine's,
+    w = pi_prox/mu, pi_prox the trainer's log-probs at the batch's first step, mu the engine's,
     C = is_cap). ``none``: PPO ratio and clip against mu. ``decoupled`` (AReaL,
     arXiv:2505.24298): clip against pi_prox, each token weighted by w, and dropped
     when w > C.

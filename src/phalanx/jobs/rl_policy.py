@@ -259,6 +259,8 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                 finished = behind = True
                 break
             healed = client.replica_id in q.heal
+            if healed:
+                trainer.proximal.forget()  # recorded under weights the heal replaced
             top = coord.agree(coord.plan(acks.poll()) if lead else None)
             finished, at_end = top.finished or finished, top.at_end or at_end
             if at_end:

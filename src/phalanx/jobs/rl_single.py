@@ -35,7 +35,7 @@ from phalanx.rl.generate import score_group
 from phalanx.rl.grpo import group_advantages, lr_lambda, rows_to_train
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.rewards import RewardError
-from phalanx.rl.step import backward_rows, peak_memory_mb, prepare
+from phalanx.rl.step import Proximal, backward_rows, peak_memory_mb, prepare
 from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import task_tokenizer
 
@@ -130,10 +130,19 @@ def _train(
         keep = rows_to_train(adv, g.kl_coef)
         train_tokens = 0.0
         t_train = time.perf_counter()
+        proximal = Proximal()  # the round's pi_prox, recorded by its first inner epoch
         for _ in range(g.inner_epochs):
             opt.zero_grad(set_to_none=True)
             stats = backward_rows(
-                policy, comps, adv, keep, g=g, pad_id=tok.pad_id, num_tokens=n_tokens, ref=ref
+                policy,
+                comps,
+                adv,
+                keep,
+                g=g,
+                pad_id=tok.pad_id,
+                num_tokens=n_tokens,
+                ref=ref,
+                proximal=proximal,
             )
             train_tokens += stats["train_tokens"]
             if g.grad_clip > 0:

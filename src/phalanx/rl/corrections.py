@@ -6,8 +6,13 @@ stack) that is not the trainer's pi_theta. Symbols, per completion token t of ro
 
 - ``logp``: log pi_theta (with gradient);
 - pi_prox: the *proximal* policy, the trainer's log-probs at the start of the
-  optimizer step. Every optimizer step here takes one forward over its rows at the
-  current weights, so pi_prox is ``logp.detach()`` from that same forward;
+  batch's training (its first optimizer step, before any update on it), as AReaL
+  recomputes them before a train step's minibatches. The first of the batch's
+  ``grpo.inner_epochs`` steps takes them from its own forward (``logp.detach()``);
+  the later steps get them back (``prox``), so r_t = pi_theta/pi_prox departs from 1
+  there and the clip bounds how far the batch moves the policy. A row with no
+  recorded pi_prox (its replica joined, or took over the row, mid-batch) uses the
+  step's own forward: its clip is inactive for that step;
 - ``old``: log mu, the behaviour log-probs the engine recorded;
 - d_t = log pi_prox - log mu, and the importance weight w_t = exp(d_t) = pi_prox/mu;
 - A_i the group advantage, eps_lo / eps_hi the clip band, C = ``rl.grpo.is_cap`` > 1,
@@ -23,9 +28,9 @@ stack) that is not the trainer's pi_theta. Symbols, per completion token t of ro
   the behaviour weight w_t; a token whose weight exceeds C is dropped (weight 0), as
   AReaL's ``behav_imp_weight_cap`` does (it masks, it does not truncate):
   l_t = -1[w_t <= C] w_t * min(r_t A, clip(r_t, 1-eps_lo, 1+eps_hi) A).
-  With pi_prox taken at the step's own weights r_t is 1 in value at the forward, so
-  the clip is inactive and the gradient is the w-weighted policy gradient over the
-  tokens under the cap: the trust region is the cap (and the optimizer's step size).
+  On the batch's first step r_t is 1 in value at the forward (pi_prox is that
+  step's weights), the clip is inactive and the gradient is the w-weighted policy
+  gradient over the tokens under the cap; on the later inner epochs the clip acts.
 - **tis_token**: truncated importance sampling (Yao et al. 2025, "Your Efficient RL
   Framework Secretly Brings You Off-Policy RL Training", fengyao.notion.site;
   truncation as in IMPALA, Espeholt et al. 2018, arXiv:1802.01561): the PPO-clipped
@@ -83,9 +88,14 @@ def surrogate(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     is_cap: float = 2.0,
+    prox: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The per-token policy loss l_t ``[B, T]`` of ``correction`` (module docstring),
     not yet masked nor normalised, and its stats over the ``mask``ed tokens.
+
+    ``prox``: log pi_prox ``[B, T]`` recorded on the batch's first step, NaN where a
+    row has none (that row uses this step's ``logp.detach()``); None: this step's
+    forward for every row (the batch's first step). Ignored by ``none``.
 
     ``logp`` carries the gradient; ``old`` holds log mu (0 off the mask); ``adv`` is
     ``[B]``; ``mask`` is 1 on completion tokens. The stats are ``clip_frac`` (the
@@ -106,14 +116,15 @@ def surrogate(
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     # Off-mask columns have old = 0 and arbitrary logp: zero the log-ratio there
     # so exp() cannot overflow into inf * 0 = NaN.
-    d = (logp.detach() - old) * mask
+    p = logp.detach() if prox is None else torch.where(prox.isnan(), logp.detach(), prox)
+    d = (p - old) * mask
     if correction == "none":
         # Today's computation, operation for operation (bit-for-bit the old loss).
         ratio = torch.exp((logp - old) * mask)
         per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + hi) * a)
         clipped_w = masked = torch.zeros_like(mask, dtype=torch.bool)
     else:
-        ratio = torch.exp((logp - logp.detach()) * mask)  # r_t: 1 in value, gradient of logp
+        ratio = torch.exp((logp - p) * mask)  # r_t = pi_theta / pi_prox, gradient of logp
         surr = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + hi) * a)
         weight, clipped_w, masked = _weights(d, mask, correction, is_cap)
         per_token = -weight * surr

@@ -158,6 +158,8 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     correction: str = "none",
     is_cap: float = 2.0,
+    prox_logprobs: torch.Tensor | None = None,
+    keep_logprobs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of ``batch`` under ``model`` (see the module docstring), and stats.
 
@@ -167,7 +169,10 @@ def grpo_loss(
     global count over all replicas and micro-batches. ``ref_logprobs``
     (``reference_logprobs`` of the reference model) is required iff
     ``kl_coef > 0``. ``correction`` and ``is_cap`` pick the off-policy correction of the
-    surrogate (:mod:`phalanx.rl.corrections`; "none" is the formula above). Call
+    surrogate (:mod:`phalanx.rl.corrections`; "none" is the formula above), and
+    ``prox_logprobs`` (aligned as ``old_logprobs``, NaN where unknown) its proximal
+    policy; ``keep_logprobs``, when given, gets this forward's detached log-probs
+    appended (a caller records them as the batch's proximal policy). Call
     ``.backward()`` on the returned loss.
     """
     if kl_coef > 0 and ref_logprobs is None:
@@ -178,6 +183,8 @@ def grpo_loss(
     mask = batch.completion_mask
     n = float(num_tokens) if num_tokens is not None else max(float(mask.sum().item()), 1.0)
     logp, ent = _forward(model, batch, temperature, entropy=True)
+    if keep_logprobs is not None:
+        keep_logprobs.append(logp.detach())
     per_token, corr = surrogate(
         logp,
         batch.old_logprobs,
@@ -187,6 +194,7 @@ def grpo_loss(
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
         is_cap=is_cap,
+        prox=prox_logprobs,
     )
     kl = None
     if kl_coef > 0:
@@ -201,7 +209,7 @@ def grpo_loss(
     loss = (per_token * mask).sum() / n
     with torch.no_grad():
         local = max(float(mask.sum().item()), 1.0)
-        # pi_theta / mu in value, whatever the correction (pi_theta = pi_prox at the forward).
+        # pi_theta / mu in value, whatever the correction.
         log_ratio = (logp - batch.old_logprobs) * mask
         ratio = torch.exp(log_ratio)
         stats = {

@@ -26,12 +26,13 @@ import torch
 from phalanx.config.rl import GRPOSection
 from phalanx.rl.corrections import ess
 from phalanx.rl.engine.base import Completion
-from phalanx.rl.grpo import collate, grpo_loss, reference_logprobs
+from phalanx.rl.grpo import RolloutBatch, collate, grpo_loss, reference_logprobs
 from phalanx.rl.model import checkpoint_activations
 from phalanx.train.perf import PEAK_TFLOPS, mfu, peak_memory_mb, peak_tflops
 
 __all__ = [
     "PEAK_TFLOPS",
+    "Proximal",
     "backward_rows",
     "merge_stats",
     "mfu",
@@ -85,6 +86,7 @@ def backward_rows(
     ref: Any = None,
     passes: int = 0,
     filler: int | None = None,
+    proximal: Proximal | None = None,
 ) -> dict[str, float]:
     """Forward and backward of ``comps[rows]`` with advantages ``adv[rows]``, micro-batched.
 
@@ -98,8 +100,14 @@ def backward_rows(
     caller zeroes them before and steps after. Returns the merged stats of
     :func:`grpo_loss` (``loss`` is this call's share of the batch loss), plus
     ``train_tokens``, the non-pad tokens the model read (prompt and completion).
+
+    ``proximal``: the batch's proximal policy (:class:`Proximal`), for an off-policy
+    correction: rows it holds are trained against it, the others get this step's
+    forward recorded as theirs. Pass the same one to every inner epoch of a batch.
     """
     device = next(model.parameters()).device
+    if g.correction == "none":
+        proximal = None  # the loss against mu needs no proximal policy
     parts: list[dict[str, float]] = []
     chunks: list[list[int] | None] = list(micro_batches(rows, g.micro_batch_size))
     fill = max(0, passes - len(chunks))
@@ -111,6 +119,8 @@ def backward_rows(
         real = chunk is not None
         picked = chunk if chunk is not None else [int(filler or 0)]
         batch = collate([comps[i] for i in picked], adv[picked], pad_id, device)
+        prox = proximal.tensor(comps, picked, batch) if proximal is not None else None
+        keep: list[torch.Tensor] | None = [] if proximal is not None and real else None
         with autocast(g, device):
             ref_lp = reference_logprobs(ref, batch, g.temperature) if ref is not None else None
             loss, stats = grpo_loss(
@@ -124,11 +134,80 @@ def backward_rows(
                 ref_logprobs=ref_lp,
                 correction=g.correction,
                 is_cap=g.is_cap,
+                prox_logprobs=prox,
+                keep_logprobs=keep,
             )
+        if proximal is not None and keep:
+            proximal.record(comps, picked, keep[0])
         (loss if real else loss * 0.0).backward()
         if real:
             parts.append({**stats, "train_tokens": float(batch.attention_mask.sum().item())})
     return merge_stats(parts, with_ref=ref is not None)
+
+
+class Proximal:
+    """The proximal policy pi_prox of one batch (:mod:`phalanx.rl.corrections`): the
+    log-probs of each of its rows' completion tokens under the weights its first
+    optimizer step started from, recorded by that step and given back on the batch's
+    later inner epochs, so that their clip bounds how far the batch moves the policy.
+
+    Held by whoever trains the rows (a policy replica, the single-process loop), for
+    one batch at a time: :meth:`start` with the batch index forgets another batch's.
+    A row is keyed by its index in the batch's completions and checked against its
+    tokens: a batch frozen anew (a payload was lost) may put another completion at
+    an index, which then counts as unrecorded. A row this holder has no record of
+    (it joined mid-batch, or a new quorum gave it rows another replica recorded)
+    takes the step's own forward as its pi_prox: for that step its clip is inactive,
+    as on a batch's first step.
+    """
+
+    def __init__(self) -> None:
+        self.batch: int | None = None
+        self.rows: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    def start(self, batch: int) -> None:
+        """The rows trained next belong to ``batch``: a new batch starts unrecorded."""
+        if batch != self.batch:
+            self.batch, self.rows = batch, {}
+
+    def forget(self) -> None:
+        """Drop every record (the weights were replaced: a heal, a rollback)."""
+        self.rows = {}
+
+    @staticmethod
+    def _key(c: Completion) -> tuple[int, ...]:
+        return (*c.prompt_ids, -1, *c.token_ids)
+
+    def tensor(
+        self, comps: Sequence[Completion], picked: Sequence[int], batch: RolloutBatch
+    ) -> torch.Tensor | None:
+        """log pi_prox of ``comps[picked]`` aligned as ``batch.old_logprobs`` (as
+        :func:`phalanx.rl.grpo.collate` lays the rows out), NaN where unrecorded; None
+        when no row is recorded."""
+        found: list[tuple[int, torch.Tensor]] = []
+        for j, i in enumerate(picked):
+            rec = self.rows.get(i)
+            if rec is not None and rec[0] == self._key(comps[i]):
+                found.append((j, rec[1]))
+        if not found:
+            return None
+        out = torch.full_like(batch.old_logprobs, float("nan"))
+        for j, lp in found:
+            p = len(comps[picked[j]].prompt_ids)
+            out[j, p - 1 : p - 1 + lp.numel()] = lp
+        return out
+
+    def record(
+        self, comps: Sequence[Completion], picked: Sequence[int], logp: torch.Tensor
+    ) -> None:
+        """Keep ``logp`` (a forward's detached ``[B, L - 1]`` log-probs of
+        ``comps[picked]``) as the pi_prox of the rows not recorded yet."""
+        for j, i in enumerate(picked):
+            c = comps[i]
+            if i in self.rows and self.rows[i][0] == self._key(c):
+                continue
+            p, n = len(c.prompt_ids), len(c.token_ids)
+            self.rows[i] = (self._key(c), logp[j, p - 1 : p - 1 + n].float().clone())
 
 
 def merge_stats(parts: Sequence[dict[str, float]], *, with_ref: bool) -> dict[str, float]:

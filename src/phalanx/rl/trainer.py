@@ -20,7 +20,14 @@ from phalanx.rl.corrections import staleness_histogram
 from phalanx.rl.engine.base import Completion
 from phalanx.rl.grpo import group_advantages, rows_to_train
 from phalanx.rl.model import num_params
-from phalanx.rl.step import backward_rows, merge_stats, mfu, peak_memory_mb, peak_tflops
+from phalanx.rl.step import (
+    Proximal,
+    backward_rows,
+    merge_stats,
+    mfu,
+    peak_memory_mb,
+    peak_tflops,
+)
 from phalanx.train.batch import split
 
 if TYPE_CHECKING:
@@ -101,6 +108,8 @@ class PolicyTrainer:
         self.manager, self.model, self.pad_id, self.ref = manager, model, pad_id, ref
         self.exact_parts = exact_parts
         self.params = num_params(model)
+        self.proximal = Proximal()
+        """The current batch's proximal policy (an off-policy correction's pi_prox)."""
         self.peak = peak_tflops(torch.device(self.g.device), self.g.precision, rl.track.peak_tflops)
 
     def compute(self, rows: Rows) -> dict[str, float]:
@@ -108,6 +117,7 @@ class PolicyTrainer:
         micro-batched (:func:`phalanx.rl.step.backward_rows`). Returns the share's stats;
         ``loss`` is already normalised by the batch's token count."""
         g, m = self.g, self.manager
+        self.proximal.start(m.step // g.inner_epochs)
         comps, rewards = completions_of(rows)
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         keep = rows_to_train(adv, g.kl_coef)
@@ -150,6 +160,7 @@ class PolicyTrainer:
             ref=self.ref,
             passes=passes,
             filler=filler,
+            proximal=self.proximal,
         )
 
     def _compute_units(

@@ -95,6 +95,8 @@ class Ledger:
             kind=None if replay is None else "memory" if replay == "memory" else "redis",
             capacity=rl.transport.replay_size,
             seed=seed,
+            prompts_per_step=rl.grpo.prompts_per_step,
+            ratio=rl.loop.replay_ratio,
         )
         self.rollouts = RolloutBook(
             rl, log, self.counts, self.save, self._drop, self.prompts, self.weights, self.replay
@@ -255,7 +257,7 @@ class Ledger:
         if self.finished or version < 0 or version < self.rollouts.floor():
             return None
         outstanding = self.prompts.outstanding() + len(self.rollouts.pending)
-        room = self.loop.max_ahead * self.grpo.prompts_per_step - outstanding
+        room = self.loop.max_ahead * self.replay.fresh_per_batch() - outstanding
         return self.prompts.lease(replica_id, version, max_prompts, room, now=now, wall=wall)
 
     def expire(self, now: float, wall: float) -> bool:
