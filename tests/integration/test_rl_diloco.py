@@ -156,9 +156,31 @@ def test_rl_over_diloco_survives_a_slot_killed_mid_round(tmp_path: Path):
     finals = [load_file(run / "final" / f"policy-{k}.safetensors") for k in range(SLOTS)]
     assert finals[0].keys() == finals[1].keys()
     assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
+    (root,) = (tmp_path / "diloco").iterdir()  # this run's: <job id>.<ledger run>
     for k in range(SLOTS):
-        blob = (tmp_path / "diloco" / "replicas" / f"r{k}.st").read_bytes()
+        blob = (root / "replicas" / f"r{k}.st").read_bytes()
         state = unpack_state(blob, f"r{k}.st")
         assert state["diloco"]["rounds"] == ROUNDS
         for n, g in state["diloco"]["global"].items():
             assert torch.equal(finals[k][f"model.{n}"], g.to(finals[k][f"model.{n}"].dtype)), n
+
+
+def test_rl_over_diloco_ends_with_the_round_that_met_the_target(tmp_path: Path):
+    """A reward target is met at a batch, but only a round's ack can meet it (the
+    ledger counts trained batches round by round): the job ends there, with every
+    batch of that round trained, and no batch of a later one."""
+    config = rl_diloco_job(tmp_path)
+    run = tmp_path / "run"
+    args = [str(config), "--plain", "--json", "--run-dir", str(run)]
+    p = start_run([*args, "--rl.loop.target_exact_match=null", "--rl.loop.target_reward=1e-9"])
+    out, err = finish_run(p, timeout=240)
+    assert p.returncode == 0, f"{err[-3000:]}\n{out[-3000:]}"
+    s = summary_of(out)
+    assert s["ok"] and s["ledger_ok"] and s["reached"], s
+    with sqlite3.connect(run / "controller" / "journal.sqlite") as db:
+        lineage = [int(k) for (k,) in db.execute("select key from records where tbl = 'lineage'")]
+    assert lineage and len(lineage) % ROUND == 0 and sorted(lineage) == list(range(len(lineage)))
+    assert s["trained"] == len(lineage) * PROMPTS
+    for k in range(SLOTS):
+        (done,) = [e for e in lines(run / f"policy-{k}.log") if e["event"] == "done"]
+        assert done["step"] == len(lineage) and done["finished"], done

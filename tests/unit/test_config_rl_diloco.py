@@ -18,7 +18,6 @@ OK = [
     "rl.grpo.steps=12",
     "rl.loop.sync_every=4",
     "rl.loop.max_staleness=8",
-    "rl.loop.target_exact_match=null",
     "rl.transport.rollouts=file:///tmp/rl/rollouts",
     "rl.transport.weights=file:///tmp/rl/weights",
     "diloco.mode=objectstore",
@@ -62,7 +61,6 @@ def test_rl_over_diloco_is_accepted_with_storage_transports():
         ("rl.grpo.steps=10", "rl.grpo.steps must be a multiple of diloco.sync_every x"),
         ("rl.loop.sync_every=2", "rl.loop.sync_every must be a multiple of diloco.sync_every x"),
         ("rl.loop.max_staleness=3", "rl.loop.max_staleness must be >= 4 (the batches of one"),
-        ("rl.loop.target_exact_match=0.9", "rl.loop.target_exact_match and rl.loop.target_"),
     ],
 )
 def test_what_rl_over_diloco_cannot_honour_is_refused_in_one_line(change: str, says: str):

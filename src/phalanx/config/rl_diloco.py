@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from phalanx.config.rl import RLConfig
     from phalanx.config.train import DiLoCoSection
 
-STORAGE = ("file://", "s3://", "gs://", "memory://")
+
+def _storage(url: str) -> bool:
+    """A storage URL (``rl.transport`` checked it can store), not a keyword or Redis."""
+    return "://" in url and not url.startswith(("redis://", "rediss://"))
 
 
 def round_batches(dc: DiLoCoSection) -> int:
@@ -30,13 +33,13 @@ def check_rl_diloco(rl: RLConfig, dc: DiLoCoSection, policy: RoleSection) -> Non
     """Raise ValueError (one line: the setting, what it got, the fix) where the job's
     settings do not fit RL over decoupled DiLoCo."""
     t = rl.transport
-    if not t.rollouts.startswith(STORAGE):
+    if not _storage(t.rollouts):
         raise ValueError(
             f"rl.transport.rollouts must be a storage URL (file:///path, s3://bucket/prefix) "
             f"with [diloco]: got {t.rollouts!r}. The policy slots share nothing but storage "
             f'and the controller\'s small messages; set rl.transport.rollouts = "file:///...".'
         )
-    if not t.weights.startswith(STORAGE):
+    if not _storage(t.weights):
         raise ValueError(
             f"rl.transport.weights must be a storage URL (file:///path, s3://bucket/prefix) "
             f"with [diloco]: got {t.weights!r}. No network path joins the policy slots and "
@@ -78,10 +81,4 @@ def check_rl_diloco(rl: RLConfig, dc: DiLoCoSection, policy: RoleSection) -> Non
             f"got {loop.max_staleness}. A round's last batch is {n - 1} past the newest "
             f"θ_global; set rl.loop.max_staleness to {2 * n - 1} or more to let generation "
             "overlap a round."
-        )
-    if loop.target_exact_match is not None or loop.target_reward is not None:
-        raise ValueError(
-            "rl.loop.target_exact_match and rl.loop.target_reward must be unset with "
-            f"[diloco]: got {loop.target_exact_match} and {loop.target_reward}. The job ends "
-            "after rl.grpo.steps batches; pass --rl.loop.target_exact_match=null."
         )

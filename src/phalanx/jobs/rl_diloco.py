@@ -10,7 +10,8 @@ round r, the ledger's batch ``b = (r·H + h)·S + k`` (asked with
 first). Round r's θ_global is weights version ``V_r = (r+1)·H·S``. Every slot
 takes part in every round (the config makes ``min_replicas`` S), so once round
 r is decided and applied, θ_global holds every batch below V_r: the slot saves
-its state (:class:`~phalanx.jobs.slot_state.SlotState`, its durability) and
+its state (:class:`~phalanx.jobs.slot_state.SlotState`, under
+``<diloco.url>/<job id>.<ledger run>``: its durability) and
 then acks V_r, which marks those batches trained (idempotent: the S acks of a
 round move the ledger once). Every batch ask carries the version the slot's
 θ_global holds, so an ack lost to a crash is made by the next ask.
@@ -151,6 +152,11 @@ class Slot:
             model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, self.steps))
+        # The rounds and slot states of this run of the job (the ledger's run, which a
+        # restarted controller keeps): a rerun on the same diloco.url starts afresh
+        # instead of resuming slots the new ledger never heard of.
+        name = job_store_name(self.cfg.job.id, c)
+        dc = dc.model_copy(update={"url": f"{dc.url.rstrip('/')}/{name}"})
         exchange = slot_exchange(dc, self.slot, self.members)
         diloco = DiLoCo(model, dc.outer(), exchange)
         state = SlotState(dc, self.slot, diloco, exchange, self.steps)
@@ -162,7 +168,6 @@ class Slot:
             diloco.load_state_dict(own["diloco"])
 
         state.restore(load)
-        name = job_store_name(self.cfg.job.id, c)
         payloads = rollout_store(self.rl.transport, name)
         replay = replay_reader(self.rl.transport, name)
         if payloads is None:  # the config refuses it: the slots share no controller store
