@@ -53,6 +53,7 @@ from phalanx.rl.step import backward_rows, prepare
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import Rows, completions_of
 from phalanx.tensorfile import save_file
+from phalanx.train.base import JobFinished
 from phalanx.train.diloco import DiLoCo
 from phalanx.transport.factory import rollout_store, weight_channel
 from phalanx.transport.replay import replay_reader
@@ -62,6 +63,8 @@ log = logging.getLogger("phalanx.jobs.rl_diloco")
 NAME = re.compile(r"^(?:policy-|r)(\d+)$")
 ASK_S = 5.0
 """Longest one batch ask is held open by the controller (asked again after)."""
+RETRY_S = 0.5
+"""Pause before asking again for a round's quorum that did not come."""
 
 
 def slot_of(name: str, replicas: int) -> int:
@@ -118,14 +121,21 @@ class Slot:
         self.client = ControllerClient(str(args.controller), "policy", args.name)
         self.device = torch.device(self.g.device)
 
-    def members(self, rnd: int) -> list[str] | None:
-        """Round ``rnd``'s members: the controller's quorum of the policy slots."""
-        try:
-            q = self.client.quorum(rnd, self.dc.round_timeout_s)
-        except Exception as e:  # the controller is gone: decided by the deadline
-            log.warning("no quorum from the controller for round %d (%s)", rnd, e)
-            return None
-        return sorted(f"r{slot_of(m.name, self.dc.replicas)}" for m in q.members)
+    def members(self, rnd: int) -> list[str]:
+        """Round ``rnd``'s members: the controller's quorum of the policy slots, which
+        is all S of them (``roles.policy.min_replicas``). Asked until it forms: a round
+        decided by the deadline could leave out a slot that is restarting, and the
+        acks of the round would then count its batches trained."""
+        while True:
+            try:
+                q = self.client.quorum(rnd, self.dc.round_timeout_s)
+            except JobFinished:
+                raise
+            except Exception as e:  # timed out, or the controller restarts: ask again
+                log.warning("no quorum for round %d yet (%s); asking again", rnd, e)
+                time.sleep(RETRY_S)
+                continue
+            return sorted(f"r{slot_of(m.name, self.dc.replicas)}" for m in q.members)
 
     def run(self) -> int:
         c = self.client
@@ -299,7 +309,8 @@ class Slot:
             serve(a.sync)
             if a.finished:
                 return True
-            r = c.lease_batch(version, ASK_S, version)
+            # An index past the job's last batch: waits for news, never freezes one.
+            r = c.lease_batch(version, ASK_S, version, batch=max(version, self.g.steps))
             serve(r.sync)
             if r.finished:
                 return True
