@@ -2,7 +2,8 @@
 run``: 2 policy slots (H = 2) and 1 rollout replica that meet only through storage
 (``file://`` rollouts, weights and rounds) and the controller's small messages.
 The ledger balances, every prompt is trained once and by the slot whose batch it
-was, the final weights are θ_global, and a slot SIGKILLed mid-round is survived."""
+was, the final weights are θ_global, and a slot SIGKILLed mid-round is survived, and
+so is the rollout replica."""
 
 from __future__ import annotations
 
@@ -85,17 +86,20 @@ def lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def kill_mid_round(log: Path, p: subprocess.Popen[str]) -> dict[str, Any]:
-    """SIGKILL the slot writing ``log`` once it trained the first inner step of its
-    second round (its round is then half done), by the pid its start line gave."""
+def kill_mid_round(
+    slot_log: Path, p: subprocess.Popen[str], rnd: int, victim: Path | None = None
+) -> dict[str, Any]:
+    """SIGKILL, by the pid of its latest start line, the process writing ``victim``
+    (default: the slot itself) once the slot writing ``slot_log`` trained the first
+    inner step of round ``rnd``: its round is then half done. Returns that step."""
+    victim = victim or slot_log
     while p.poll() is None:
-        evs = lines(log)
-        starts = [e for e in evs if e.get("event") == "start"]
         first = [
             e
-            for e in evs
-            if e.get("event") == "inner_step" and e["batch"] // SLOTS == H  # round 1, h = 0
+            for e in lines(slot_log)
+            if e.get("event") == "inner_step" and e["batch"] // SLOTS == rnd * H
         ]
+        starts = [e for e in lines(victim) if e.get("event") == "start"]
         if starts and first:
             os.kill(starts[-1]["pid"], signal.SIGKILL)
             return first[0]
@@ -103,13 +107,17 @@ def kill_mid_round(log: Path, p: subprocess.Popen[str]) -> dict[str, Any]:
     raise AssertionError("the job ended before the kill")
 
 
-def test_rl_over_diloco_survives_a_slot_killed_mid_round(tmp_path: Path):
+def test_rl_over_diloco_survives_a_slot_and_the_rollout_replica_killed_mid_round(tmp_path: Path):
     config = rl_diloco_job(tmp_path)
     run = tmp_path / "run"
     args = [str(config), "--plain", "--json", "--run-dir", str(run)]
     p = start_run([*args, "--rl.loop.target_exact_match=null"])  # no reward target
     try:
-        killed = kill_mid_round(run / "policy-1.log", p)
+        killed = kill_mid_round(run / "policy-1.log", p, 1)
+        # Then the rollout replica, mid-round 2: its new incarnation needs θ_global
+        # from the policy leader, which serves sync orders even while it waits for a
+        # round's quorum (a `phalanx run --chaos` run once hung there without that).
+        kill_mid_round(run / "policy-1.log", p, 2, run / "rollout-0.log")
     finally:
         out, err = finish_run(p, timeout=240)
     assert p.returncode == 0, f"{err[-3000:]}\n{out[-3000:]}"
@@ -148,7 +156,9 @@ def test_rl_over_diloco_survives_a_slot_killed_mid_round(tmp_path: Path):
     for k in range(SLOTS):
         rounds = [e for e in evs[k] if e["event"] == "step"]
         assert all(e["members"] == ["r0", "r1"] and e["step"] % ROUND == 0 for e in rounds)
-    synced = [e["version"] for e in lines(run / "rollout-0.log") if e["event"] == "sync"]
+    rollout = lines(run / "rollout-0.log")
+    assert len([e for e in rollout if e["event"] == "start"]) == 2
+    synced = [e["version"] for e in rollout if e["event"] == "sync" and e["ok"]]
     assert synced and all(v % ROUND == 0 and v > 0 for v in synced), synced
 
     # The final weights are θ_global: the same in both slots' files, and the outer

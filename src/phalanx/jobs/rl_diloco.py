@@ -34,11 +34,12 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from phalanx.client import ControllerClient
+from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.config import JobConfig
 from phalanx.config.rl_diloco import round_batches
 from phalanx.jobs.base import JobError, ReplicaArgs
@@ -63,8 +64,10 @@ log = logging.getLogger("phalanx.jobs.rl_diloco")
 NAME = re.compile(r"^(?:policy-|r)(\d+)$")
 ASK_S = 5.0
 """Longest one batch ask is held open by the controller (asked again after)."""
-RETRY_S = 0.5
-"""Pause before asking again for a round's quorum that did not come."""
+ORDERS_S = 1.0
+"""While a slot waits for a round's quorum, how often it looks for a sync order it
+must serve (a rollout replica that joined waits for weights, and may be what the
+round waits for: the other slot needs its rollouts)."""
 
 
 def slot_of(name: str, replicas: int) -> int:
@@ -120,6 +123,8 @@ class Slot:
         """This slot's inner steps in the whole job."""
         self.client = ControllerClient(str(args.controller), "policy", args.name)
         self.device = torch.device(self.g.device)
+        self.poll_orders: Callable[[], None] | None = None
+        """Serve the sync order this slot is the source of, if any (set by the loop)."""
 
     def members(self, rnd: int) -> list[str]:
         """Round ``rnd``'s members: the controller's quorum of the policy slots, which
@@ -127,13 +132,17 @@ class Slot:
         decided by the deadline could leave out a slot that is restarting, and the
         acks of the round would then count its batches trained."""
         while True:
+            if self.poll_orders is not None:
+                self.poll_orders()
             try:
-                q = self.client.quorum(rnd, self.dc.round_timeout_s)
+                q = self.client.quorum(rnd, ORDERS_S)
             except JobFinished:
                 raise
-            except Exception as e:  # timed out, or the controller restarts: ask again
+            except QuorumTimeout:
+                continue  # not all S slots yet: look for orders, then ask again
+            except Exception as e:  # the controller restarts: ask again
                 log.warning("no quorum for round %d yet (%s); asking again", rnd, e)
-                time.sleep(RETRY_S)
+                time.sleep(ORDERS_S)
                 continue
             return sorted(f"r{slot_of(m.name, self.dc.replicas)}" for m in q.members)
 
@@ -206,6 +215,16 @@ class Slot:
                 diloco.rounds * self.n, global_weights(model, diloco), order, publisher.report
             )
 
+        def poll_orders() -> None:
+            # An ack of the version θ_global holds (idempotent; its save is done)
+            # answers with the order this slot must serve.
+            try:
+                version = diloco.rounds * self.n
+                serve(c.ack_batch(version, durable=version).sync)
+            except Exception as e:  # the controller restarts: the next poll asks again
+                log.warning("no sync order read (%s)", e)
+
+        self.poll_orders = poll_orders
         finished = False
         try:
             while not finished and diloco.inner_steps < self.steps:
