@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.launcher == "local" and args.ray_address:
         raise SystemExit("phalanx run: --ray-address goes with --launcher ray: add it.")
     cfg = load_config(args.config, overrides)
-    if cfg.diloco is not None and cfg.diloco.mode == "objectstore":
+    if cfg.diloco is not None and cfg.diloco.mode == "objectstore" and cfg.rl is None:
         from phalanx.launch.decoupled import DecoupledJob
 
         if args.launcher == "ray":  # the slots' executor (diloco.executor, ray_address)

@@ -324,3 +324,27 @@ def check_rounds(histories: list[list[dict[str, Any]]]) -> dict[int, dict[str, A
         if cur["members"] == prev["members"] and cur["round"] == prev["round"] + 1:
             assert cur["quorum_id"] == prev["quorum_id"], (prev, cur)
     return rounds
+
+
+def start_run(args: list[str]) -> subprocess.Popen[str]:
+    """``python -m phalanx.cli run ARGS`` as a user starts it, in a session of its own,
+    its output piped (read it with :func:`finish_run`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
+    )
+
+
+def finish_run(p: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """Its stdout and stderr once it exits; past ``timeout`` it is stopped (SIGTERM:
+    the launcher stops its replicas and controller) and TimeoutExpired raised."""
+    try:
+        return p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=30)

@@ -291,6 +291,17 @@ def test_a_reward_target_counts_as_the_jobs_own(tmp_path: Path):
     assert p.best_reward == low
 
 
+def test_batches_trained_by_one_ack_are_each_scanned(tmp_path: Path):
+    """A DiLoCo round's ack trains its batches at one wall time: each is seen."""
+    p = StatusPoller(tmp_path, target=0.9, window=2)
+    round_ = [entry(0, 0.5, 10.0), entry(1, 0.95, 10.0), entry(2, 0.99, 10.0)]
+    p._scan(history(*round_[:1]))
+    p._scan(history(*round_))
+    assert p.target_hit == round_[1] and p.best == round_[2]
+    p._scan(history(*round_))  # seen: nothing changes
+    assert p.target_hit == round_[1]
+
+
 def test_status_text_of_an_rl_job():
     st = ControllerState(rl_cfg())
     st.start(0.0, 0.0)

@@ -389,13 +389,20 @@ class ControllerClient:
         return self._as_member(send)
 
     def lease_batch(
-        self, step: int, wait_s: float = 10.0, durable: int | None = None
+        self,
+        step: int,
+        wait_s: float = 10.0,
+        durable: int | None = None,
+        batch: int | None = None,
     ) -> BatchLeaseReply:
         """Policy replicas: the rollout batch of ``step`` (the same for every replica).
-        ``durable``: the steps known to be checkpointed (see ``BatchLeaseReq``)."""
+        ``durable``: the steps known to be checkpointed; ``batch``: a DiLoCo slot's own
+        batch index (see ``BatchLeaseReq``)."""
 
         def send(rid: str) -> BatchLeaseReply:
-            req = BatchLeaseReq(replica_id=rid, step=step, wait_s=wait_s, durable=durable)
+            req = BatchLeaseReq(
+                replica_id=rid, step=step, wait_s=wait_s, durable=durable, batch=batch
+            )
             return self.transport.call(
                 "/v1/rollouts/lease", req, BatchLeaseReply, timeout=wait_s + 10
             )

@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.rl import RLConfig
+from phalanx.config.rl_diloco import check_rl_diloco
 from phalanx.config.track import TrackSection, merge_rl_track
 from phalanx.config.train import DiLoCoSection, TrainSection
 from phalanx.config.urls import check_storage_url
@@ -252,18 +253,14 @@ class JobConfig(_Section):
                 "only, for now; set [replica] ranks = 1."
             )
         self._check_exact()
-        if self.diloco is not None:
-            if self.rl is not None:
-                raise ValueError(
-                    "diloco applies to the training job, not to an RL job: got both [rl] and "
-                    "[diloco]. Remove one of the sections."
-                )
-            if self.train.steps % self.diloco.sync_every:
-                raise ValueError(
-                    f"train.steps must be a multiple of diloco.sync_every in a DiLoCo job "
-                    f"(train.steps counts inner steps): got steps={self.train.steps}, "
-                    f"sync_every={self.diloco.sync_every}."
-                )
+        if self.diloco is not None and self.rl is not None:
+            check_rl_diloco(self.rl, self.diloco, self.roles["policy"])
+        elif self.diloco is not None and self.train.steps % self.diloco.sync_every:
+            raise ValueError(
+                f"train.steps must be a multiple of diloco.sync_every in a DiLoCo job "
+                f"(train.steps counts inner steps): got steps={self.train.steps}, "
+                f"sync_every={self.diloco.sync_every}."
+            )
         return self
 
     def _check_exact(self) -> None:

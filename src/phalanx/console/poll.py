@@ -67,7 +67,7 @@ class StatusPoller:
         """The batch with the best trailing mean exact match."""
         self.best_reward: BatchRecord | None = None
         """The batch with the best trailing mean reward."""
-        self._seen_at = float("-inf")
+        self._seen: tuple[float, int] = (float("-inf"), -1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -103,10 +103,12 @@ class StatusPoller:
         if st.rl is None:
             return
         # By wall time, not batch index: after a policy rewind, batch numbers repeat.
+        # Then by batch: one ack may train several batches at the same wall time (a
+        # DiLoCo round's, or those of an ack lost and made by the next ask).
         for h in st.rl.history:
-            if h.at <= self._seen_at:
+            if (h.at, h.batch) <= self._seen:
                 continue
-            self._seen_at = h.at
+            self._seen = (h.at, h.batch)
             if self.best is None or h.exact_match_avg > self.best.exact_match_avg:
                 self.best = h
             if self.best_reward is None or h.reward_avg > self.best_reward.reward_avg:

@@ -10,6 +10,7 @@ kind               loop
 ``diloco_syncer``  the aggregator of decoupled DiLoCo rounds (``diloco_syncer.py``)
 ``rl_policy``      an RL policy replica: GRPO under the FT manager (``rl_policy.py``)
 ``rl_rollout``     an RL rollout replica: lease, generate, submit (``rl_rollout.py``)
+``rl_diloco``      an RL policy slot over decoupled DiLoCo (``rl_diloco.py``)
 ``rl_single``      single-process GRPO, the RL baseline (``rl_single.py``)
 ``tp_worker``      one rank of a tensor-parallel replica (``tp_worker.py``)
 ``script``         your own training loop, ``[train] script`` (``script.py``)
@@ -69,6 +70,11 @@ JOBS: dict[str, JobSpec] = {
             takes_state=True,
         ),
         JobSpec(
+            "rl_diloco",
+            "phalanx.jobs.rl_diloco",
+            "RL policy slot over decoupled DiLoCo (its own batches, rounds through storage)",
+        ),
+        JobSpec(
             "rl_rollout",
             "phalanx.jobs.rl_rollout",
             "RL rollout replica (lease, generate, submit)",
@@ -98,7 +104,9 @@ JOBS: dict[str, JobSpec] = {
 def job_kind(cfg: JobConfig, role: str) -> str:
     """The kind of replica ``phalanx replica --role ROLE`` starts for this job config."""
     if cfg.rl is not None:
-        return "rl_rollout" if role == "rollout" else "rl_policy"
+        if role == "rollout":
+            return "rl_rollout"
+        return "rl_diloco" if cfg.diloco is not None else "rl_policy"
     if cfg.train.script:
         return "script"
     if cfg.diloco is not None:

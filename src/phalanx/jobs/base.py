@@ -96,5 +96,6 @@ _STATE_HINT = {
     "ft_ddp": "FT replicas heal from their peers",
     "diloco_sync": "FT replicas heal from their peers",
     "diloco_slot": "its state lives under diloco.url",
+    "rl_diloco": "its state lives under diloco.url",
     "rl_rollout": "rollout replicas keep no state",
 }

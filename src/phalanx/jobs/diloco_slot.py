@@ -31,10 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 
-from phalanx.checkpoint.store import put_atomic
 from phalanx.config import JobConfig
 from phalanx.data.sampler import ElasticSampler
 from phalanx.jobs import task
@@ -42,10 +40,9 @@ from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, keep_freed_memory
 from phalanx.jobs.device import resolve_device
 from phalanx.jobs.mlp import build_optimizer
+from phalanx.jobs.slot_state import SlotState, slot_exchange
 from phalanx.train.batch import micro_batches, split
 from phalanx.train.diloco import DiLoCo
-from phalanx.train.snapshot import pack_state, unpack_state
-from phalanx.transport.diloco_rounds import ObjectStoreAllReduce
 
 log = logging.getLogger("phalanx.diloco")
 
@@ -80,38 +77,28 @@ class DecoupledReplica:
             )
         self.cfg, self.dc, self.tc, self.name = cfg, dc, tc, name
         self.index = slot_index(name, dc.replicas)
-        self.fs, root = fsspec.core.url_to_fs(dc.url, **dc.storage_options)
-        self.root = root.rstrip("/")
         job = task.build(tc, cfg.job.seed, resolve_device(tc.device))
         self.model, self.compute = job.model, job.compute
         self.optimizer = build_optimizer(tc, self.model)
         self.sampler = ElasticSampler(job.dataset_size, seed=cfg.job.seed)
-        self.exchange = ObjectStoreAllReduce(
-            f"{dc.url.rstrip('/')}/rounds",
-            name,
-            compression=dc.compression,
-            min_replicas=dc.min_replicas,
-            grace_s=dc.grace_s,
-            timeout_s=dc.round_timeout_s,
-            members=members,
-            aggregator=dc.aggregator or None,
-            keep_rounds=dc.keep_rounds,
-            storage_options=dc.storage_options,
-            slots=dc.slot_names,
-        )
+        self.exchange = slot_exchange(dc, name, members)
         self.diloco = DiLoCo(self.model, dc.outer(), self.exchange)
+        self.slot = SlotState(dc, name, self.diloco, self.exchange, tc.steps)
         self.data_step = 0
         """This slot's own data steps (inner steps whose samples were used)."""
         self.round_start_data_step = 0
         self.rewound = 0
-        self.caught_up = 0
+
+    @property
+    def caught_up(self) -> int:
         """Inner steps skipped by catching up from storage (restart or left out)."""
-        self.adopted_from: str | None = None
+        return self.slot.caught_up
+
+    @property
+    def adopted_from(self) -> str | None:
+        return self.slot.adopted_from
 
     # -- state in storage --------------------------------------------------
-
-    def state_path(self, name: str) -> str:
-        return f"{self.root}/replicas/{name}.st"
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -122,76 +109,20 @@ class DecoupledReplica:
         }
 
     def save(self) -> None:
-        self.fs.makedirs(f"{self.root}/replicas", exist_ok=True)
-        put_atomic(self.fs, self.state_path(self.name), pack_state(self.state_dict()))
+        self.slot.save(self.state_dict())
 
-    def _read(self, name: str) -> dict[str, Any] | None:
-        try:
-            return unpack_state(self.fs.cat_file(self.state_path(name)), self.state_path(name))
-        except FileNotFoundError:
-            return None
-        except ValueError as e:
-            log.warning("%s: not used (%s)", self.state_path(name), e)
-            return None
+    def _load(self, own: dict[str, Any]) -> None:
+        self.model.load_state_dict(own["model"])
+        self.optimizer.load_state_dict(own["optimizer"])
+        self.diloco.load_state_dict(own["diloco"])
+        self.data_step = int(own["data_step"])
 
     def restore(self) -> None:
         """Own state, then a peer's outer state if it is ahead, then catch up."""
-        own = self._read(self.name)
-        if own is not None:
-            self.model.load_state_dict(own["model"])
-            self.optimizer.load_state_dict(own["optimizer"])
-            self.diloco.load_state_dict(own["diloco"])
-            self.data_step = int(own["data_step"])
-        own_steps = self.diloco.inner_steps
-        best, best_name = None, None
-        for i in range(self.dc.replicas):
-            peer = self._read(f"r{i}") if i != self.index else None
-            if peer is not None and peer["diloco"]["inner_steps"] > (
-                best["diloco"]["inner_steps"] if best else self.diloco.inner_steps
-            ):
-                best, best_name = peer, f"r{i}"
-        if best is not None and not self._can_replay():
-            log.info(
-                "adopting %s's outer state at inner step %d (own: %d): the rounds in "
-                "between are no longer in storage",
-                best_name,
-                best["diloco"]["inner_steps"],
-                self.diloco.inner_steps,
-            )
-            self.diloco.load_state_dict(best["diloco"])
-            self.adopted_from = best_name
-        self.catch_up()
-        self.caught_up = self.diloco.inner_steps - own_steps
-
-    def _can_replay(self) -> bool:
-        """Whether the next exchange after this slot's position is still in storage."""
-        t = next(
-            (
-                u
-                for u in range(self.diloco.inner_steps + 1, self.tc.steps + 1)
-                if self.diloco.due(u)
-            ),
-            None,
-        )
-        if t is None:
-            return True
-        (j,) = self.diloco.due(t)
-        return (
-            self.exchange.result(
-                self.diloco.pseudo_gradient(j), round=self.diloco.rounds, fragment=j
-            )
-            is not None
-        )
+        self.slot.restore(self._load)
 
     def catch_up(self) -> int:
-        def result(like: list[torch.Tensor], rnd: int, j: int) -> list[torch.Tensor] | None:
-            return self.exchange.result(like, round=rnd, fragment=j)
-
-        n = self.diloco.fast_forward(result, self.tc.steps)
-        if n:
-            self.caught_up += n
-            log.info("caught up %d inner steps to %d from storage", n, self.diloco.inner_steps)
-        return n
+        return self.slot.catch_up()
 
     # -- training ----------------------------------------------------------
 

@@ -136,7 +136,7 @@ class LocalJob:
             out = self.run_dir / "final" / f"{r.name}.safetensors"
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd += ["--out", str(out)]
-            if self.rl:
+            if self.rl and self.cfg.diloco is None:
                 # One checkpoint root for every policy replica: the leader saves, and
                 # any replica (re)started later resumes from the newest save.
                 cmd += ["--state", str(self.run_dir / "policy-state")]

@@ -289,6 +289,10 @@ class BatchLeaseReq(Wire):
     """Steps this replica knows to be in a committed checkpoint. The ask acknowledges
     ``min(step, durable)`` (an ack lost to a crash); None: ``step`` itself (a replica
     without a checkpointer: its memory is all there is)."""
+    batch: Count | None = None
+    """A DiLoCo slot (docs/architecture.md, RL over DiLoCo): the batch index it asks
+    for, its own; ``step`` is then the version its θ_global holds. None: the batch of
+    ``step``."""
 
 
 class BatchLeaseReply(Reply):

@@ -169,10 +169,18 @@ class RLRequests:
         return reply, self._tick(led, tick)
 
     def lease_batch(
-        self, replica_id: str, step: int, *, now: float, wall: float, durable: int | None = None
+        self,
+        replica_id: str,
+        step: int,
+        *,
+        now: float,
+        wall: float,
+        durable: int | None = None,
+        batch: int | None = None,
     ) -> tuple[BatchLeaseReply, Tick]:
         """A policy replica asks for the rollouts of ``step`` (its committed step count).
-        ``durable``: the steps it knows to be checkpointed (None: all of ``step``)."""
+        ``durable``: the steps it knows to be checkpointed (None: all of ``step``);
+        ``batch``: a DiLoCo slot's own batch index (None: the batch of ``step``)."""
         m, led = self._ledger(replica_id, "policy")
         m.last_seen = now
         discarded_before = sum(led.rollouts.discarded.values())
@@ -181,7 +189,7 @@ class RLRequests:
         # the ack was lost (the replica died between its commit and its ack), as far
         # as a checkpoint holds them: a step no checkpoint holds is not yet trained.
         led.ack(step, wall=wall, durable=durable)
-        batch = led.batch_for(step, wall=wall)
+        frozen = led.batch_for(step if batch is None else batch, wall=wall, own=batch is not None)
         tick = self.maybe_sync(now, wall)
         if sum(led.rollouts.discarded.values()) != discarded_before:
             tick.ledger_for |= self.roles["rollout"].member_ids
@@ -189,7 +197,7 @@ class RLRequests:
             tick.ledger_for |= self.roles["policy"].member_ids
         reply = BatchLeaseReply.model_construct(
             **self.envelope(),
-            batch=self._batch(led, batch) if batch is not None else None,
+            batch=self._batch(led, frozen) if frozen is not None else None,
             sync=led.weights.order_for(replica_id),
             finished=led.finished,
             final_step=led.final_step,

@@ -78,7 +78,9 @@ async def lease_batch(api: Api, req: BatchLeaseReq) -> BatchLeaseReply:
     rl = api.state.rl
 
     def call() -> BatchLeaseReply:
-        return api.service.apply(rl.lease_batch, req.replica_id, req.step, durable=req.durable)
+        return api.service.apply(
+            rl.lease_batch, req.replica_id, req.step, durable=req.durable, batch=req.batch
+        )
 
     def news(r: BatchLeaseReply) -> bool:
         return bool(r.batch is not None or r.sync or r.finished)

@@ -374,7 +374,14 @@ class Ledger:
 
     # -- training batches (policy replicas) ------------------------------
 
-    def batch_for(self, step: int, *, wall: float) -> dict[str, Any] | None:
+    def batch_for(self, step: int, *, wall: float, own: bool = False) -> dict[str, Any] | None:
+        """The frozen batch of ``step``. ``own``: ``step`` is a DiLoCo slot's own batch
+        index (``inner_epochs = 1``); the unfrozen indices below it are frozen first, in
+        order, so that slots asking out of order leave no gap."""
+        if own:
+            for b in range(self.rollouts.next_batch, step):
+                if self.rollouts.batch_for(b, wall=wall) is None:
+                    return None
         return self.rollouts.batch_for(step, wall=wall)
 
     def committed(self, step: int, *, wall: float, metrics: dict[str, float] | None = None) -> None:
