@@ -322,7 +322,10 @@ def test_run_survives_chaos_kills(tmp_path: Path, capsys, monkeypatch):
 
 def test_run_follows_scale(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.delenv("PHALANX_TOKEN", raising=False)
-    job = fake_job(tmp_path, {"policy": 1, "rollout": 1}, steps=60, target=None)
+    # Batches enough (0.1 s each at least) for a loaded machine to start rollout-2
+    # and stop two replicas before the job ends: 60 were once too few.
+    steps = 100
+    job = fake_job(tmp_path, {"policy": 1, "rollout": 1}, steps=steps, target=None)
     state = tmp_path / "run" / "controller"
     errors: list[BaseException] = []
 
@@ -346,7 +349,7 @@ def test_run_follows_scale(tmp_path: Path, capsys, monkeypatch):
     t.join(5)
     assert not errors, errors
     s = summary_of(capsys.readouterr().out)
-    assert s["ok"] and s["batches"] == 60 and s["ledger_ok"]
+    assert s["ok"] and s["batches"] == steps and s["ledger_ok"]
     notes = "\n".join(job.events)
     assert "rollout-1 started (scale rollout to 3)" in notes
     assert "rollout-2 started (scale rollout to 3)" in notes
