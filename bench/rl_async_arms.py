@@ -12,9 +12,13 @@ Figures of one arm (every time in seconds, from the arm's launch):
 - ``trainer_idle`` / ``rollout_idle``: the mean of the ``idle`` fields of the policy
   ``step`` lines / the rollout replicas' ``rollout`` lines (None where no line has
   one: this checkout does not measure it);
-- ``sync_effect_s``: the mean of the ``sync_effect_s`` fields of the rollout replicas'
-  ``sync`` lines (None likewise): from a version's publish (the policy's commit) to a
-  rollout replica generating with it. The summary sets the corrected ``async2`` arm's
+- ``sync_effect_s``: for each weights version the policy published (the ``t`` of the
+  policy ``step`` line that committed it), the time until every rollout replica
+  generates with it or a newer one (the ``t`` of its first ``sync`` line at that
+  version or past it), averaged over the versions (:func:`sync_effect`; None where
+  the lines carry no ``t``). Measured from the logs alike in both modes: a replica's
+  own ``sync_effect_s`` starts at the sync that reached it, so it misses a version a
+  busy replica was never sent. The summary sets the corrected ``async2`` arm's
   (in-flight updates) against the ``waiting`` arm's, the same job with
   ``rl.engine.inflight_updates = false`` (a sync waits for generation to end):
   ``sync_effect_s``, ``sync_effect_waiting_s`` and their ratio;
@@ -210,9 +214,35 @@ def phalanx_figures(
     out = curve_figures(t0, [(t, r) for _, r, t in batches(steps)], threshold, window, per)
     out["trainer_idle"] = _mean(e.get("idle") for e in steps)
     out["rollout_idle"] = _mean(e.get("idle") for e in rol if e.get("event") == "rollout")
-    out["sync_effect_s"] = _mean(e.get("sync_effect_s") for e in rol if e.get("event") == "sync")
+    out["sync_effect_s"] = sync_effect(steps, rol)
     out["staleness"] = _mean(e.get("staleness") for e in steps)
     return out
+
+
+def sync_effect(
+    steps: Iterable[Mapping[str, Any]], rollout: Iterable[Mapping[str, Any]]
+) -> float | None:
+    """The mean over published versions v of the seconds from v's publish (the first
+    policy ``step`` line at ``version`` v) to the last rollout replica holding v or a
+    newer one (the first of its successful ``sync`` lines at such a version). A
+    version no replica ever held (the job ended first) is left out; None when no
+    version counts (lines without ``t``)."""
+    published: dict[int, float] = {}
+    for e in steps:
+        if e.get("version") is not None and e.get("t") is not None:
+            v, t = int(e["version"]), float(e["t"])
+            published[v] = min(t, published.get(v, t))
+    held: dict[str, list[tuple[float, int]]] = {}
+    for e in rollout:
+        if e.get("event") == "sync" and e.get("ok") and e.get("t") is not None:
+            held.setdefault(str(e["replica"]), []).append((float(e["t"]), int(e["version"])))
+    effects = []
+    for v, t_pub in sorted(published.items()):
+        firsts = [min((t for t, ver in got if ver >= v), default=None) for got in held.values()]
+        reached = [t for t in firsts if t is not None]
+        if reached:
+            effects.append(max(max(reached) - t_pub, 0.0))
+    return _mean(effects)
 
 
 def reward_at(trail: Sequence[Sequence[float]], samples: int) -> float | None:

@@ -91,8 +91,8 @@ def test_phalanx_figures_from_log_lines():
     t0 = 100.0
     pol = [
         {"event": "start", "t": 101.0},
-        step(0, 0.2, 104.0, idle=0.3, staleness=0),
-        step(0, 0.2, 104.5, idle=0.1, staleness=0),
+        step(0, 0.2, 104.0, idle=0.3, staleness=0, version=1),
+        step(0, 0.2, 104.5, idle=0.1, staleness=0, version=2),
         step(1, 0.4, 105.0, idle=0.2, staleness=1),
         step(2, 0.8, 106.0, staleness=1),
         step(3, 0.9, 107.0, staleness=2),
@@ -100,8 +100,8 @@ def test_phalanx_figures_from_log_lines():
     rol = [
         {"event": "rollout", "idle": 0.5},
         {"event": "rollout", "idle": 0.25},
-        {"event": "sync", "sync_effect_s": 0.02},
-        {"event": "sync", "sync_effect_s": 0.04},
+        {"event": "sync", "replica": "a", "version": 1, "ok": True, "t": 104.02},
+        {"event": "sync", "replica": "a", "version": 2, "ok": True, "t": 104.54},
         {"event": "sync"},
     ]
     f = ra.phalanx_figures(t0, pol, rol, threshold=0.6, window=2, per=64)
@@ -114,7 +114,7 @@ def test_phalanx_figures_from_log_lines():
     assert f["trail"] == [[128, 0.3], [192, 0.6], [256, 0.85]]
     assert f["trainer_idle"] == 0.2  # the lines that carry one
     assert f["rollout_idle"] == 0.375
-    assert f["sync_effect_s"] == 0.03
+    assert f["sync_effect_s"] == 0.03  # (0.02 + 0.04) / 2, from the lines' times
     assert f["staleness"] == 0.8
 
 
@@ -198,3 +198,21 @@ def test_arm_record_has_every_key():
     out = ra.arm_record(r)
     assert list(out) == list(ra.ARM_KEYS)
     assert out["trainer_idle"] is None and out["time_to_threshold_s"] == 80.0
+
+
+def test_sync_effect_waits_for_the_last_replica_and_counts_skipped_versions():
+    steps = [step(0, 0.1, 10.0, version=1), step(0, 0.1, 11.0, version=2)]
+    steps += [step(1, 0.2, 12.0, version=3)]
+    sync = [
+        {"event": "sync", "replica": "a", "version": 1, "ok": True, "t": 10.1},
+        {"event": "sync", "replica": "b", "version": 1, "ok": True, "t": 10.5},
+        {"event": "sync", "replica": "a", "version": 2, "ok": True, "t": 11.2},
+        {"event": "sync", "replica": "b", "version": 3, "ok": True, "t": 12.3},  # skipped 2
+        {"event": "sync", "replica": "a", "version": 3, "ok": False, "t": 12.1},  # failed
+        {"event": "rollout", "replica": "a", "version": 2, "t": 12.2},
+    ]
+    # v1: the last replica at 10.5 (0.5 s); v2: b reaches >= 2 at 12.3 (1.3 s);
+    # v3: only b holds it (a's sync failed), at 12.3 (0.3 s).
+    assert ra.sync_effect(steps, sync) == pytest.approx((0.5 + 1.3 + 0.3) / 3, abs=1e-4)
+    assert ra.sync_effect(steps, []) is None
+    assert ra.sync_effect([step(0, 0.1, 10.0, version=9)], sync) is None  # never held

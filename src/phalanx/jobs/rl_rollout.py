@@ -152,6 +152,7 @@ def take_sync(
             "source": order.members[0],
             "inflight": inflight,
             "sync_effect_s": None if effect is None else round(max(effect, 0.0), 4),
+            "t": time.time(),
         }
     )
 
