@@ -179,10 +179,15 @@ class ReplayBook:
         fresh rollouts would let them wait for batches further ahead than
         ``max_ahead``, past ``max_staleness`` (a benchmark run with a quarter of each
         batch replayed discarded 596 of 4,200 fresh rollouts as stale)."""
-        need = self.pps
-        k = min(round(self.ratio * need), need - 1)
+        k = self.per_batch
         held = len(self.entries) if self.kind == "memory" else self.counts["replay_added"]
-        return need - k if k and held >= k else need
+        return self.pps - k if k and held >= k else self.pps
+
+    @property
+    def per_batch(self) -> int:
+        """k: the rollouts each batch draws from the replay, round(replay_ratio x
+        prompts_per_step), at most all but one (every batch trains something fresh)."""
+        return min(round(self.ratio * self.pps), self.pps - 1)
 
     def size(self, wall: float) -> int:
         """Entries to draw from; raises :class:`ReplayUnavailable` (and, for

@@ -264,7 +264,7 @@ class RolloutBook:
         the fresh rollouts pending are too few for the rest (ask again). A replay that
         cannot be reached gives none: the batch is frozen fresh only, and that is
         counted (``replay_unavailable``) and told (an event)."""
-        k = min(round(self.loop.replay_ratio * need), need - 1)
+        k = self.replay.per_batch
         if len(self.pending) < need - k:
             return None  # too few even with a full draw: the server is not asked
         if k == 0:
