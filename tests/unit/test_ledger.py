@@ -308,6 +308,15 @@ def join(
     return m.replica_id
 
 
+def run_ahead(st: ControllerState, batches: int = 2) -> None:
+    """Let generation run ``batches`` ahead of the policy whatever ``max_staleness``
+    allows. The ledger's own staleness rules are tested here apart from the config
+    rule (config/rl_loop.py, ``check_ahead``) that keeps a job from asking for this
+    on purpose: in a job that keeps that rule, a lagging replica or a requeued
+    prompt still makes stale rollouts."""
+    st.ledger.loop.max_ahead = batches
+
+
 def restart(st: CheckedState, journal: Journal, *, now: float) -> CheckedState:
     """A controller restart on the same state dir: rebuild from the real journal."""
     tables = journal.load()
@@ -858,7 +867,7 @@ def test_no_batch_until_enough_rollouts(st):
 
 
 def test_inner_epochs_share_one_batch():
-    st = job("rl.grpo.inner_epochs=2")
+    st = job("rl.grpo.inner_epochs=2", "rl.loop.max_staleness=4")
     fill(st, PPS)
     first, _ = st.lease_batch(P, 0, now=0, wall=0)
     again, _ = st.lease_batch(P, 1, now=0, wall=0)
@@ -1050,7 +1059,13 @@ def test_ack_without_a_frozen_batch_moves_the_step(st):
 
 
 def test_stale_rollouts_are_discarded_at_freeze_and_dispatched_again():
-    st = job("rl.grpo.prompts_per_step=2", "rl.loop.max_staleness=0", "rl.loop.sync_every=1")
+    st = job(
+        "rl.grpo.prompts_per_step=2",
+        "rl.loop.max_staleness=0",
+        "rl.loop.sync_every=1",
+        "rl.loop.max_ahead=1",
+    )
+    run_ahead(st)
     reply = lease(st, R1, 4)
     submit(st, R1, "L1", ids(reply), version=0)
     first, _ = st.lease_batch(P, 0, now=0, wall=0)
@@ -1083,7 +1098,13 @@ def test_stale_rollouts_are_discarded_at_freeze_and_dispatched_again():
 
 
 def test_stale_submission_is_discarded_at_once():
-    st = job("rl.grpo.prompts_per_step=2", "rl.loop.max_staleness=0", "rl.loop.sync_every=1")
+    st = job(
+        "rl.grpo.prompts_per_step=2",
+        "rl.loop.max_staleness=0",
+        "rl.loop.sync_every=1",
+        "rl.loop.max_ahead=1",
+    )
+    run_ahead(st)
     lease(st, R1, 4)
     submit(st, R1, "L1", ["p0.0", "p1.0"])
     st.lease_batch(P, 0, now=0, wall=0)  # next batch is 1: floor 1
@@ -1773,8 +1794,10 @@ def test_restore_rebuilds_the_ledger(journal):
         "rl.grpo.prompts_per_step=2",
         "rl.loop.max_staleness=1",
         "rl.loop.sync_every=1",
+        "rl.loop.max_ahead=1",
         journal=journal,
     )
+    run_ahead(st)
     form(st, [P])
     lease(st, R1, 4)
     submit(st, R1, "L1", ["p0.0", "p1.0", "p2.0"])  # p3 stays leased

@@ -9,7 +9,20 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from test_ledger import PPS, R1, CheckedState, P, fill, form, job, lease, rollout, submit, train
+from test_ledger import (
+    PPS,
+    R1,
+    CheckedState,
+    P,
+    fill,
+    form,
+    job,
+    lease,
+    rollout,
+    run_ahead,
+    submit,
+    train,
+)
 
 from phalanx.protocol.rl import Completion, RolloutIn
 
@@ -82,7 +95,8 @@ def test_a_sync_that_waits_for_generation_says_when_its_version_was_published():
 def test_a_rollout_is_as_stale_as_its_oldest_token():
     """Tokens of version 0 and 2 in one rollout: with the floor at 1, it is stale, and
     counted under that reason as any stale rollout."""
-    st = job("rl.loop.max_staleness=1")
+    st = job("rl.loop.max_staleness=1", "rl.loop.max_ahead=1")
+    run_ahead(st)
     form(st, [P])
     train(st, 0)
     held = lease(st, R1, 2, version=0)

@@ -35,7 +35,7 @@ CFG = make_cfg(
     f"rl.loop.lease_s={LEASE_S}",
     "rl.loop.max_ahead=2",
     "rl.loop.sync_every=2",
-    "rl.loop.max_staleness=2",
+    "rl.loop.max_staleness=4",
     "rl.loop.window=2",
     "rl.loop.target_exact_match=0.9",
 )

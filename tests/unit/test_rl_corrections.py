@@ -288,6 +288,25 @@ def test_config_refuses_an_unknown_correction_in_one_line():
     assert GRPOSection().correction == "none"
 
 
+def test_config_refuses_less_staleness_than_generation_ahead_needs_in_one_line():
+    """max_ahead batches leased ahead are max_ahead x inner_epochs versions old when the
+    furthest one trains: less staleness than that is refused, naming both fixes."""
+    head, line = _config_error(
+        "--loop.max_ahead", "3", "--loop.max_staleness", "5", "--grpo.inner_epochs", "2"
+    )
+    assert head.startswith("invalid rl config")
+    assert "rl.loop.max_staleness must be >= rl.loop.max_ahead x rl.grpo.inner_epochs = 6" in line
+    assert "got 5" in line and "rl.loop.max_staleness = 6, or rl.loop.max_ahead = 2" in line
+    # The synchronous setting asks for no generation ahead (max_ahead = 1).
+    _, line = _config_error("--loop.max_staleness", "0", "--loop.sync_every", "1")
+    assert "got 0" in line and "rl.loop.max_ahead = 1." in line
+    for ahead, stale, epochs in (("3", "6", "2"), ("1", "0", "2"), ("4", "4", "1")):
+        args = ["--loop.max_ahead", ahead, "--loop.max_staleness", stale]
+        args += ["--loop.sync_every", "1", "--grpo.inner_epochs", epochs]
+        loop = load_rl_config(None, args).loop
+        assert (loop.max_ahead, loop.max_staleness) == (int(ahead), int(stale))
+
+
 def test_a_recorded_proximal_policy_makes_the_clip_act_by_hand():
     """On a batch's later inner epoch pi_prox is the batch's first step's: r = pi_theta /
     pi_prox departs from 1, the PPO clip acts on it, and w = min(pi_prox / mu, C)."""

@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.model import ModelSection
+from phalanx.config.rl_loop import LoopSection, check_loop
 from phalanx.config.track import TrackSection
 from phalanx.config.urls import check_storage_url
 
@@ -228,52 +229,6 @@ class GRPOSection(_Section):
         return self
 
 
-class LoopSection(_Section):
-    """The elastic loop of an RL job run by ``phalanx run``: prompt leases, the rollout
-    ledger and weight sync. Versions count policy optimizer steps (commits), so with
-    ``grpo.inner_epochs = 2`` a rollout batch spans two versions."""
-
-    prompts_per_lease: int = Field(4, ge=1, le=1 << 16)
-    """Prompts a rollout replica leases at a time (each yields ``group_size`` completions)."""
-    lease_s: float = Field(30.0, gt=0, le=86400)
-    """Deadline of a prompt lease: a lease not submitted by then is dispatched again."""
-    sync_every: int = Field(2, ge=1, le=1 << 20)
-    """Policy commits between weight syncs to the rollout replicas."""
-    max_staleness: int = Field(4, ge=0, le=1 << 20)
-    """A rollout made with weights more than this many versions older than the batch
-    it would train in is discarded (reason ``stale``) and its prompt dispatched again."""
-    max_ahead: int = Field(2, ge=1, le=1024)
-    """Rollout batches that may be leased or waiting ahead of the policy (backpressure:
-    generating further ahead would only make stale rollouts)."""
-    target_exact_match: float | None = Field(0.9, gt=0, le=1)
-    """Stop once the trailing mean exact match of trained batches reaches this (None: run
-    all ``grpo.steps`` batches)."""
-    target_reward: float | None = Field(None, gt=0, le=1e9)
-    """Also stop once the trailing mean reward reaches this (None: not a stop condition)."""
-    window: int = Field(10, ge=1, le=10_000)
-    """Batches in the trailing means."""
-    gen_delay_s: float = Field(0.0, ge=0, le=3600)
-    """Extra seconds per generated prompt on rollout replicas: a stand-in for a bigger
-    model, for demos and failure tests (a lease is then held long enough to be hit)."""
-    chunk_delay_s: float = Field(0.0, ge=0, le=3600)
-    """Extra seconds at each point of a generation where a weight update may land (every
-    ``rl.engine.chunk`` tokens, engines with in-flight updates): a stand-in for a slower
-    engine, for tests and demos of syncs that land mid-generation."""
-    sync_timeout_s: float = Field(2.0, gt=0, le=3600)
-    """Time limit of one weight sync (rendezvous and broadcast). Idle members join at
-    once; a generating one that takes updates in flight joins at its next chunk boundary,
-    so this must cover one chunk's time. A member that died since the order makes the
-    others wait this long before the sync is ordered again without it."""
-    history: int = Field(2000, ge=10, le=1_000_000)
-    """Trained batches whose metrics the controller keeps for status and charts."""
-    replay_ratio: float = Field(0.0, ge=0, lt=1)
-    """Fraction of each batch's rollouts drawn from the replay memory
-    (``rl.transport.replay``); the rest are fresh. The ledger draws
-    ``round(replay_ratio * prompts_per_step)`` of them when it freezes the batch,
-    seeded by (job seed, batch index), so every replica and every retry trains the
-    same batch. 0: fresh rollouts only (a configured replay is still filled)."""
-
-
 def _check_url(value: str, fixed: str, what: str) -> str:
     if value == fixed or value.startswith(("redis://", "rediss://")):
         if value != fixed and not value.split("://", 1)[1].split("/")[0]:
@@ -406,23 +361,8 @@ class RLConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _replay_to_draw_from(self) -> RLConfig:
-        if self.loop.replay_ratio > 0 and self.transport.replay is None:
-            raise ValueError(
-                "rl.loop.replay_ratio needs rl.transport.replay ('memory' or "
-                "redis://host:port/db): got none. Set rl.transport.replay, or "
-                "rl.loop.replay_ratio = 0."
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _sync_within_staleness(self) -> RLConfig:
-        if self.loop.sync_every > self.loop.max_staleness + 1:
-            raise ValueError(
-                f"loop.sync_every must be <= loop.max_staleness + 1: got sync_every="
-                f"{self.loop.sync_every}, max_staleness={self.loop.max_staleness}. Between two "
-                f"syncs every rollout would turn stale; sync more often or allow more staleness."
-            )
+    def _loop_fits(self) -> RLConfig:
+        check_loop(self.loop, self.grpo, self.transport)
         return self
 
     def dump(self) -> dict[str, Any]:
