@@ -10,6 +10,8 @@ this host's network. The tests, in this order:
   runs across both nodes, and the replicas end with the same parameters;
 - a synchronous DiLoCo job of two replicas, one on each node, ends its last
   outer round with one model on both;
+- an RL job over decoupled DiLoCo (2 policy slots, 1 rollout replica, meeting
+  through storage) runs its slots as actors, and ends with one θ_global;
 - an RL job (1 policy, 2 rollout replicas) loses the worker node (its raylet
   SIGKILLed) mid-run, and is scaled up and down meanwhile: the replica the
   node took is restarted elsewhere, and the job finishes with a balanced ledger
@@ -178,6 +180,27 @@ def test_sync_diloco_across_nodes_ends_on_one_outer_model(cluster: Cluster, tmp_
     assert model and finals[0].keys() == finals[1].keys()
     for k in model:
         assert torch.equal(finals[0][k], finals[1][k]), k
+
+
+def test_rl_over_diloco_runs_its_slots_as_ray_actors(cluster: Cluster, tmp_path: Path) -> None:
+    """RL over decoupled DiLoCo on Ray: 2 policy slots and a rollout replica as actors,
+    meeting only through storage and the controller's small messages, end with every
+    batch trained once and the same θ_global in both slots."""
+    import torch
+    from safetensors.torch import load_file
+    from test_rl_diloco import ROUND, ROUNDS, SLOTS, rl_diloco_job
+
+    run = Run(
+        cluster, rl_diloco_job(tmp_path), tmp_path / "run", "--rl.loop.target_exact_match=null"
+    )
+    s = run.finish()
+    assert s["ok"] and s["ledger_ok"] and s["batches"] == ROUNDS * ROUND, s
+    assert s["trained"] == ROUNDS * ROUND * PROMPTS and s["steps"] == ROUNDS * ROUND
+    placed = {m[1] for m in run.seen(r"(policy-\d|rollout-\d) on Ray node")}
+    assert placed == {*(f"policy-{k}" for k in range(SLOTS)), "rollout-0"}, placed
+    finals = [load_file(tmp_path / "run" / "final" / f"policy-{k}.safetensors") for k in (0, 1)]
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
 
 
 def test_rl_job_survives_a_lost_node_and_follows_scale(cluster: Cluster, tmp_path: Path) -> None:
