@@ -51,6 +51,15 @@ def test_sampling_is_uniform(make_buffer):
     assert all(800 <= c <= 1200 for c in counts.values()), counts
 
 
+def test_ranks_count_from_the_oldest_held_after_evictions(make_buffer):
+    """entries_at(ranks) reads rank 0 as the oldest rollout held, in memory as on the
+    server, however many times the ring has wrapped (the seeded draws read ranks)."""
+    b = make_buffer(4)
+    b.add(rollouts(range(11)))  # p7 .. p10 held, the ring wrapped twice
+    got = b.entries_at([0, 2, 3])
+    assert [r["rollout_id"] for r in got if r is not None] == ["p7.0", "p9.0", "p10.0"]
+
+
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         MemoryReplayBuffer(0)

@@ -50,6 +50,35 @@ def test_a_correction_trains_and_reports_its_metrics(correction):
     assert any(r["clip_frac"] > 0 for r in records)
 
 
+def test_a_replay_ratio_trains_stored_groups_beside_fresh_ones():
+    """replay_ratio = 0.5 of 4 prompts: once the replay holds 2 groups, each round
+    trains 2 of them (stored completions, from the versions that made them) and 2
+    fresh ones; the draws are seeded, so a second run trains the same rounds."""
+    overrides = ["--grpo.steps", "4", "--grpo.prompts_per_step", "4", "--grpo.group_size", "4"]
+    overrides += ["--grpo.inner_epochs", "1", "--grpo.max_new_tokens", "4"]
+    overrides += ["--loop.replay_ratio", "0.5", "--transport.replay", "memory"]
+    records = train(load_rl_config(None, overrides))
+    assert [r["replayed"] for r in records] == [0, 2, 2, 2]
+    assert list(records[0]["staleness_tokens"]) == [0]
+    # Round 2 trains at version 2 (one optimizer step a round): its fresh rows are 0
+    # versions stale, and the replayed ones 1 or 2 (made in round 0 or 1).
+    hist = records[2]["staleness_tokens"]
+    assert 0 in hist and set(hist) - {0} and set(hist) <= {0, 1, 2}, hist
+    timeless = ("gen_s", "gen_tokens_per_s", "train_tokens_per_s", "step_s", "seconds")
+    timeless += ("peak_mem_mb",)  # the process's, which grows
+    again = train(load_rl_config(None, overrides))
+    drop = [{k: v for k, v in r.items() if k not in timeless} for r in (*records, *again)]
+    assert drop[:4] == drop[4:]
+
+
+def test_a_replay_off_this_process_is_refused_in_one_line():
+    from phalanx.jobs.base import JobError
+
+    overrides = ["--loop.replay_ratio", "0.25", "--transport.replay", "redis://127.0.0.1:1/0"]
+    with pytest.raises(JobError, match=r"keeps its replay in memory: got rl.transport.replay = "):
+        train(load_rl_config(None, overrides))
+
+
 def test_cli_prints_json_lines(capsys):
     assert (
         main(["--grpo.steps", "2", "--grpo.prompts_per_step", "2", "--grpo.group_size", "4"]) == 0

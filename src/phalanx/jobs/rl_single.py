@@ -8,6 +8,13 @@ Every round prints one JSON line (step, mean reward, exact match, seconds);
 the run ends with a ``summary`` line giving the first step at which the
 trailing mean reward and exact match reached 0.9.
 
+With ``rl.loop.replay_ratio`` > 0 (and ``rl.transport.replay = "memory"``), each
+round draws ``k = round(replay_ratio x prompts_per_step)`` groups from an
+in-memory replay of the groups trained before (positions seeded by (seed,
+round), as the controller's ledger draws them), with their stored completions,
+behaviour log-probs and rewards, and generates the rest fresh; the round's
+reward and exact match are the fresh groups'.
+
     python -m phalanx.jobs.rl_single --stop-at-exact-match 0.9
     python -m phalanx.jobs.rl_single --config rl.toml --grpo.lr 3e-3 --grpo.steps 200
 """
@@ -27,6 +34,7 @@ from typing import Any
 import torch
 
 from phalanx.config.rl import RLConfig, load_rl_config
+from phalanx.controller.core.ledger.replay import positions
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.rl.corrections import staleness_histogram
 from phalanx.rl.engine.base import prompt_key
@@ -38,6 +46,7 @@ from phalanx.rl.rewards import RewardError
 from phalanx.rl.step import Proximal, backward_rows, peak_memory_mb, prepare
 from phalanx.rl.tasks import task_from_config
 from phalanx.rl.tokenizer import task_tokenizer
+from phalanx.transport.replay import MemoryReplayBuffer
 
 log = logging.getLogger("phalanx.jobs.rl_single")
 
@@ -69,6 +78,21 @@ def train(
         torch.set_num_threads(before)
 
 
+def single_replay(cfg: RLConfig) -> tuple[MemoryReplayBuffer | None, int]:
+    """The baseline's replay and ``k``, the groups each round draws from it (None, 0:
+    fresh rounds only). It lives in this process, so only ``memory`` is taken."""
+    ratio, t = cfg.loop.replay_ratio, cfg.transport
+    if ratio == 0:
+        return None, 0
+    if t.replay != "memory":
+        raise JobError(
+            f"the single-process GRPO baseline keeps its replay in memory: got "
+            f'rl.transport.replay = {t.replay!r}. Set rl.transport.replay = "memory".'
+        )
+    p = cfg.grpo.prompts_per_step
+    return MemoryReplayBuffer(t.replay_size), min(round(ratio * p), p - 1)
+
+
 def _train(
     cfg: RLConfig,
     stop_at_exact_match: float | None,
@@ -96,13 +120,19 @@ def _train(
     recent_r: deque[float] = deque(maxlen=window)
     recent_em: deque[float] = deque(maxlen=window)
     reached: dict[str, dict[str, Any]] = {}
+    replay, k = single_replay(cfg)
+    cursor = 0  # prompts of the task's stream taken so far
     t_start = time.perf_counter()
     for step in range(g.steps):
         t0 = time.perf_counter()
         # The weights version is the policy's optimizer-step count (DESIGN.md).
         engine.load_weights(policy.state_dict(), version=step * g.inner_epochs)
-        prompts = task.prompts(step * g.prompts_per_step, g.prompts_per_step)
-        first = step * g.prompts_per_step
+        drawn: list[dict[str, Any]] = []
+        if replay is not None and 0 < k <= len(replay):
+            drawn = replay.entries_at(positions(g.seed, step, len(replay), k))
+        first = cursor
+        prompts = task.prompts(first, g.prompts_per_step - len(drawn))
+        cursor += len(prompts)
         comps = engine.generate(
             [tok.encode_prompt(p) for p in prompts],
             g.group_size,
@@ -112,7 +142,7 @@ def _train(
             # completions here as in a phalanx job.
             keys=[prompt_key(g.seed, first + i) for i in range(len(prompts))],
         )
-        rewards, em = [], []
+        rewards, em, fresh = [], [], []
         for i, prompt in enumerate(prompts):
             group = comps[i * g.group_size : (i + 1) * g.group_size]
             try:
@@ -122,9 +152,15 @@ def _train(
                 log.warning("prompt %d: %s; its group is not trained", first + i, e)
                 reward_errors += 1
                 scores = [(0.0, False)] * len(group)
+            else:
+                fresh.append({"rollout_id": f"p{first + i}", "comps": group, "scores": scores})
             rewards += [float(r) for r, _ in scores]
             em += [float(x) for _, x in scores]
         t_gen = time.perf_counter() - t0
+        mean_r, mean_em = sum(rewards) / len(rewards), sum(em) / len(em)
+        for d in drawn:  # stored completions, behaviour log-probs and versions, and rewards
+            comps += d["comps"]
+            rewards += [float(r) for r, _ in d["scores"]]
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         n_tokens = sum(len(c.token_ids) for c in comps)
         keep = rows_to_train(adv, g.kl_coef)
@@ -149,12 +185,13 @@ def _train(
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), g.grad_clip)
             opt.step()
             sched.step()
+        if replay is not None:
+            replay.add(fresh)
         now = time.perf_counter()
-        mean_r, mean_em = sum(rewards) / len(rewards), sum(em) / len(em)
         recent_r.append(mean_r)
         recent_em.append(mean_em)
-        # reward / exact_match: this round's sampled completions (at the sampling
-        # temperature); *_avg: trailing means over `window` rounds; loss,
+        # reward / exact_match: this round's fresh completions (at the sampling
+        # temperature); replayed: groups drawn from the replay; *_avg: trailing means over `window` rounds; loss,
         # clip_frac, kl_behaviour and the off-policy metrics (mismatch_kl, ess,
         # is_*_frac, staleness_tokens): the round's last inner epoch; trained: rows
         # with a non-zero advantage that went through the backward pass.
@@ -167,6 +204,7 @@ def _train(
             "exact_match_avg": round(sum(recent_em) / len(recent_em), 4),
             "len": round(n_tokens / len(comps), 3),
             "trained": len(keep),
+            "replayed": len(drawn),
             "loss": round(stats["loss"], 5),
             "clip_frac": round(stats["clip_frac"], 4),
             "kl_behaviour": round(stats["kl_behaviour"], 6),

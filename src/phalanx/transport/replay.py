@@ -75,6 +75,12 @@ class MemoryReplayBuffer(ReplayBuffer):
         rng = rng or random.Random()
         return [self._data[self._ring[rng.randrange(len(self._ring))]] for _ in range(k)]
 
+    def entries_at(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+        """The rollouts at these ranks, 0 the oldest held (as
+        :meth:`RedisReplayBuffer.entries_at` ranks them): a caller's seeded draw."""
+        order = self._ring[self._head :] + self._ring[: self._head]
+        return [self._data[order[p]] for p in positions]
+
     def __len__(self) -> int:
         return len(self._ring)
 
