@@ -133,6 +133,9 @@ def run_phalanx(
     threshold, batches, window, _ = a.settings[task]
     extra = [f"--rl.grpo.steps={batches}", f"--rl.loop.window={window}"]
     extra += ["--rl.loop.target_exact_match=null", "--rl.loop.target_reward=null"]
+    if a.rollouts is not None:
+        n = a.rollouts
+        extra += [f"--roles.rollout.n_init_replicas={n}", f"--roles.rollout.min_replicas={n}"]
     overrides = cli_overrides(arm, known_keys(JobConfig)) + extra
     try:
         load_config(job, overrides)
@@ -225,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, help="batches every phalanx arm trains (every task)")
     p.add_argument("--window", type=int, help="batches in the trailing mean (every task)")
     p.add_argument("--arm-timeout-s", type=float, default=ARM_TIMEOUT_S)
+    p.add_argument(
+        "--rollouts", type=int, help="rollout replicas of every phalanx arm (default: the job's)"
+    )
     p.add_argument("--keep", type=Path, help="keep run dirs and logs here (default: a temp dir)")
     a = p.parse_args(argv)
     try:
