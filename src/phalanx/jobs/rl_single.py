@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from phalanx.config.rl import RLConfig, load_rl_config
-from phalanx.controller.core.ledger.replay import positions
 from phalanx.jobs.base import JobError, ReplicaArgs
+from phalanx.protocol.replay import positions
 from phalanx.rl.corrections import staleness_histogram
 from phalanx.rl.engine.base import prompt_key
 from phalanx.rl.engine.hf import HFEngine

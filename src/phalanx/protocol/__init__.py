@@ -9,4 +9,5 @@ from them. One module per part of the API:
 - ``commands.py``    commands to replicas, operator actions, checkpoint reports
 - ``rl.py``          prompt leases, rollouts and their payloads, batches, weight syncs
 - ``status.py``      the job's status and the dashboard's overview
+- ``replay.py``      the seeded draw of a batch's replayed rollouts (both sides make it)
 """

@@ -37,28 +37,14 @@ with its own log-probs, whichever lineage trained it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from phalanx.controller.core.base import ChangeLog
+from phalanx.protocol.replay import positions
 
 SUMMARY = ("rollout_id", "prompt", "version", "reward", "exact_match")
 """The fields of a rollout record that a replayed entry carries into a batch."""
-
-
-def positions(seed: int, index: int, n: int, k: int) -> list[int]:
-    """``min(k, n)`` distinct positions in ``range(n)``, uniform, from (``seed``,
-    ``index``) alone: a partial Fisher-Yates shuffle whose i-th swap is drawn from
-    SHA-256 of ``seed:index:i`` (256 bits modulo ``n - i``: no visible bias)."""
-    swapped: dict[int, int] = {}
-    out = []
-    for i in range(min(k, n)):
-        h = hashlib.sha256(f"{seed}:{index}:{i}".encode()).digest()
-        j = i + int.from_bytes(h, "big") % (n - i)
-        out.append(swapped.get(j, j))
-        swapped[j] = swapped.get(i, i)
-    return sorted(out)
 
 
 RETRY_S = 2.0
