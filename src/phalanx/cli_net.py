@@ -18,7 +18,11 @@ from phalanx import env
 
 def add_controller(p: argparse.ArgumentParser) -> None:
     """``--controller`` and ``--ca-file``: for commands that talk to a controller."""
-    p.add_argument("--controller", help="controller URL or state dir ($PHALANX_CONTROLLER)")
+    p.add_argument(
+        "--controller",
+        help="controller URL, comma-separated URLs of several controllers (the leader is "
+        "followed), or state dir ($PHALANX_CONTROLLER)",
+    )
     add_ca_file(p)
 
 

@@ -10,6 +10,12 @@ and how:
   ``unreachable_timeout_s``. Given a state dir instead of a URL, it re-reads
   ``DIR/url`` while it retries, in case the controller came back on another
   port.
+- **several controllers, one leader**: given a comma-separated list of URLs
+  (``http://a:8080,http://b:8080,http://c:8080``), it talks to one at a time.
+  A standby answers 421 with the leader's URL, and the call goes there at once;
+  a controller that fails (network error or 5xx) sends the next attempt to the
+  next URL of the list, so a call finds the new leader after a failover by
+  itself. :attr:`Transport.url` is the controller it talks to now.
 
 It raises :class:`ControllerUnreachable` after ``unreachable_timeout_s`` of
 failed attempts, :class:`Evicted` on 410, and :class:`Rejected` for any other
@@ -117,10 +123,33 @@ def certificate_mismatch(url: str, error: BaseException) -> CertificateMismatch 
     return None
 
 
+MAX_REDIRECTS = 8
+"""421 answers (a standby naming the leader) followed in a row before a call counts
+the attempt as failed: standbys that name each other during an election must not
+keep a call spinning."""
+
+
+def split_urls(controller: str) -> list[str]:
+    """The URLs of a comma-separated list of controllers, in order, without repeats.
+    Raises :class:`ControllerError` when an entry is not an http(s) URL."""
+    urls: list[str] = []
+    for part in controller.split(","):
+        u = part.strip().rstrip("/")
+        if not u.startswith(("http://", "https://")) or not urlsplit(u).hostname:
+            raise ControllerError(
+                f"controller must be a URL (http://host:port), a comma-separated list of "
+                f"them, or a controller state dir: got {part.strip()!r} in {controller!r}."
+            )
+        if u not in urls:
+            urls.append(u)
+    return urls
+
+
 def resolve(controller: str) -> tuple[str, Path | None]:
-    """A controller is named by URL or by state dir. Returns (url, state_dir)."""
+    """A controller is named by URL (or a comma-separated list of URLs: the first is
+    returned) or by state dir. Returns (url, state_dir)."""
     if controller.startswith(("http://", "https://")):
-        return controller.rstrip("/"), None
+        return split_urls(controller)[0], None
     d = Path(controller)
     url_file = d / "url" if d.is_dir() else d
     try:
@@ -164,6 +193,11 @@ class Transport:
         on_epoch: Callable[[int | None, int], None] | None = None,
     ):
         self.url, self.state_dir = resolve(controller)
+        self.urls = split_urls(controller) if self.state_dir is None else [self.url]
+        """Every controller this transport may talk to (the list it was given, then any
+        leader a standby named)."""
+        self.leader_changes = 0
+        """How often the calls moved to another controller (a failover, seen from here)."""
         self.token = token or find_token(self.state_dir)
         self.unreachable_timeout_s = unreachable_timeout_s
         self.on_epoch = on_epoch
@@ -195,15 +229,26 @@ class Transport:
         first_failure: float | None = None
         backoff = 0.05
         last_error = ""
+        redirects = 0
         while True:
             try:
                 if body is None:
                     r = http.get(self.url + path, timeout=timeout)
                 else:
                     r = http.post(self.url + path, content=body, headers=headers, timeout=timeout)
-                if r.status_code < 500:
+                if r.status_code == 421 and redirects < MAX_REDIRECTS:
+                    leader = _error_body(r).leader
+                    redirects += 1
+                    if leader and leader.rstrip("/") != self.url:
+                        self._move_to(leader.rstrip("/"))
+                        continue
+                    last_error = f"controller at {self.url} is a standby and knows no leader yet"
+                elif r.status_code == 421:
+                    last_error = f"{redirects} standbys in a row named no reachable leader"
+                elif r.status_code < 500:
                     return self._handle(r, reply)
-                last_error = f"HTTP {r.status_code}: {r.text[:200]}"
+                else:
+                    last_error = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
                 mismatch = certificate_mismatch(self.url, e)
                 if mismatch is not None:
@@ -214,18 +259,33 @@ class Transport:
             now = time.monotonic()
             first_failure = first_failure or now
             if now - first_failure > self.unreachable_timeout_s:
+                where = f"controller at {self.url}"
+                if len(self.urls) > 1:
+                    where = f"controllers at {', '.join(self.urls)}"
                 raise ControllerUnreachable(
-                    f"controller at {self.url} unreachable for {now - first_failure:.0f} s "
+                    f"{where} unreachable for {now - first_failure:.0f} s "
                     f"(last error: {last_error})",
                     last_error,
                 )
             time.sleep(random.uniform(0, backoff))
             backoff = min(backoff * 2, 2.0)
+            redirects = 0
             if self.state_dir is not None:
                 try:
                     self.url = resolve(str(self.state_dir))[0]
                 except ControllerError:
                     pass
+            elif len(self.urls) > 1:
+                self._move_to(self.urls[(self.urls.index(self.url) + 1) % len(self.urls)])
+
+    def _move_to(self, url: str) -> None:
+        """Talk to ``url`` from now on (a standby named it the leader, or the controller
+        talked to so far failed). A leader named outside the list joins it."""
+        if url not in self.urls:
+            self.urls.append(url)
+        if url != self.url:
+            self.url = url
+            self.leader_changes += 1
 
     def _handle(self, r: httpx.Response, reply: type[R]) -> R:
         if r.status_code == 410:

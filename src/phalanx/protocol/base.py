@@ -97,6 +97,9 @@ class ErrorBody(Wire):
 
     error: Annotated[str, Field(max_length=4000)]
     fields: Annotated[list[FieldError], Field(max_length=1000)] = []
+    leader: Annotated[str, Field(max_length=2000)] = ""
+    """On 421 (a standby controller was asked): the URL of the leader, '' while none
+    is known (an election is under way)."""
 
 
 class Health(Wire):
