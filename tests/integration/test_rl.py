@@ -39,7 +39,11 @@ def job_sections(
     steps: int = 200,
     target_reward: float = 0.15,
     window: int = 5,
+    max_staleness: int = 4,
+    max_ahead: int = 2,
 ) -> dict[str, dict[str, Any]]:
+    """The RL test job. Generation runs ``max_ahead`` batches ahead, which needs
+    ``max_staleness >= max_ahead x inner_epochs`` (config/rl_loop.py: check_ahead)."""
     return {
         "job": {"id": "rl-itest", "seed": 0},
         "timeouts": {**FAST_TIMEOUTS, "collective_s": 2.0, "heartbeat_s": 4.0},
@@ -61,8 +65,8 @@ def job_sections(
         "rl.loop": {
             "prompts_per_lease": 4,
             "sync_every": 2,
-            "max_staleness": 1,
-            "max_ahead": 2,
+            "max_staleness": max_staleness,
+            "max_ahead": max_ahead,
             "lease_s": 20.0,
             "target_exact_match": 1.0,
             "target_reward": target_reward,
@@ -251,24 +255,28 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
 
 
 def test_rl_stale_rollouts_are_discarded_and_counted(rl_job):
-    ctl, start = rl_job(rollout_init=1)
+    # At most 4 versions of staleness (two batches: a batch spans two versions, and
+    # generation runs max_ahead = 2 batches ahead). A replica that holds each lease
+    # 6 s (1.5 s per prompt) while the fast one keeps the policy training submits
+    # rollouts whose weights are already too old. The job trains all its 60 batches
+    # (a target it cannot meet), so it outlasts the slow replica's leases however
+    # fast the machine trains.
+    ctl, start = rl_job(rollout_init=1, steps=60, target_reward=0.99)
     policy = start("policy", "policy-0")
     fast = start("rollout", "rollout-0")
-    # At most one version of staleness (a batch spans two): a replica that takes
-    # 0.8 s per prompt submits rollouts whose weights are already too old.
-    slow = start("rollout", "rollout-slow", "--rl.loop.gen_delay_s", "0.8")
+    slow = start("rollout", "rollout-slow", "--rl.loop.gen_delay_s", "1.5")
     st = wait_finished(ctl, [policy, fast, slow])
     stale = sum(e["stale"] for e in slow.events("rollout"))
     assert stale > 0 and st["rollouts"]["discarded"].get("stale", 0) >= stale
     check_ledger(st, trained_prompts([policy]))
     assert all(
-        v >= b * 2 - 1 for e in policy.events("step") for b in [e["batch"]] for v in e["versions"]
+        v >= b * 2 - 4 for e in policy.events("step") for b in [e["batch"]] for v in e["versions"]
     )
     # The off-policy metrics: every step line has its tokens by staleness (a step
-    # trains from version 2b or 2b + 1, its rollouts are from 2b - 1 at the oldest),
+    # trains from version 2b or 2b + 1, its rollouts are from 2b - 4 at the oldest),
     # and the ledger's last batch carries them to the overview and /metrics.
     for e in policy.events("step"):
-        assert e["staleness_tokens"] and all(0 <= int(k) <= 2 for k in e["staleness_tokens"])
+        assert e["staleness_tokens"] and all(0 <= int(k) <= 5 for k in e["staleness_tokens"])
         assert 0 < e["ess"] <= 1 and e["is_clip_frac"] == e["is_mask_frac"] == 0.0
     last = st["last"]["metrics"]
     assert last["staleness_tokens"] and 0 < last["ess"] <= 1 and last["mismatch_kl"] >= 0
