@@ -33,9 +33,10 @@ class EtcdTarget:
     def prefix_for(self, job_id: str) -> str:
         return self.prefix or f"{DEFAULT_PREFIX}/{job_id}"
 
-    def url(self) -> str:
+    def url(self, prefix: str | None = None) -> str:
+        """The URL, with ``prefix`` instead of the one given (if any)."""
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
-        return f"etcd://{hosts}{self.prefix or ''}"
+        return f"etcd://{hosts}{prefix or self.prefix or ''}"
 
 
 def _bad(value: str, why: str) -> ValueError:

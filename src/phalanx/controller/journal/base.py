@@ -1,0 +1,83 @@
+"""The controller's journal: where every durable transition is written before the
+controller acknowledges it.
+
+The core reports each durable change as ``(table, key, record)`` (``None`` deletes the
+row); :class:`~phalanx.controller.service.ControllerService` hands the changes of
+one call (one tick of the controller) to :meth:`Journal.write` as one batch, and
+answers the request only after it returns. A controller started again, on the same
+journal, reads the tables back with :meth:`Journal.load`.
+
+Two implementations, after their mechanism: ``sqlite.py`` (:class:`SqliteJournal`,
+the embedded default: a file in the state dir) and ``etcd.py`` (:class:`EtcdJournal`:
+an etcd cluster replicates it, and only the leader of the job may write it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+from phalanx.controller.core.base import Change
+
+Tables = dict[str, dict[str, dict[str, Any]]]
+"""``{table: {key: record}}``: the journal's rows."""
+
+
+class JournalUnavailable(RuntimeError):
+    """The journal could not commit a batch now: etcd has lost its quorum, does not
+    answer, or refused the write (its message says why). The batch may or may not
+    have landed: the caller keeps it and writes it again, with the changes made since
+    (writing the same final values twice is harmless). Nothing may be acknowledged
+    meanwhile."""
+
+
+class Deposed(RuntimeError):
+    """Another controller leads the job now (its leader key replaced this one's, whose
+    lease lapsed): nothing of the batch landed, and every later write raises this too.
+    The controller must stop acknowledging and exit."""
+
+
+def last_wins(changes: list[Change]) -> dict[tuple[str, str], dict[str, Any] | None]:
+    """The final record of each row a batch touches (later changes to a key win)."""
+    last: dict[tuple[str, str], dict[str, Any] | None] = {}
+    for tbl, key, rec in changes:
+        last[(tbl, key)] = rec
+    return last
+
+
+class Journal(ABC):
+    """Durable tables, written in atomic batches.
+
+    Called by the controller service only, from one thread at a time: the service's
+    event loop, or the thread it writes from while it retries after a
+    :class:`JournalUnavailable`. A journal is opened before the service starts and
+    closed when it stops."""
+
+    kind: Literal["sqlite", "etcd"]
+    """``sqlite`` or ``etcd``, as ``controller.journal`` names it (the status API's
+    ``journal.kind``)."""
+    where: str
+    """What a message names: the file, or the etcd URL and key prefix."""
+    writes: int
+    """Batches committed by this process."""
+
+    @property
+    def term(self) -> int | None:
+        """The leader term this controller writes in (etcd), or None (SQLite)."""
+        return None
+
+    @abstractmethod
+    def load(self) -> Tables:
+        """Every row as last committed. Called once, before the first write. A record
+        that cannot be read raises :class:`~phalanx.controller.statedir.CannotStart`
+        with a line naming it."""
+
+    @abstractmethod
+    def write(self, changes: list[Change]) -> None:
+        """Apply one batch atomically (all of it or none of it), later changes to a
+        key winning; returns once it is durable. Raises :class:`JournalUnavailable`
+        (try again later, with the same changes) or :class:`Deposed` (never again)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the journal holds (the file; the etcd lease and leader key)."""
