@@ -85,9 +85,9 @@ class EtcdJournal(Journal):
         self.where = target.url(self.prefix)
         self.writes = 0
         self.kv = EtcdKV(target, TIMEOUT_S)
-        self._rec = f"{self.prefix}/rec/"
-        self._stage = f"{self.prefix}/stage/"
-        self._commit = f"{self.prefix}/commit"
+        self.rec_prefix = f"{self.prefix}/rec/"
+        self.stage_prefix = f"{self.prefix}/stage/"
+        self.commit_key = f"{self.prefix}/commit"
         self._unsettled = False
         """A large batch may be committed and not folded yet (or staged parts left over):
         the next write settles it first."""
@@ -114,13 +114,13 @@ class EtcdJournal(Journal):
 
     def load(self) -> Tables:
         try:
-            rows = self.kv.range_prefix(self._rec)
+            rows = self.kv.range_prefix(self.rec_prefix)
             staged = self._committed()
         except JournalUnavailable as e:
             raise CannotStart(f"etcd journal {self.where} cannot be read: {e}.") from None
         tables: Tables = {}
         for kv in rows:
-            tbl, _, key = kv["key"].decode()[len(self._rec) :].partition("/")
+            tbl, _, key = kv["key"].decode()[len(self.rec_prefix) :].partition("/")
             text = kv["value"].decode(errors="replace")
             try:
                 rec = json.loads(text)
@@ -143,13 +143,13 @@ class EtcdJournal(Journal):
     def _committed(self) -> list[Row] | None:
         """The rows of a committed, unfolded large batch (None: there is none). Notes
         that the next write must settle it (and any staged parts left over)."""
-        stage = self.kv.range_prefix(self._stage)
-        commit = self.kv.get(self._commit)
+        stage = self.kv.range_prefix(self.stage_prefix)
+        commit = self.kv.get(self.commit_key)
         self._unsettled = bool(stage) or commit is not None
         if commit is None:
             return None
         meta = json.loads(commit["value"])
-        mine = f"{self._stage}{meta['id']}/"
+        mine = f"{self.stage_prefix}{meta['id']}/"
         parts = [kv for kv in stage if kv["key"].decode().startswith(mine)]
         if len(parts) != meta["parts"]:
             raise CannotStart(
@@ -180,7 +180,7 @@ class EtcdJournal(Journal):
         tbl, key, rec = row
         if "/" in tbl:
             raise ValueError(f"journal table names hold no '/': got {tbl!r}")
-        k = f"{self._rec}{tbl}/{key}"
+        k = f"{self.rec_prefix}{tbl}/{key}"
         return delete(k) if rec is None else put(k, encode_bytes(rec))
 
     def _fenced(self, ops: list[Op]) -> None:
@@ -200,9 +200,9 @@ class EtcdJournal(Journal):
         bid = uuid.uuid4().hex[:12]
         parts = [data[i : i + MAX_BYTES] for i in range(0, len(data), MAX_BYTES)]
         for i, part in enumerate(parts):
-            self._fenced([put(f"{self._stage}{bid}/{i:06d}", part)])
+            self._fenced([put(f"{self.stage_prefix}{bid}/{i:06d}", part)])
         self._unsettled = True  # from here the commit may have landed, even if this raises
-        self._fenced([put(self._commit, json.dumps({"id": bid, "parts": len(parts)}).encode())])
+        self._fenced([put(self.commit_key, json.dumps({"id": bid, "parts": len(parts)}).encode())])
         try:
             self._fold(rows)
         except JournalUnavailable:
@@ -214,7 +214,7 @@ class EtcdJournal(Journal):
         if rows is not None:
             self._fold(rows)
         else:
-            self._fenced([delete_prefix(self._stage)])
+            self._fenced([delete_prefix(self.stage_prefix)])
             self._unsettled = False
 
     def _fold(self, rows: list[Row]) -> None:
@@ -229,7 +229,7 @@ class EtcdJournal(Journal):
             size += n
         if batch:
             self._fenced(batch)
-        self._fenced([delete(self._commit), delete_prefix(self._stage)])
+        self._fenced([delete(self.commit_key), delete_prefix(self.stage_prefix)])
         self._unsettled = False
 
     def close(self) -> None:
