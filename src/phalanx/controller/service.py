@@ -8,7 +8,8 @@ and wakes the long-polls that the call answered. So no reply ever tells a
 replica something the journal does not hold yet, and no journaled record
 refers to a payload that was not written first. While the journal cannot take a
 write (an etcd without quorum), :mod:`phalanx.controller.outbox` holds the
-changes, answers 503 and retries (:meth:`ControllerService.acknowledge`).
+changes, answers 503 and retries; with etcd it also batches the writes of
+concurrent requests (:meth:`ControllerService.acknowledged`).
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ class ControllerService:
         return result
 
     def commit(self, tick: Tick | None = None) -> None:
-        """Journal the core's changes since the last commit, then act on ``tick``.
-        Raises :class:`NotAcknowledged` (503) when they could not be journaled: they
-        are held and written again (:mod:`phalanx.controller.outbox`)."""
+        """Journal the core's changes since the last commit (at once, or in the next
+        group commit), then act on ``tick`` once they are durable. Raises
+        :class:`NotAcknowledged` (503) while the journal is unavailable: they are held
+        and written again (:mod:`phalanx.controller.outbox`)."""
         if tick is not None and tick.puts:
             self.payloads.put(tick.puts)  # before the journal: no record without its payload
         self.outbox.commit(self.state.drain(), tick)
@@ -145,11 +147,12 @@ class ControllerService:
         except NotAcknowledged:
             pass
 
-    def acknowledge(self) -> None:
-        """Raise :class:`NotAcknowledged` (503) while any change is not journaled. Every
-        route calls it before it replies, so no reply carries what the journal does
-        not hold (a long-poll woken by, or reading, state made in memory only)."""
-        self.outbox.acknowledge()
+    async def acknowledged(self) -> None:
+        """Return once every change made so far is journaled, or raise
+        :class:`NotAcknowledged` (503). Every route awaits it before it replies, so no
+        reply carries what the journal does not hold (a long-poll woken by, or
+        reading, state made in memory only)."""
+        await self.outbox.acknowledged()
 
     def status(self) -> Status:
         """The status document, with the journal's health."""

@@ -46,7 +46,7 @@ def _endpoint(api: Api, route: Route) -> Any:
 
     async def endpoint(req: Any) -> Response:
         reply = await route.handler(api, req)
-        api.service.acknowledge()  # 503 while anything is not journaled
+        await api.service.acknowledged()  # waits for the journal; 503 while it is unavailable
         return json_response(reply)
 
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

@@ -60,6 +60,10 @@ class Journal(ABC):
     """What a message names: the file, or the etcd URL and key prefix."""
     writes: int
     """Batches committed by this process."""
+    group_commit = False
+    """Batch the writes of concurrent requests, written from a worker thread (a
+    journal whose write is a network round trip); False: write each call's batch at
+    once, on the service's loop (:mod:`phalanx.controller.outbox`)."""
 
     @property
     def term(self) -> int | None:

@@ -77,6 +77,7 @@ class EtcdJournal(Journal):
     takes the leader key (``leader.py``), or raises CannotStart in one line."""
 
     kind = "etcd"
+    group_commit = True
 
     def __init__(
         self, target: EtcdTarget, job_id: str, leader_url: str, take_wait_s: float | None = None

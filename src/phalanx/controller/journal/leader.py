@@ -157,6 +157,8 @@ class Leadership:
         """After a fenced write failed its compare (``reply``, whose failure branch was
         :meth:`lost`): take the leader key again if nobody led since, else raise
         :class:`Deposed` (and remember it: every later write is refused at once)."""
+        if self._stop.is_set():  # closing: its own revoke removed the key
+            raise JournalUnavailable("the etcd journal is closing")
         leader, term = ranged(reply, 0), ranged(reply, 1)
         if leader is None and term is not None and term["mod_revision"] == self.term_rev:
             lease = self.kv.grant(LEASE_TTL_S)
