@@ -20,6 +20,7 @@ from procs import (
     child_env,
     cli_status,
     names,
+    signal_group,
     wait_for,
     write_job_toml,
 )
@@ -32,11 +33,11 @@ START_S = 120.0
 lease TTL for its dead predecessor's leader key to lapse)."""
 
 
-def job_toml(path: Path, journal: str, n_init: int) -> Path:
+def job_toml(path: Path, journal: str, n_init: int, job: str = "") -> Path:
     return write_job_toml(
         path,
         {
-            "job": {"id": f"etcd-{uuid.uuid4().hex[:8]}"},
+            "job": {"id": job or f"etcd-{uuid.uuid4().hex[:8]}"},
             "timeouts": {**FAST_TIMEOUTS, "heartbeat_s": 10.0},
             "controller": {"tick_s": 0.02, "journal": journal},
             "roles.policy": {"min_replicas": 1, "n_init_replicas": n_init, "join_timeout_s": 0.5},
@@ -162,3 +163,32 @@ def test_a_stopped_etcd_gets_503s_with_the_reason_and_the_job_resumes_without_lo
         assert m["commands_pending"] >= 1, m  # the sync order acknowledged above
     rounds = check_rounds([rep.lines() for rep in reps.values()])
     assert sorted(rounds) == list(range(1, max(rounds) + 1))
+
+
+def test_a_leader_woken_from_sigstop_after_a_takeover_stops_and_exits_in_one_line(
+    etcd,  # noqa: F811
+    procs,
+    tmp_path: Path,
+):
+    job = f"deposed-{uuid.uuid4().hex[:8]}"
+    config = job_toml(tmp_path / "job.toml", etcd.url(f"/d{uuid.uuid4().hex[:8]}"), 1, job)
+    token = uuid.uuid4().hex
+    old = start(procs, tmp_path / "host1", config, token)
+    order = {"target": "policy", "kind": "sync_weights", "payload": {"version": 1}}
+    assert old.post("/v1/commands", order).status_code == 200
+    assert old.proc is not None and old.err is not None
+    signal_group(old.proc, signal.SIGSTOP)
+    # It believes it leads; its lease lapses, and a controller on another host takes over.
+    new = start(procs, tmp_path / "host2", config, token)
+    assert new.status()["journal"]["term"] == 2
+    signal_group(old.proc, signal.SIGCONT)
+    rc = old.proc.wait(timeout=60)
+    err = old.err.read_text()
+    assert rc == 1, err
+    assert f"this controller (term 1) no longer leads job '{job}': the " in err, err
+    assert f"the controller at {new.url} (term 2, since " in err, err
+    assert "Traceback" not in err, err
+    # The new leader was never fenced out by the old one.
+    assert new.post("/v1/commands", order).status_code == 200
+    j = new.status()["journal"]
+    assert j["healthy"] and j["term"] == 2

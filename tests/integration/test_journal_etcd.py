@@ -4,6 +4,7 @@ writes nothing, and bad input is refused in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -14,10 +15,13 @@ from typing import Any
 import pytest
 from etcd_server import ETCD, MISSING, etcd, start_cluster  # noqa: F401  (etcd: a module-scoped fixture)
 
+from phalanx.config import JobConfig
 from phalanx.config.journal import parse_etcd
 from phalanx.controller.journal import Deposed, JournalUnavailable, SqliteJournal
 from phalanx.controller.journal.etcd import MAX_BYTES, MAX_OPS, TIMEOUT_S, EtcdJournal
 from phalanx.controller.journal.etcd_kv import EtcdKV, delete_prefix, put
+from phalanx.controller.payloads import PayloadLog
+from phalanx.controller.service import ControllerService
 from phalanx.controller.statedir import CannotStart
 from phalanx.net import free_port
 
@@ -232,3 +236,29 @@ def test_a_cluster_that_loses_its_quorum_stalls_writes_and_loses_nothing(tmp_pat
         j.close()
     finally:
         cluster.stop()
+
+
+def test_concurrent_calls_share_transactions_and_replies_wait_for_them(etcd, tmp_path: Path):  # noqa: F811
+    url = etcd.url(prefix())
+    svc = ControllerService(JobConfig(), open_journal(url), PayloadLog(tmp_path / "p"))
+    start = svc.journal.writes
+
+    async def register(i: int) -> tuple[int, int]:
+        svc.apply(svc.state.register, "policy", f"r{i}", "i0")
+        made = svc.outbox.made
+        await svc.acknowledged()
+        return made, svc.outbox.durable  # what was durable when this reply could go
+
+    async def run() -> list[tuple[int, int]]:
+        done = await asyncio.gather(*(register(i) for i in range(50)))
+        await svc.outbox.stop()
+        return list(done)
+
+    replies = asyncio.run(run())
+    writes = svc.journal.writes - start
+    assert all(durable >= made for made, durable in replies), "each reply after its batch"
+    assert 1 <= writes < 50, f"{writes} transactions for 50 calls"
+    svc.journal.close()
+    again = open_journal(url)
+    assert len(again.load()["members"]) == 50
+    again.close()

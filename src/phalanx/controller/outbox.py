@@ -126,16 +126,23 @@ class Outbox:
         :class:`NotAcknowledged` if the journal cannot take them (or this controller
         was deposed). Every route awaits it before it replies."""
         target = self.made
-        if self.durable >= target and not self.deposed:
+        if self.durable >= target and not self.deposed and not self.journal.deposed:
             return
         self.check()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((target, fut))
         await fut
 
+    def poll(self) -> None:
+        """Take note of a deposition the journal found by itself (the etcd lease's
+        keep-alive), before any write: called every tick and by :meth:`check`."""
+        if not self.deposed and self.journal.deposed:
+            self._deposed(self.journal.deposed)
+
     def check(self) -> None:
         """Raise :class:`NotAcknowledged` when deposed, or while the journal is down
         with changes held."""
+        self.poll()
         if self.deposed:
             raise NotAcknowledged(f"{self.deposed}; this controller is stopping")
         if self.down_since is not None and self.changes:

@@ -262,6 +262,7 @@ class ControllerService:
         period = self.cfg.controller.tick_s
         while True:
             await asyncio.sleep(period)
+            self.outbox.poll()  # deposed, as the journal found by itself: stop at once
             if not self.outbox.down:  # no deadline is decided that cannot be journaled
                 self.apply_quietly(self.state.tick)
 

@@ -66,6 +66,11 @@ class Journal(ABC):
     once, on the service's loop (:mod:`phalanx.controller.outbox`)."""
 
     @property
+    def deposed(self) -> str:
+        """Why this controller may no longer write ('' while it may; SQLite: always)."""
+        return ""
+
+    @property
     def term(self) -> int | None:
         """The leader term this controller writes in (etcd), or None (SQLite)."""
         return None

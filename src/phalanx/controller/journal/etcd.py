@@ -10,10 +10,12 @@ Keys, under the job's prefix ``P`` (``/phalanx/<job.id>`` unless the URL names o
 - ``P/stage/<id>/<part>`` and ``P/commit``: a batch too large for one transaction,
   in flight (below).
 
-**Group commit.** One :meth:`EtcdJournal.write` is one batch, the changes of one
-controller tick (one core call), and normally one etcd transaction: *if* the leader
-key's ``mod_revision`` is this leader's (the fence) *then* put and delete its rows.
-One round trip, whatever the batch holds.
+**Group commit.** One :meth:`EtcdJournal.write` is one batch, normally one etcd
+transaction: *if* the leader key's ``mod_revision`` is this leader's (the fence)
+*then* put and delete its rows. One round trip, whatever the batch holds. A batch
+holds the changes of one controller tick (one core call) or, as the outbox sends
+them (:attr:`group_commit`), of every call made while the previous batch was in
+flight.
 
 **Large batches.** etcd refuses a transaction of more than 128 operations
 (``--max-txn-ops``) or 1.5 MiB (``--max-request-bytes``), and an etcd we did not
@@ -65,9 +67,8 @@ MAX_BYTES = 1 << 20
 """Bytes of keys and values per transaction (etcd's default ``--max-request-bytes``
 is 1.5 MiB; the gateway's base64 and the request's framing take some of the rest)."""
 TIMEOUT_S = 2.0
-"""How long one etcd call may take. A write that times out leaves the controller's
-loop stalled this long once; later requests are refused at once while the service
-retries in the background."""
+"""How long one etcd call may take before it counts as unavailable (writes run on the
+outbox's worker thread, so the controller's loop does not wait on it)."""
 
 Row = tuple[str, str, "dict[str, Any] | None"]
 
@@ -110,6 +111,10 @@ class EtcdJournal(Journal):
     @property
     def term(self) -> int | None:
         return self.leader.term
+
+    @property
+    def deposed(self) -> str:
+        return self.leader.deposed
 
     # -- load ---------------------------------------------------------------
 

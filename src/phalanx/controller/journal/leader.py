@@ -88,6 +88,9 @@ class Leadership:
         """Why this controller no longer leads ('' while it does)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        """Held while deciding whether this controller still leads (the writer and the
+        keep-alive thread may both find the lease lapsed)."""
 
     def take(self, wait_s: float) -> None:
         """Take office, or raise CannotStart in one line: another job holds the prefix,
@@ -157,13 +160,22 @@ class Leadership:
         """After a fenced write failed its compare (``reply``, whose failure branch was
         :meth:`lost`): take the leader key again if nobody led since, else raise
         :class:`Deposed` (and remember it: every later write is refused at once)."""
+        with self._lock:
+            self._resolve(self.kv, ranged(reply, 0), ranged(reply, 1))
+
+    def _resolve(self, kv: EtcdKV, leader: KV | None, term: KV | None) -> None:
+        """Whether this controller still leads, given the leader and term keys as read:
+        its own key (the other thread took it again already), a key nobody holds in an
+        unchanged term (take it again), or another's (:class:`Deposed`)."""
         if self._stop.is_set():  # closing: its own revoke removed the key
             raise JournalUnavailable("the etcd journal is closing")
-        leader, term = ranged(reply, 0), ranged(reply, 1)
+        if leader is not None and leader["lease"] == self.lease:
+            self.leader_rev, self.lapsed = leader["mod_revision"], False
+            return
         if leader is None and term is not None and term["mod_revision"] == self.term_rev:
-            lease = self.kv.grant(LEASE_TTL_S)
+            lease = kv.grant(LEASE_TTL_S)
             value = {"url": self.url, "since": time.time(), "term": self.term, "pid": os.getpid()}
-            again = self.kv.txn(
+            again = kv.txn(
                 [same_mod(self.leader_key, 0), same_mod(self.term_key, self.term_rev)],
                 [put(self.leader_key, json.dumps(value).encode(), lease)],
                 self.lost(),
@@ -188,16 +200,24 @@ class Leadership:
         raise Deposed(self.deposed)
 
     def _keep_alive(self) -> None:
+        """Refresh the lease every third of its TTL. When etcd says it lapsed, find out
+        at once whether this controller still leads (:meth:`_resolve`): a controller
+        woken from a SIGSTOP learns it was deposed here, without waiting for a write."""
         period = LEASE_TTL_S / 3
         while not self._stop.wait(period):
             lease = self.lease
             try:
                 ttl = self.keep.keep_alive(lease)
-            except JournalUnavailable:
-                continue  # the writes say so; the lease may still be saved in time
-            if ttl <= 0 and lease == self.lease and not self.lapsed:
+                if ttl > 0 or lease != self.lease or self.deposed:
+                    continue
                 self.lapsed = True
                 log.warning("etcd journal: the leader key's lease lapsed (etcd did not hear it)")
+                got = self.keep.txn([], self.lost(), [])
+                with self._lock:
+                    if lease == self.lease:  # not taken again by a write meanwhile
+                        self._resolve(self.keep, ranged(got, 0), ranged(got, 1))
+            except (JournalUnavailable, Deposed):
+                continue  # the writes say so (Deposed is kept in self.deposed)
 
     def _revoke(self, lease: int) -> None:
         try:
