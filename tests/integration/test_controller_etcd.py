@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from etcd_server import etcd  # noqa: F401  (a module-scoped fixture)
+from etcd_server import Cluster, etcd  # noqa: F401  (etcd: a module-scoped fixture)
 from procs import (
     FAST_TIMEOUTS,
     Controller,
@@ -33,22 +33,32 @@ START_S = 120.0
 lease TTL for its dead predecessor's leader key to lapse)."""
 
 
-def job_toml(path: Path, journal: str, n_init: int, job: str = "") -> Path:
-    return write_job_toml(
-        path,
-        {
-            "job": {"id": job or f"etcd-{uuid.uuid4().hex[:8]}"},
-            "timeouts": {**FAST_TIMEOUTS, "heartbeat_s": 10.0},
-            "controller": {"tick_s": 0.02, "journal": journal},
-            "roles.policy": {"min_replicas": 1, "n_init_replicas": n_init, "join_timeout_s": 0.5},
-        },
-    )
+class Job:
+    """One job on its own etcd prefix, and its controllers: each on a state dir of its
+    own (a host), all with the job's token."""
 
+    def __init__(self, cluster: Cluster, procs: Any, tmp: Path, n_init: int, job: str = ""):
+        self.id = job or f"etcd-{uuid.uuid4().hex[:8]}"
+        self.procs, self.tmp, self.token = procs, tmp, uuid.uuid4().hex
+        self.config = write_job_toml(
+            tmp / "job.toml",
+            {
+                "job": {"id": self.id},
+                "timeouts": {**FAST_TIMEOUTS, "heartbeat_s": 10.0},
+                "controller": {"tick_s": 0.02, "journal": cluster.url(f"/{self.id}")},
+                "roles.policy": {
+                    "min_replicas": 1,
+                    "n_init_replicas": n_init,
+                    "join_timeout_s": 0.5,
+                },
+            },
+        )
 
-def start(procs: Any, state_dir: Path, config: Path, token: str, port: int = 0) -> Controller:
-    ctl_env = {**child_env(), env.TOKEN: token}
-    args = ["--port", str(port)] if port else []
-    return Controller(procs, state_dir, config, args=args, env=ctl_env).start(timeout=START_S)
+    def start(self, host: str, port: int = 0) -> Controller:
+        ctl_env = {**child_env(), env.TOKEN: self.token}
+        args = ["--port", str(port)] if port else []
+        ctl = Controller(self.procs, self.tmp / host, self.config, args=args, env=ctl_env)
+        return ctl.start(timeout=START_S)
 
 
 def test_a_controller_restarted_on_a_fresh_state_dir_resumes_from_etcd(
@@ -57,9 +67,8 @@ def test_a_controller_restarted_on_a_fresh_state_dir_resumes_from_etcd(
     start_replica,
     tmp_path: Path,
 ):
-    config = job_toml(tmp_path / "job.toml", etcd.url(f"/c{uuid.uuid4().hex[:8]}"), 3)
-    token = uuid.uuid4().hex
-    ctl = start(procs, tmp_path / "host1", config, token)
+    job = Job(etcd, procs, tmp_path, 3)
+    ctl = job.start("host1")
     assert ctl.status()["journal"] == {
         "kind": "etcd",
         "where": ctl.status()["journal"]["where"],
@@ -84,7 +93,7 @@ def test_a_controller_restarted_on_a_fresh_state_dir_resumes_from_etcd(
     marks = {n: len(r.lines()) for n, r in reps.items()}
     port = urlsplit(ctl.url).port
     assert port
-    again = start(procs, tmp_path / "host2", config, token, port)
+    again = job.start("host2", port)
     assert not (tmp_path / "host2" / "journal.sqlite").exists()
 
     after = again.status()
@@ -112,9 +121,8 @@ def test_a_stopped_etcd_gets_503s_with_the_reason_and_the_job_resumes_without_lo
     start_replica,
     tmp_path: Path,
 ):
-    config = job_toml(tmp_path / "job.toml", etcd.url(f"/s{uuid.uuid4().hex[:8]}"), 2)
-    token = uuid.uuid4().hex
-    ctl = start(procs, tmp_path / "host1", config, token)
+    job = Job(etcd, procs, tmp_path, 2)
+    ctl = job.start("host1")
     reps = {n: start_replica(ctl, n) for n in "ab"}
     for r in reps.values():
         r.wait_line(lambda x: x["step"] >= 3, 240, "a few steps")
@@ -128,7 +136,7 @@ def test_a_stopped_etcd_gets_503s_with_the_reason_and_the_job_resumes_without_lo
         r = ctl.post("/v1/commands", {"target": "policy", **sync})
         assert r.status_code == 503, r.text
         msg = r.json()["error"]
-        assert msg.startswith(f"journal etcd://127.0.0.1:{etcd.member.client}/s"), msg
+        assert msg.startswith(f"journal etcd://127.0.0.1:{etcd.member.client}/{job.id} "), msg
         assert "is unavailable (etcd at 127.0.0.1:" in msg and "retry it" in msg, msg
         assert "\n" not in msg
         j = ctl.status()["journal"]
@@ -155,7 +163,7 @@ def test_a_stopped_etcd_gets_503s_with_the_reason_and_the_job_resumes_without_lo
     port = urlsplit(ctl.url).port
     assert port
     ctl.kill(signal.SIGKILL)
-    again = start(procs, tmp_path / "host2", config, token, port)
+    again = job.start("host2", port)
     after = again.status()["roles"]["policy"]
     assert after["step"] >= before["step"] and after["quorum_id"] >= before["quorum_id"]
     assert sorted(m["replica_id"] for m in after["replicas"]) == sorted(ids.values())
@@ -170,22 +178,20 @@ def test_a_leader_woken_from_sigstop_after_a_takeover_stops_and_exits_in_one_lin
     procs,
     tmp_path: Path,
 ):
-    job = f"deposed-{uuid.uuid4().hex[:8]}"
-    config = job_toml(tmp_path / "job.toml", etcd.url(f"/d{uuid.uuid4().hex[:8]}"), 1, job)
-    token = uuid.uuid4().hex
-    old = start(procs, tmp_path / "host1", config, token)
+    job = Job(etcd, procs, tmp_path, 1)
+    old = job.start("host1")
     order = {"target": "policy", "kind": "sync_weights", "payload": {"version": 1}}
     assert old.post("/v1/commands", order).status_code == 200
     assert old.proc is not None and old.err is not None
     signal_group(old.proc, signal.SIGSTOP)
     # It believes it leads; its lease lapses, and a controller on another host takes over.
-    new = start(procs, tmp_path / "host2", config, token)
+    new = job.start("host2")
     assert new.status()["journal"]["term"] == 2
     signal_group(old.proc, signal.SIGCONT)
     rc = old.proc.wait(timeout=60)
     err = old.err.read_text()
     assert rc == 1, err
-    assert f"this controller (term 1) no longer leads job '{job}': the " in err, err
+    assert f"this controller (term 1) no longer leads job '{job.id}': the " in err, err
     assert f"the controller at {new.url} (term 2, since " in err, err
     assert "Traceback" not in err, err
     # The new leader was never fenced out by the old one.

@@ -14,13 +14,35 @@ an etcd cluster replicates it, and only the leader of the job may write it).
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import Any, Literal
 
-from phalanx.controller.core.base import Change
+from phalanx.controller.core.base import RETIRED_TABLES, Change
+from phalanx.controller.statedir import CannotStart
 
 Tables = dict[str, dict[str, dict[str, Any]]]
 """``{table: {key: record}}``: the journal's rows."""
+
+LENIENT_TABLES = RETIRED_TABLES
+"""Tables whose records nothing reads (an older controller's, deleted by the restore): a
+record there that is not even JSON is handed over as ``{"unreadable": text}`` instead of
+failing the load."""
+
+
+def decode(where: str, tbl: str, key: str, text: str, fix: str) -> dict[str, Any]:
+    """The record of row ``tbl/key`` of the journal at ``where``, from its JSON text. Text
+    that is not JSON raises CannotStart in one line naming the row and saying ``fix``
+    (how to restore the journal), except in :data:`LENIENT_TABLES`."""
+    try:
+        rec: dict[str, Any] = json.loads(text)
+    except ValueError as e:
+        if tbl not in LENIENT_TABLES:
+            raise CannotStart(
+                f"journal {where} is damaged: record {tbl}/{key} is not JSON ({e}). {fix}"
+            ) from None
+        rec = {"unreadable": text}  # deleted by the restore with its table
+    return rec
 
 
 class JournalUnavailable(RuntimeError):

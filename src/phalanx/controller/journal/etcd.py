@@ -55,10 +55,16 @@ from typing import Any
 from phalanx.config.journal import EtcdTarget
 from phalanx.controller.core.base import Change
 from phalanx.controller.core.codec import encode_bytes
-from phalanx.controller.journal.base import Deposed, Journal, JournalUnavailable, Tables, last_wins
+from phalanx.controller.journal.base import (
+    Deposed,
+    Journal,
+    JournalUnavailable,
+    Tables,
+    decode,
+    last_wins,
+)
 from phalanx.controller.journal.etcd_kv import EtcdKV, Op, delete, delete_prefix, put
 from phalanx.controller.journal.leader import LEASE_TTL_S, Leadership
-from phalanx.controller.journal.sqlite import LENIENT_TABLES
 from phalanx.controller.statedir import CannotStart
 
 MAX_OPS = 100
@@ -71,6 +77,10 @@ TIMEOUT_S = 2.0
 outbox's worker thread, so the controller's loop does not wait on it)."""
 
 Row = tuple[str, str, "dict[str, Any] | None"]
+_FIX = (
+    "Restore the prefix from a backup (etcdctl snapshot), or delete it to begin the job "
+    "again at epoch 1."
+)
 
 
 class EtcdJournal(Journal):
@@ -128,17 +138,7 @@ class EtcdJournal(Journal):
         for kv in rows:
             tbl, _, key = kv["key"].decode()[len(self.rec_prefix) :].partition("/")
             text = kv["value"].decode(errors="replace")
-            try:
-                rec = json.loads(text)
-            except ValueError as e:
-                if tbl not in LENIENT_TABLES:
-                    raise CannotStart(
-                        f"etcd journal {self.where} is damaged: record {tbl}/{key} is not JSON "
-                        f"({e}). Restore the prefix from a backup (etcdctl snapshot), or delete "
-                        f"it to begin the job again at epoch 1."
-                    ) from None
-                rec = {"unreadable": text}
-            tables.setdefault(tbl, {})[key] = rec
+            tables.setdefault(tbl, {})[key] = decode(self.where, tbl, key, text, _FIX)
         for tbl, key, rec in staged or []:
             if rec is None:
                 tables.get(tbl, {}).pop(key, None)

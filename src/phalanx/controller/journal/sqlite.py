@@ -14,19 +14,17 @@ being killed at any instant: a committed WAL frame is in the OS page cache.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 
-from phalanx.controller.core.base import RETIRED_TABLES, Change
+from phalanx.controller.core.base import Change
 from phalanx.controller.core.codec import encode
-from phalanx.controller.journal.base import Journal, Tables, last_wins
-from phalanx.controller.statedir import CannotStart
+from phalanx.controller.journal.base import Journal, Tables, decode, last_wins
 
-LENIENT_TABLES = RETIRED_TABLES
-"""Tables whose records nothing reads (an older controller's, deleted by the restore): a
-record there that is not even JSON is handed over as ``{"unreadable": text}`` instead of
-failing the load."""
+_FIX = (
+    "Restore the journal from a backup, or start with --fresh to set it aside and begin "
+    "the job again at epoch 1."
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -53,17 +51,7 @@ class SqliteJournal(Journal):
     def load(self) -> Tables:
         tables: Tables = {}
         for tbl, key, value in self.db.execute("SELECT tbl, key, value FROM records"):
-            try:
-                rec = json.loads(value)
-            except ValueError as e:
-                if tbl not in LENIENT_TABLES:
-                    raise CannotStart(
-                        f"journal {self.path} is damaged: record {tbl}/{key} is not JSON ({e}). "
-                        f"Restore the journal from a backup, or start with --fresh to set it "
-                        f"aside and begin the job again at epoch 1."
-                    ) from None
-                rec = {"unreadable": value}  # deleted by the restore with its table
-            tables.setdefault(tbl, {})[key] = rec
+            tables.setdefault(tbl, {})[key] = decode(self.where, tbl, key, value, _FIX)
         return tables
 
     def write(self, changes: list[Change]) -> None:
