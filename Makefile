@@ -19,6 +19,11 @@ $(STAMP):
 		&& (apt-get install -y -q redis-server >/dev/null 2>&1 \
 		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) \
 		|| echo "redis-server not installed (needs root and apt-get): the Redis transport tests will skip"; }
+	@# The etcd journal's tests start their own etcd (Debian's etcd-server); they skip without one.
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q etcd-server >/dev/null 2>&1 \
+		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q etcd-server >/dev/null 2>&1)) \
+		|| echo "etcd-server not installed (needs root and apt-get): the etcd journal tests will skip"; }
 	@# The multi-host tests make hosts of network namespaces (iproute2) and cut them apart
 	@# with nftables; they skip without them (or without root).
 	@command -v nft >/dev/null && command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

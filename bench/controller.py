@@ -462,17 +462,21 @@ class Controller:
 
 @contextlib.contextmanager
 def controller(
-    tmp: Path, name: str, n_init: int, profile_dir: Path | None = None
+    tmp: Path, name: str, n_init: int, profile_dir: Path | None = None, journal: str = "sqlite"
 ) -> Iterator[Controller]:
-    """A real controller subprocess on port 0, stopped by its pid on exit."""
+    """A real controller subprocess on port 0, stopped by its pid on exit. ``journal``:
+    ``sqlite``, or an etcd URL (a fresh prefix under it per controller)."""
     state = tmp / name
     state.mkdir()
     cfg = state / "job.toml"
+    if journal != "sqlite":
+        journal = f"{journal.rstrip('/')}/{name}-{os.getpid()}-{time.time_ns()}"
     # join_timeout_s: a round waits for every live replica (all N here) unless one
     # is this late. The default 1 s would cut a round at N = 1000 short on a busy
     # 2-core machine; 60 s is also torchft's documented lighthouse join timeout.
     cfg.write_text(
-        f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\n'
+        f'[job]\nid = "{name}"\n\n[controller]\njournal = "{journal}"\n\n'
+        f"[roles.{ROLE}]\nmin_replicas = 1\n"
         f"n_init_replicas = {n_init}\njoin_timeout_s = {JOIN_TIMEOUT_S}\n"
     )
     log = (state / "controller.log").open("wb")
@@ -516,9 +520,9 @@ def controller(
 
 
 def bench_phalanx(
-    tmp: Path, plan: Plan, workers: int, profile_dir: Path | None = None
+    tmp: Path, plan: Plan, workers: int, profile_dir: Path | None = None, journal: str = "sqlite"
 ) -> dict[str, Any]:
-    with controller(tmp, f"bench-n{plan.n}", plan.n, profile_dir) as ctl:
+    with controller(tmp, f"bench-n{plan.n}", plan.n, profile_dir, journal) as ctl:
         cpu = psutil.Process(ctl.pid)
         marks: dict[str, tuple[float, float, float]] = {}
 
@@ -744,6 +748,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile-dir", type=Path, help="run the controller under cProfile, stats into this dir"
     )
+    p.add_argument(
+        "--journal",
+        default="sqlite",
+        help="the controllers' controller.journal: sqlite, or etcd://HOST:PORT of a running etcd",
+    )
     args = p.parse_args(argv)
     if args.rounds is not None and not 0 < args.warmup < args.rounds:
         p.error(f"--warmup must be in [1, --rounds): got {args.warmup} with --rounds {args.rounds}")
@@ -765,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Other tenants' load on this (shared) machine when this N started.
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             }
-            row.update(bench_phalanx(tmp, plan, workers, args.profile_dir))
+            row.update(bench_phalanx(tmp, plan, workers, args.profile_dir, args.journal))
+            row["journal"] = args.journal.split("://")[0]
             row.update(torchft_fields(tmp, plan, workers, tf_version))
             ours, theirs = row["quorum_p50_ms"], row.get("torchft_quorum_p50_ms")
             row["ratio_vs_torchft"] = round(ours / theirs, 2) if theirs else None

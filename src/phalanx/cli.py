@@ -407,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         from phalanx.client import ControllerError
-        from phalanx.controller import CannotStart, StateDirLocked
+        from phalanx.controller import CannotStart, Deposed, StateDirLocked
 
-        if isinstance(e, StateDirLocked | CannotStart | ControllerError | OSError):
+        if isinstance(e, StateDirLocked | CannotStart | Deposed | ControllerError | OSError):
             print(f"phalanx: {e}", file=sys.stderr)
             return 1
         raise

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from phalanx.config import JobConfig
 from phalanx.controller.core.base import RETIRED_TABLES
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 from phalanx.controller.payloads import PayloadLog
 from phalanx.controller.service import ControllerService
 

@@ -22,7 +22,7 @@ from phalanx.config import JobConfig, load_config
 from phalanx.controller.core.base import ChangeLog
 from phalanx.controller.core.ledger import Ledger, rollout_prompt
 from phalanx.controller.core.state import ControllerState, StateError, Tick, UnknownReplica
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 from phalanx.protocol.rl import Completion, RolloutIn
 
 HEARTBEAT_S = 10.0

@@ -15,7 +15,7 @@ from phalanx.config.rl import load_rl_config
 from phalanx.controller.core.base import Tick
 from phalanx.controller.core.ledger import payload_key
 from phalanx.controller.core.ledger.replay import positions
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 
 MEMORY = ("rl.transport.replay=memory", "rl.loop.replay_ratio=0.5")
 REDIS_DOWN = ("rl.transport.replay=redis://127.0.0.1:1/0", "rl.loop.replay_ratio=0.5")

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_ledger import CheckedState, make_cfg, rollout
 
 from phalanx.controller.core.state import StateError, UnknownReplica
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 from phalanx.protocol.rl import parse_rollout_id
 
 HEARTBEAT_S = 10.0

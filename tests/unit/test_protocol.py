@@ -155,7 +155,7 @@ def test_the_openapi_spec_is_generated_from_the_protocol(tmp_path):
     protocol's models, and every error reply with ErrorBody."""
     from phalanx.config import JobConfig
     from phalanx.controller.http import ROUTES, create_app
-    from phalanx.controller.journal import Journal
+    from phalanx.controller.journal import SqliteJournal as Journal
     from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
 

@@ -15,7 +15,7 @@ from phalanx.config import JobConfig, load_config
 from phalanx.controller.core.base import Conflict, StateError, Tick, UnknownReplica
 from phalanx.controller.core.quorum import QUORUM_HISTORY
 from phalanx.controller.core.state import ControllerState
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 from phalanx.protocol.membership import Quorum
 
 HEARTBEAT_S = 10.0

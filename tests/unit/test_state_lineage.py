@@ -164,7 +164,7 @@ def test_replicas_of_a_role_must_share_one_state_root():
 
 
 def test_rollbacks_survive_a_restart(at_nine, tmp_path):
-    from phalanx.controller.journal import Journal
+    from phalanx.controller.journal import SqliteJournal as Journal
 
     st, _ = at_nine
     b = join(st, "b", now=T)

@@ -26,7 +26,7 @@ from phalanx.config import JobConfig, load_config
 from phalanx.controller.core.base import Conflict, Tick
 from phalanx.controller.core.records import RoleState
 from phalanx.controller.core.state import ControllerState
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal import SqliteJournal as Journal
 from phalanx.protocol.membership import Quorum
 
 ROLES = ("policy", "rollout")

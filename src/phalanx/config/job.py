@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
+from phalanx.config.journal import check_journal
 from phalanx.config.rl import RLConfig
 from phalanx.config.rl_diloco import check_rl_diloco
 from phalanx.config.track import TrackSection, merge_rl_track
@@ -163,12 +164,22 @@ class ControllerSection(_Section):
     max_connections: int = Field(8192, ge=16, le=1_000_000)
     """Concurrent connections (and requests) the controller serves; more get 503. Each
     replica holds up to four (heartbeat, lifeline, quorum or lease, commands)."""
+    journal: str = "sqlite"
+    """Where every transition is journaled before it is acknowledged: ``sqlite`` (the
+    embedded default, ``journal.sqlite`` in the state dir) or an existing etcd cluster,
+    ``etcd://host:port[,host:port...][/prefix]`` (prefix default ``/phalanx/<job.id>``;
+    docs/operations.md, "An etcd journal")."""
     journal_sync: Literal["normal", "full"] = "normal"
     """SQLite synchronous mode. `normal` survives a killed controller; `full` also a power loss."""
     tick_s: float = Field(0.02, gt=0, le=1)
     """How often the controller checks deadlines (evictions, join timeouts)."""
     history: int = Field(500, ge=10, le=100_000)
     """How many past events (evictions, quorums) the status API keeps."""
+
+    @field_validator("journal")
+    @classmethod
+    def _journal(cls, v: str) -> str:
+        return check_journal(v)
 
 
 class CheckpointSection(_Section):

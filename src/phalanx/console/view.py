@@ -256,6 +256,15 @@ class View:
 def status_text(st: Status) -> str:
     """``phalanx status`` without ``--json``: a few lines a person can read at a glance."""
     lines = [f"job {st.job_id} (controller epoch {st.epoch})"]
+    j = st.journal
+    if j is not None and not j.healthy:
+        since = f" since {time.strftime('%H:%M:%S', time.localtime(j.unavailable_since))}"
+        lines.append(
+            f"  JOURNAL UNAVAILABLE{since if j.unavailable_since else ''}: {j.where}: {j.error}; "
+            f"{j.unjournaled} change(s) held, requests that need a write get 503"
+        )
+    elif j is not None and j.kind == "etcd":
+        lines.append(f"  journal: {j.where} (leader term {j.term})")
     for role, info in st.roles.items():
         reps = info.replicas
         suspects = sum(1 for r in reps if r.suspect)

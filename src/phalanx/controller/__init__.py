@@ -2,7 +2,8 @@
 of one job, in two layers:
 
 - ``core/``: the pure state machine (no I/O, ids and clocks passed in);
-- around it, ``journal.py`` (SQLite), ``payloads.py`` (the payload log),
+- around it, ``journal/`` (SQLite, or an etcd cluster), ``outbox.py`` (the journal
+  write of every call, and the 503s while it cannot be made), ``payloads.py`` (the payload log),
   ``collector.py`` (drops from an external rollout store), ``service.py`` (the
   asyncio glue), ``http/`` (the routes), ``tls.py`` (HTTPS and the advertised
   URL) and ``server.py`` (start one).
@@ -15,7 +16,7 @@ through :mod:`phalanx.client`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.lock import StateDirLocked
 from phalanx.controller.statedir import CannotStart
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CannotStart",
+    "Deposed",
     "StateDirLocked",
     "check_tls",
     "is_loopback",
@@ -49,3 +51,13 @@ def serve(
     from phalanx.controller.server import serve as run
 
     run(cfg, state_dir, host, port, fresh, tls_cert, tls_key)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the journal package imports the config and the core, which `phalanx
+    # controller --help` and a refused start need not pay for.
+    if name == "Deposed":
+        from phalanx.controller.journal.base import Deposed
+
+        return Deposed
+    raise AttributeError(f"module 'phalanx.controller' has no attribute {name!r}")

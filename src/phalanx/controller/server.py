@@ -114,7 +114,7 @@ def serve(
     import uvicorn
 
     from phalanx.controller.http import create_app
-    from phalanx.controller.journal import Journal
+    from phalanx.controller.journal import Deposed, open_journal
     from phalanx.controller.lock import StateDirLock
     from phalanx.controller.payloads import PayloadLog
     from phalanx.controller.service import ControllerService
@@ -125,22 +125,34 @@ def serve(
     lock.acquire()
     try:
         token = load_or_create_token(state_dir)
-        moved = check_journal(state_dir, fresh)
-        if moved:
-            print(moved, flush=True)
+        if cfg.controller.journal == "sqlite":
+            moved = check_journal(state_dir, fresh)
+            if moved:
+                print(moved, flush=True)
+        elif fresh:
+            raise CannotStart(
+                f"--fresh sets aside a damaged SQLite journal: got it with controller.journal = "
+                f"{cfg.controller.journal!r}. To begin the job again on etcd, delete its prefix "
+                f"(etcdctl del --prefix PREFIX) and start without --fresh."
+            )
         sync = cfg.controller.journal_sync
         sock = _bind(host, port, state_dir)
         url = url_of(sock, tls)
         warn_if_clear_text(sock.getsockname()[0], tls)
-        service = ControllerService(
-            cfg,
-            Journal(state_dir / JOURNAL, sync),
-            PayloadLog(state_dir / PAYLOADS, sync),
-            time.monotonic,
-            time.time,
-            collector=open_collector(cfg),
-            check_addresses=not is_loopback(host),
-        )
+        journal = open_journal(cfg, state_dir / JOURNAL, url)
+        try:
+            service = ControllerService(
+                cfg,
+                journal,
+                PayloadLog(state_dir / PAYLOADS, sync),
+                time.monotonic,
+                time.time,
+                collector=open_collector(cfg),
+                check_addresses=not is_loopback(host),
+            )
+        except BaseException:
+            journal.close()  # an etcd leader key goes at once
+            raise
         # After the journal holds the job: from now on a missing journal is damage.
         write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
         app = create_app(service, token)
@@ -160,6 +172,14 @@ def serve(
             ssl_certfile=tls_cert if tls else None,
             ssl_keyfile=tls_key if tls else None,
         )
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+
+        def deposed() -> None:
+            server.should_exit = True  # stop serving; the outbox refuses every reply meanwhile
+
+        service.outbox.on_deposed = deposed
+        server.run(sockets=[sock])
+        if service.outbox.deposed:
+            raise Deposed(f"{service.outbox.deposed}: this controller stopped")
     finally:
         lock.release()

@@ -6,7 +6,10 @@ core call, writes the payloads it accepted to the payload log, writes the
 resulting changes to the journal, and only then drops the payloads it let go
 and wakes the long-polls that the call answered. So no reply ever tells a
 replica something the journal does not hold yet, and no journaled record
-refers to a payload that was not written first.
+refers to a payload that was not written first. While the journal cannot take a
+write (an etcd without quorum), :mod:`phalanx.controller.outbox` holds the
+changes, answers 503 and retries; with etcd it also batches the writes of
+concurrent requests (:meth:`ControllerService.acknowledged`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 from phalanx.config import JobConfig
 from phalanx.controller.core import shapes
 from phalanx.controller.core.state import ControllerState, Tick
-from phalanx.controller.journal import Journal
+from phalanx.controller.journal.base import Journal
 from phalanx.controller.metrics import Metrics
+from phalanx.controller.outbox import NotAcknowledged, Outbox
 from phalanx.controller.payloads import PayloadLog
 from phalanx.controller.replay_writer import open_writer
 from phalanx.controller.statedir import CannotStart
 from phalanx.net import connect
+from phalanx.protocol.status import Status
 from phalanx.transport.base import store_name
 
 if TYPE_CHECKING:
@@ -68,9 +73,14 @@ class ControllerService:
         try:
             shapes.check(tables)
         except shapes.BadRecord as e:
+            fix = (
+                "start with --fresh to set it aside"
+                if journal.kind == "sqlite"
+                else "delete its prefix (etcdctl del --prefix)"
+            )
             raise CannotStart(
-                f"journal {journal.path} is damaged: {e}. Restore the journal from a backup, "
-                "or start with --fresh to set it aside and begin the job again at epoch 1."
+                f"journal {journal.where} is damaged: {e}. Restore the journal from a backup, "
+                f"or {fix} and begin the job again at epoch 1."
             ) from None
         self.state = ControllerState.restore(
             cfg,
@@ -89,6 +99,8 @@ class ControllerService:
         """Writes trained rollouts to a Redis replay (None: no Redis replay)."""
         self._replay_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self)
+        self.outbox = Outbox(journal, wall, self._act, self.metrics.journal_writes.inc)
+        """The journal write of every call, and what happens while the journal is down."""
         self._waiters: dict[str, dict[str, list[asyncio.Future[None]]]] = {k: {} for k in WAITS}
         self._ticker: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
@@ -118,19 +130,48 @@ class ControllerService:
         return result
 
     def commit(self, tick: Tick | None = None) -> None:
+        """Journal the core's changes since the last commit (at once, or in the next
+        group commit), then act on ``tick`` once they are durable. Raises
+        :class:`NotAcknowledged` (503) while the journal is unavailable: they are held
+        and written again (:mod:`phalanx.controller.outbox`)."""
         if tick is not None and tick.puts:
             self.payloads.put(tick.puts)  # before the journal: no record without its payload
-        changes = self.state.drain()
-        if changes:
-            self.journal.write(changes)
-            self.metrics.journal_writes.inc()
+        self.outbox.commit(self.state.drain(), tick)
+
+    def apply_quietly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """:meth:`apply` for the calls no request waits on (the ticker, probes, the
+        replay writer, the collector): while the journal is down their changes are
+        held and written with the rest, and nobody is told of them before."""
+        try:
+            self.apply(fn, *args, **kwargs)
+        except NotAcknowledged:
+            pass
+
+    async def acknowledged(self) -> None:
+        """Return once every change made so far is journaled, or raise
+        :class:`NotAcknowledged` (503). Every route awaits it before it replies, so no
+        reply carries what the journal does not hold (a long-poll woken by, or
+        reading, state made in memory only)."""
+        await self.outbox.acknowledged()
+
+    def status(self) -> Status:
+        """The status document, with the journal's health."""
+        st = self.state.status(self.clock(), self.wall())
+        return st.model_copy(update={"journal": self.outbox.health()})
+
+    def _act(self, ticks: list[Tick], wrote: bool) -> None:
+        """Act on ticks whose changes are durable, in order (``wrote``: a batch was
+        committed, so the status changed)."""
+        if wrote:
             for key in list(self._waiters["status"]):
                 self._wake("status", key)
         led = self.state.ledger
         if self.replay is not None and led is not None and led.replay.out:
             self.replay.wake.set()
-        if tick is None:
-            return
+        for tick in ticks:
+            self._act_on(tick)
+
+    def _act_on(self, tick: Tick) -> None:
         if tick.drops:
             self.payloads.drop(tick.drops)
         if tick.sweeps and self.collector is not None:
@@ -183,7 +224,7 @@ class ControllerService:
             try:
                 await connect(address, max(0.0, deadline - loop.time()))
             except ConnectionRefusedError:
-                self.apply(self.state.refused, rid)
+                self.apply_quietly(self.state.refused, rid)
                 return
             except (OSError, ValueError, TimeoutError):
                 return
@@ -221,7 +262,9 @@ class ControllerService:
         period = self.cfg.controller.tick_s
         while True:
             await asyncio.sleep(period)
-            self.apply(self.state.tick)
+            self.outbox.poll()  # deposed, as the journal found by itself: stop at once
+            if not self.outbox.down:  # no deadline is decided that cannot be journaled
+                self.apply_quietly(self.state.tick)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,14 +274,14 @@ class ControllerService:
             ledger, replay = led, led.replay
 
             def unreachable(error: str) -> None:
-                self.apply(lambda *, now, wall: replay.unreachable(error, wall))
+                self.apply_quietly(lambda *, now, wall: replay.unreachable(error, wall))
 
             def made(ids: list[str], *, now: float, wall: float) -> Tick:
                 replay.written(ids)  # their payloads may go now
                 return ledger.take(Tick())
 
             def written(ids: list[str]) -> None:
-                self.apply(made, ids)
+                self.apply_quietly(made, ids)
 
             outbox = led.replay.outbox
             self._replay_task = loop.create_task(self.replay.run(outbox, written, unreachable))
@@ -247,7 +290,7 @@ class ControllerService:
             led = self.state.ledger
 
             def swept(refs: list[str]) -> None:
-                loop.call_soon_threadsafe(self.apply, self.state.swept, refs)
+                loop.call_soon_threadsafe(self.apply_quietly, self.state.swept, refs)
 
             def referenced() -> set[str]:
                 if led is None:
@@ -260,6 +303,7 @@ class ControllerService:
                 self.collector.submit(sorted(led.unswept.items()))
 
     async def stop(self) -> None:
+        await self.outbox.stop()
         for task in list(self._probes):
             task.cancel()
         for loop_task in (self._ticker, self._replay_task):

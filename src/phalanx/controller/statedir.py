@@ -1,9 +1,11 @@
 """The controller's state dir, checked before a controller starts on it.
 
-It holds ``journal.sqlite`` (the state), ``payloads/`` (the payload log), ``token``,
-``config.json`` (the resolved job config, written once the journal holds the job),
-``url`` and ``controller.lock``; every file is the owner's alone (mode 0600: the
-journal holds the job's rollouts and the config its storage options).
+It holds ``journal.sqlite`` (the state; with ``controller.journal = "etcd://..."`` the
+state is in etcd and this file is neither written nor checked), ``payloads/`` (the
+payload log), ``token``, ``config.json`` (the resolved job config, written once the
+journal holds the job), ``url`` and ``controller.lock``; every file is the owner's
+alone (mode 0600: the journal holds the job's rollouts and the config its storage
+options).
 
 A journal is never replaced behind the operator's back: a dir whose ``config.json``
 says a job ran here, but whose journal is missing, empty or unreadable, is refused

@@ -22,6 +22,7 @@ from phalanx.protocol.base import (
     Reply,
     RoleName,
     Scalar,
+    Text,
     Wall,
     Wire,
 )
@@ -338,6 +339,24 @@ class Overview(Wire):
     actions: Actions
 
 
+class JournalHealth(Wire):
+    """Where the controller journals, and whether it can now (``controller.journal``).
+    While it cannot, every request that needs a journal write is answered 503."""
+
+    kind: Literal["sqlite", "etcd"]
+    where: Annotated[str, Field(max_length=4096)]
+    """The journal file, or the etcd URL and the job's key prefix."""
+    healthy: bool
+    """False while a write failed and is being retried, or once deposed."""
+    error: Text = ""
+    """The last failure, one line ('' if none yet); kept after the journal recovers."""
+    unavailable_since: Wall | None = None
+    unjournaled: Count = 0
+    """Changes held in memory, not yet journaled (none of them acknowledged)."""
+    term: Count | None = None
+    """The etcd leader's term: 1 for the job's first controller, one more per takeover."""
+
+
 class Status(Reply):
     job_id: JobId
     roles: Annotated[dict[RoleName, RoleStatus], Field(max_length=64)]
@@ -345,6 +364,8 @@ class Status(Reply):
     checkpoints: Checkpoints
     rl: LedgerStatus | None = None
     overview: Overview
+    journal: JournalHealth | None = None
+    """The journal's health (set by the service; None from the bare core)."""
 
     def role_step(self, role: str) -> int:
         r = self.roles.get(role)

@@ -45,7 +45,9 @@ def _endpoint(api: Api, route: Route) -> Any:
     request model (and documents it); the route's reply is written as is."""
 
     async def endpoint(req: Any) -> Response:
-        return json_response(await route.handler(api, req))
+        reply = await route.handler(api, req)
+        await api.service.acknowledged()  # waits for the journal; 503 while it is unavailable
+        return json_response(reply)
 
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("req", inspect.Parameter.KEYWORD_ONLY, annotation=route.request)]
@@ -98,7 +100,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
     app.include_router(dashboard_routes(api, authorized))
 
     def dropped(req: Any) -> None:
-        service.apply(service.state.suspect, req.replica_id, "held connection dropped")
+        service.apply_quietly(service.state.suspect, req.replica_id, "held connection dropped")
 
     on_drop = dropped if service.cfg.timeouts.suspect_on_disconnect else None
     fast = [r for r in ROUTES if r.path in membership.FAST]
@@ -139,5 +141,6 @@ def _status_routes(app: FastAPI, api: Api, authorized: Any) -> None:
         responses={200: {"model": Status}},
     )
     async def status(request: Request) -> Response:
-        """The job's status: roles, replicas, quorums, the ledger, the overview."""
-        return json_response(api.state.status(svc.clock(), svc.wall()))
+        """The job's status: roles, replicas, quorums, the ledger, the overview, the
+        journal's health. Answered even while the journal is unavailable."""
+        return json_response(svc.status())

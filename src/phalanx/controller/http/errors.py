@@ -24,6 +24,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         408: "the request body did not arrive in time (controller.body_timeout_s)",
         413: "request body too large",
         422: "invalid request: the fields named are wrong",
+        503: "not acknowledged: the journal cannot take a write now (an etcd without "
+        "quorum; the status API's journal says why), or this controller was deposed: retry",
     }.items()
 }
 """The error replies every route may give, for the OpenAPI spec."""

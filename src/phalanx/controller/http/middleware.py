@@ -170,6 +170,7 @@ class FastPath:
             )
         try:
             out = await route.handler(self.api, req)
+            await self.api.service.acknowledged()  # waits for the journal; 503 while it is down
         except StateError as exc:
             fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
             return await error(exc.status, str(exc), fields)(scope, receive, send)

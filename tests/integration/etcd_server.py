@@ -1,0 +1,146 @@
+"""A real ``etcd`` for the tests (Debian's etcd-server): its own process group, free
+client and peer ports, a temporary data dir, killed by its pid at teardown (never by
+name).
+
+    from etcd_server import etcd  # noqa: F401  (a module-scoped pytest fixture)
+
+    def test_x(etcd):
+        url = etcd.url("/test_x")  # etcd://127.0.0.1:<port>/test_x
+
+Tests keep apart by key prefix (one each), not by wiping. Where ``etcd`` is missing,
+the tests that use the fixture skip with the reason; ``make install`` installs it
+where it can (root and apt-get). :func:`start_cluster` starts several members that
+form one cluster (a quorum to lose).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from phalanx.net import free_port
+
+ETCD = shutil.which("etcd")
+MISSING = (
+    "etcd is not installed, so the etcd journal tests cannot run: `make install` installs "
+    "Debian's etcd-server with apt-get when run as root; else `apt-get install -y "
+    "etcd-server` (or put an etcd binary on PATH)."
+)
+
+
+class Member:
+    """One etcd process."""
+
+    def __init__(self, name: str, client: int, peer: int, workdir: Path):
+        self.name, self.client, self.peer = name, client, peer
+        self.data = workdir / f"{name}.data"
+        self.log = workdir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, cluster: str, state: str = "new") -> None:
+        assert ETCD is not None, MISSING
+        args = [ETCD, "--name", self.name, "--data-dir", str(self.data)]
+        args += ["--listen-client-urls", f"http://127.0.0.1:{self.client}"]
+        args += ["--advertise-client-urls", f"http://127.0.0.1:{self.client}"]
+        args += ["--listen-peer-urls", f"http://127.0.0.1:{self.peer}"]
+        args += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}"]
+        args += ["--initial-cluster", cluster, "--initial-cluster-state", state]
+        # Deployments compact; a test etcd keeps its history small the same way.
+        args += ["--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000"]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def healthy(self) -> bool:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{self.client}/health", timeout=1.0)
+            return r.status_code == 200 and r.json().get("health") == "true"
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def signal(self, sig: int) -> None:
+        """SIGSTOP/SIGCONT/SIGKILL, to its process group."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # works on a stopped one too
+            self.proc.wait(10)
+
+
+class Cluster:
+    """Members of one etcd cluster; :meth:`url` names all their endpoints."""
+
+    def __init__(self, members: list[Member]):
+        self.members = members
+
+    @property
+    def member(self) -> Member:
+        return self.members[0]
+
+    def url(self, prefix: str = "") -> str:
+        hosts = ",".join(f"127.0.0.1:{m.client}" for m in self.members)
+        return f"etcd://{hosts}{prefix}"
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(m.healthy() for m in self.members):
+            for m in self.members:
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise RuntimeError(f"etcd {m.name} exited: {m.log.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not become healthy in {timeout} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+
+def start_cluster(workdir: Path, n: int = 1) -> Cluster:
+    """Start ``n`` members (ports picked free; tried again if one was taken meanwhile)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(3):
+        members = [Member(f"m{i}a{attempt}", free_port(), free_port(), workdir) for i in range(n)]
+        cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer}" for m in members)
+        for m in members:
+            m.start(cluster)
+        c = Cluster(members)
+        try:
+            c.wait_healthy()
+            return c
+        except RuntimeError:
+            c.stop()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if ETCD is None:
+        pytest.skip(MISSING)
+    c = start_cluster(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield c
+    finally:
+        c.stop()
