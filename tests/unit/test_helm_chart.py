@@ -83,7 +83,7 @@ def replica_pods(objs: dict[tuple[str, str], Obj]) -> dict[str, Obj]:
     return {
         o["metadata"]["labels"]["phalanx.dev/role"]: o
         for (kind, _), o in objs.items()
-        if kind in ("StatefulSet", "Job")
+        if kind in ("StatefulSet", "Job") and "phalanx.dev/role" in o["metadata"]["labels"]
     }
 
 

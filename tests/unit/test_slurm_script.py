@@ -219,3 +219,88 @@ def test_a_config_that_is_not_toml_is_one_line(tmp_path):
     r = dry_run(bad, SLURM_JOB_NODELIST="n1")
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and f"job config '{bad}' must be TOML" in r.stderr
+
+
+def _controllers_and_etcd(out: str) -> tuple[list[Step], list[Step], list[Step]]:
+    """The printed steps as (etcd members, controllers, agents)."""
+    rows = steps(out)
+    members = [s for s in rows if s[1][0] == "etcd"]
+    ctls = [s for s in rows if s[1][:2] == ["phalanx", "controller"]]
+    agents = [s for s in rows if s[1][:2] == ["phalanx", "agent"]]
+    assert len(members) + len(ctls) + len(agents) == len(rows)
+    return members, ctls, agents
+
+
+def test_an_etcd_journal_runs_etcd_on_three_nodes_and_a_standby_on_the_second():
+    r = dry_run(
+        EXAMPLES / "ft_hsdp.toml",
+        SLURM_JOB_NODELIST="n[1-4]",
+        PHALANX_ETCD="nodes",
+        PHALANX_ETCD_PORT="3379",
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    members, ctls, agents = _controllers_and_etcd(r.stdout)
+    journal = "etcd://n1:3379,n2:3379,n3:3379"
+    # One etcd member on each of the first three nodes, naming the whole cluster.
+    assert [o["--nodelist"] for o, _ in members] == ["n1", "n2", "n3"]
+    for (opts, cmd), node in zip(members, ["n1", "n2", "n3"], strict=True):
+        flags = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+        assert "--overlap" in opts and flags["--name"] == node
+        assert flags["--advertise-client-urls"] == f"http://{node}:3379"
+        assert flags["--initial-advertise-peer-urls"] == f"http://{node}:3380"
+        assert flags["--initial-cluster"] == ",".join(f"n{i}=http://n{i}:3380" for i in (1, 2, 3))
+        assert flags["--data-dir"] == f"/shared/jobs/j1/etcd-{node}"
+    # The controller on the first node and a standby on the second, each with its
+    # own state dir and the journal in the etcd.
+    got = []
+    for opts, cmd in ctls:
+        ctl, overrides = build_parser().parse_known_args(cmd[1:])
+        assert opts["--nodelist"] == ctl.advertise_host and "--overlap" in opts
+        assert overrides == [f"--controller.journal={journal}"]
+        assert load_config(ctl.config, overrides).controller.journal == journal
+        got.append((ctl.advertise_host, ctl.state_dir))
+    assert got == [
+        ("n1", "/shared/jobs/j1/controller"),
+        ("n2", "/shared/jobs/j1/controller-standby"),
+    ]
+    # Every replica is given both controllers' URLs: it follows the leader.
+    for _, cmd in agents:
+        agent, replica, overrides = agent_of(cmd)
+        assert agent.controller == replica["controller"] == "http://n1:8470,http://n2:8470"
+        assert overrides == [f"--controller.journal={journal}"]
+    assert len(agents) == 4
+
+
+def test_your_own_etcd_is_named_by_url_and_none_is_started():
+    r = dry_run(
+        EXAMPLES / "ft_mlp.toml",
+        "--train.steps=5",
+        SLURM_JOB_NODELIST="a1,a2",
+        PHALANX_ETCD="etcd://etcd1:2379,etcd2:2379/jobs",
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    members, ctls, agents = _controllers_and_etcd(r.stdout)
+    assert members == [] and [o["--nodelist"] for o, _ in ctls] == ["a1", "a2"]
+    overrides = agent_of(agents[0][1])[2]
+    assert "--controller.journal=etcd://etcd1:2379,etcd2:2379/jobs" in overrides
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"SLURM_JOB_NODELIST": "a1", "PHALANX_ETCD": "nodes"}, "a standby controller on a second"),
+        ({"SLURM_JOB_NODELIST": "a1,a2", "PHALANX_ETCD": "nodes"}, "etcd on three nodes"),
+        ({"SLURM_JOB_NODELIST": "a1,a2", "PHALANX_ETCD": "http://e:2379"}, "PHALANX_ETCD must"),
+        (
+            {"SLURM_JOB_NODELIST": "a[1-3]", "PHALANX_ETCD": "nodes", "PHALANX_ETCD_PORT": "x"},
+            "PHALANX_ETCD_PORT must",
+        ),
+    ],
+)
+def test_an_etcd_setting_that_cannot_work_is_one_line(env, says):
+    r = dry_run(EXAMPLES / "ft_mlp.toml", **env)
+    assert r.returncode != 0 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("phalanx.sbatch: ") and says in lines[0], (
+        r.stderr
+    )

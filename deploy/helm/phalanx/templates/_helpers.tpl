@@ -37,21 +37,72 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
+The controllers' journal: "" (SQLite in the controller's state dir) or the etcd://
+URL of the chart's etcd (etcd.enabled: every member's client address) or of the
+user's (etcd.url). More than one controller needs it.
+*/}}
+{{- define "phalanx.etcdName" -}}
+{{- printf "%s-etcd" (include "phalanx.fullname" .) -}}
+{{- end -}}
+
+{{- define "phalanx.journal" -}}
+{{- $e := .Values.etcd -}}
+{{- if and $e.enabled $e.url -}}
+{{- fail (printf "etcd.url must be empty when etcd.enabled is true (the chart runs its own etcd): got %s. Set etcd.enabled=false to use yours, or drop etcd.url" $e.url) -}}
+{{- end -}}
+{{- if $e.enabled -}}
+{{- $name := include "phalanx.etcdName" . -}}
+{{- $hosts := list -}}
+{{- range $i := until (int $e.replicas) -}}
+{{- $hosts = append $hosts (printf "%s-%d.%s.%s.svc:2379" $name $i $name $.Release.Namespace) -}}
+{{- end -}}
+{{- printf "etcd://%s" (join "," $hosts) -}}
+{{- else -}}
+{{- $e.url -}}
+{{- end -}}
+{{- if and (gt (int .Values.controller.replicas) 1) (not (or $e.enabled $e.url)) -}}
+{{- fail (printf "controller.replicas must be 1 without an etcd journal: got %d (standbys follow the leader through etcd). Set etcd.enabled=true (the chart runs etcd) or etcd.url=etcd://HOST:2379 (yours)" (int .Values.controller.replicas)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 The controller: one Service name, one host and one URL, used by the controller
 (--advertise-host, so that its state dir's url is the one replicas are given) and
-by every replica (PHALANX_CONTROLLER).
+by every replica (PHALANX_CONTROLLER). With an etcd journal the controllers are a
+StatefulSet: each advertises its pod's name under the headless Service
+NAME-peers, and the replicas are given every controller's URL, comma-separated (a
+standby names the leader; the client follows it).
 */}}
 {{- define "phalanx.controllerName" -}}
 {{- printf "%s-controller" (include "phalanx.fullname" .) -}}
 {{- end -}}
 
+{{- define "phalanx.controllerPeers" -}}
+{{- printf "%s-peers" (include "phalanx.controllerName" .) -}}
+{{- end -}}
+
 {{- define "phalanx.controllerHost" -}}
+{{- if include "phalanx.journal" . -}}
+{{- printf "$(POD_NAME).%s.%s.svc" (include "phalanx.controllerPeers" .) .Release.Namespace -}}
+{{- else -}}
 {{- printf "%s.%s.svc" (include "phalanx.controllerName" .) .Release.Namespace -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "phalanx.controllerURL" -}}
 {{- $scheme := ternary "https" "http" (ne .Values.controller.tls.secretName "") -}}
-{{- printf "%s://%s:%d" $scheme (include "phalanx.controllerHost" .) (int .Values.controller.port) -}}
+{{- $port := int .Values.controller.port -}}
+{{- if include "phalanx.journal" . -}}
+{{- $name := include "phalanx.controllerName" . -}}
+{{- $peers := include "phalanx.controllerPeers" . -}}
+{{- $urls := list -}}
+{{- range $i := until (int .Values.controller.replicas) -}}
+{{- $urls = append $urls (printf "%s://%s-%d.%s.%s.svc:%d" $scheme $name $i $peers $.Release.Namespace $port) -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- else -}}
+{{- printf "%s://%s.%s.svc:%d" $scheme (include "phalanx.controllerName" .) .Release.Namespace $port -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "phalanx.tokenSecret" -}}
