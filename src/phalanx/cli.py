@@ -124,72 +124,9 @@ def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    import time
+    from phalanx.cli_run import run
 
-    from phalanx.cli_net import run_controller_host, tls_files
-    from phalanx.config import load_config
-    from phalanx.launch.local import LocalJob
-    from phalanx.launch.options import Chaos, launch_counts
-
-    if args.launcher == "local" and args.ray_address:
-        raise SystemExit("phalanx run: --ray-address goes with --launcher ray: add it.")
-    cfg = load_config(args.config, overrides)
-    if cfg.diloco is not None and cfg.diloco.mode == "objectstore" and cfg.rl is None:
-        from phalanx.launch.decoupled import DecoupledJob
-
-        if args.launcher == "ray":  # the slots' executor (diloco.executor, ray_address)
-            overrides = [*overrides, "--diloco.executor", "ray"]
-            if args.ray_address:
-                overrides += ["--diloco.ray_address", args.ray_address]
-            cfg = load_config(args.config, overrides)
-
-        if args.chaos or args.tls_cert or args.tls_key:
-            raise SystemExit(
-                "phalanx run: --chaos and --tls-cert/--tls-key are for jobs with a controller; "
-                "a decoupled DiLoCo job has none (it restarts failed slots itself: "
-                "diloco.max_restarts). Drop them."
-            )
-        if args.replicas:
-            if not args.replicas.isdigit() or int(args.replicas) < 1:
-                raise SystemExit(
-                    f"phalanx run: --replicas must be a positive count of slots for a decoupled "
-                    f"DiLoCo job: got {args.replicas!r}."
-                )
-            overrides = [*overrides, "--diloco.replicas", args.replicas]
-            cfg = load_config(args.config, overrides)
-        run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-        return DecoupledJob(args.config, cfg, run_dir, overrides).run(as_json=args.json)
-    try:
-        chaos = Chaos.parse(args.chaos) if args.chaos else None
-        counts, extra = launch_counts(cfg, args.replicas)
-    except ValueError as e:
-        raise SystemExit(f"phalanx run: {e}") from None
-    if extra:
-        overrides = [*overrides, *extra]
-        cfg = load_config(args.config, overrides)
-    run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    tls = tls_files(args, "run")
-    host = run_controller_host(args, tls is not None)
-    if args.launcher == "ray":
-        from phalanx.launch.ray_job import RayJob, RayOptions
-
-        ray = RayOptions(args.ray_address, args.ray_cpus_per_rank, args.ray_gpus_per_rank)
-        rjob = RayJob(
-            args.config,
-            cfg,
-            run_dir,
-            overrides,
-            counts,
-            chaos,
-            controller_host=host,
-            tls=tls,
-            ray=ray,
-        )
-        return rjob.run(live=not args.plain, as_json=args.json)
-    job = LocalJob(
-        args.config, cfg, run_dir, overrides, counts, chaos, not args.no_zygote, host, tls
-    )
-    return job.run(live=not args.plain, as_json=args.json)
+    return run(args, overrides)
 
 
 def _syncer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -311,6 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="--launcher ray: GPUs each rank of a replica asks for (default 0)",
+    )
+    u.add_argument(
+        "--controllers",
+        type=int,
+        default=1,
+        help="controllers of the job: more than 1 stand by for the leader and take over "
+        "when it fails (needs --journal etcd or an etcd controller.journal)",
+    )
+    u.add_argument(
+        "--journal",
+        metavar="etcd|etcd://HOST:PORT[,...]",
+        help="the controllers' journal in etcd: 'etcd' runs a local one in the run dir; a "
+        "URL names yours (default: the config's controller.journal, SQLite)",
     )
     add_tls(u)
     add_ca_file(u)

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from phalanx.launch.controllers.etcd import etcd_argv
 from phalanx.net import free_port
 
 ETCD = shutil.which("etcd")
@@ -47,14 +48,8 @@ class Member:
 
     def start(self, cluster: str, state: str = "new") -> None:
         assert ETCD is not None, MISSING
-        args = [ETCD, "--name", self.name, "--data-dir", str(self.data)]
-        args += ["--listen-client-urls", f"http://127.0.0.1:{self.client}"]
-        args += ["--advertise-client-urls", f"http://127.0.0.1:{self.client}"]
-        args += ["--listen-peer-urls", f"http://127.0.0.1:{self.peer}"]
-        args += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}"]
-        args += ["--initial-cluster", cluster, "--initial-cluster-state", state]
-        # Deployments compact; a test etcd keeps its history small the same way.
-        args += ["--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000"]
+        # The launcher's command line (history compacted, as deployments do).
+        args = etcd_argv(ETCD, self.name, self.data, self.client, self.peer, cluster, state=state)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 args,

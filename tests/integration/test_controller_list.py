@@ -42,3 +42,16 @@ def test_a_list_with_an_entry_that_is_not_a_url_is_refused_in_one_line(bad):
     with pytest.raises(ControllerError, match="comma-separated list") as e:
         Transport(bad, token="t")
     assert "\n" not in str(e.value)
+
+
+def test_a_call_without_retries_still_tries_every_controller_of_the_list_once(
+    start_controller,
+):
+    ctl = start_controller(n_init=1)
+    dead = f"http://127.0.0.1:{free_port()}"
+    t = Transport(f"{dead},{ctl.url}", token=ctl.token, unreachable_timeout_s=0.0)
+    try:
+        assert t.call("/healthz", None, Health).ok
+        assert t.url == ctl.url
+    finally:
+        t.close()

@@ -230,6 +230,7 @@ class Transport:
         backoff = 0.05
         last_error = ""
         redirects = 0
+        tried = 1  # controllers of the list tried since the first failure
         while True:
             try:
                 if body is None:
@@ -258,7 +259,8 @@ class Transport:
                 raise ControllerUnreachable(f"client closed while calling {path}")
             now = time.monotonic()
             first_failure = first_failure or now
-            if now - first_failure > self.unreachable_timeout_s:
+            # Past the timeout once every controller of the list had its try.
+            if now - first_failure > self.unreachable_timeout_s and tried >= len(self.urls):
                 where = f"controller at {self.url}"
                 if len(self.urls) > 1:
                     where = f"controllers at {', '.join(self.urls)}"
@@ -277,6 +279,7 @@ class Transport:
                     pass
             elif len(self.urls) > 1:
                 self._move_to(self.urls[(self.urls.index(self.url) + 1) % len(self.urls)])
+                tried += 1
 
     def _move_to(self, url: str) -> None:
         """Talk to ``url`` from now on (a standby named it the leader, or the controller

@@ -30,11 +30,14 @@ from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
 from phalanx.console.view import View
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
+from phalanx.launch.controllers.base import Controllers
+from phalanx.launch.controllers.group import open_controllers
 from phalanx.launch.forks import Zygote, preload_for
+from phalanx.launch.local_ops import ReplicaOps
 from phalanx.launch.options import Chaos
 from phalanx.launch.procs import Proc, last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
-from phalanx.launch.supervise import ControllerDown, ControllerProcess
+from phalanx.launch.supervise import ControllerDown
 from phalanx.protocol.status import Status
 from phalanx.track.job import JobTracking
 
@@ -49,7 +52,7 @@ MAX_FAILED_STARTS = 3
 it is broken (bad config, import error), and restarting it forever hides that."""
 
 
-class LocalJob:
+class LocalJob(ReplicaOps):
     finish_grace_s = 20.0
     """After the job finished, how long replicas get to exit by themselves."""
     stop_grace_s = 10.0
@@ -66,8 +69,13 @@ class LocalJob:
         zygote: bool = True,
         controller_host: str | None = None,
         tls: tuple[str, str] | None = None,
+        controllers: int = 1,
+        local_etcd: bool = False,
     ):
         self.config_path = config_path
+        # Controllers on an etcd journal (one leads, the others stand by), and
+        # whether the launcher runs that etcd (else the config names it).
+        self.n_controllers, self.local_etcd = controllers, local_etcd
         # Where the controller binds (None: loopback), and its (certificate, key) for HTTPS.
         self.controller_host, self.tls = controller_host, tls
         self.cfg = cfg
@@ -81,7 +89,7 @@ class LocalJob:
             for i in range(n):
                 self.replicas[f"{role}-{i}"] = Replica(f"{role}-{i}", role)
         self.retired: list[Replica] = []
-        self.controller: ControllerProcess | None = None
+        self.controller: Controllers | None = None
         self.poller: StatusPoller | None = None
         self.lock = threading.Lock()
         self.events: list[str] = []
@@ -104,19 +112,25 @@ class LocalJob:
     def _cfg_args(self) -> list[str]:
         return (["--config", self.config_path] if self.config_path else []) + self.overrides
 
+    def open_controller(self) -> Controllers:
+        """The job's controllers (made once, not started)."""
+        if self.controller is None:
+            self.controller = open_controllers(
+                self.run_dir,
+                self._cfg_args(),
+                self.n_controllers,
+                local_etcd=self.local_etcd,
+                host=self.controller_host,
+                tls=self.tls,
+            )
+        return self.controller
+
     def start_controller(self) -> str:
-        self.controller = ControllerProcess(
-            self.run_dir / "controller",
-            self._cfg_args(),
-            self.run_dir / "controller.log",
-            host=self.controller_host,
-            tls=self.tls,
-        )
-        return self.controller.start()
+        return self.open_controller().start()
 
     def replica_cmd(self, r: Replica) -> list[str]:
         cmd = [sys.executable, "-m", "phalanx.cli"]
-        cmd += self.replica_argv(r, str(self.run_dir / "controller"))
+        cmd += self.replica_argv(r, self.open_controller().target)
         ranks = self.ranks(r)
         if ranks > 1:
             # The replica's ranks, started together and failed together (its
@@ -241,6 +255,7 @@ class LocalJob:
         return code or (1 if self.error else 0)
 
     def _start(self) -> None:
+        self.open_controller()  # before the zygote: it may set the job token for both
         if self.use_zygote:
             # Its imports run while the controller comes up.
             roles = {r.role for r in self.replicas.values()}
@@ -375,59 +390,6 @@ class LocalJob:
         r.proc, r.restart_at = None, now + RESTART_DELAY_S
         if self.tracking is not None:
             self.tracking.killed()
-
-    # -- scale -----------------------------------------------------------
-
-    def _follow_desired(self, now: float) -> None:
-        """Start or stop replicas so that each role has the count ``phalanx scale`` set."""
-        st = self.status()
-        if st is None:
-            return
-        for role, info in st.roles.items():
-            want = info.desired
-            if want is None:
-                continue
-            active = sorted(
-                (r for r in self.replicas.values() if r.role == role and r.retiring_since is None),
-                key=lambda r: r.index,
-            )
-            for _ in range(want - len(active)):
-                i = next(
-                    i for i in range(len(self.replicas) + 1) if f"{role}-{i}" not in self.replicas
-                )
-                r = self.replicas[f"{role}-{i}"] = Replica(f"{role}-{i}", role)
-                self.start_replica(r)
-                self.note(f"{r.name} started (scale {role} to {want})")
-            for r in active[want:]:
-                r.retiring_since = now
-                r.restart_at = None
-                signal_proc(r.proc, signal.SIGTERM)
-                self.note(f"{r.name}: stopping (scale {role} to {want})")
-
-    # -- chaos -----------------------------------------------------------
-
-    def _kill_one(self) -> bool:
-        """SIGKILL a random replica, but only when every replica is up and has made
-        progress since its start, so that at most one is down at a time. An FT job
-        also needs two: a healthy peer must hold the job's state (policy replicas of
-        an RL job resume from their state file instead). True when it killed one."""
-        reps = [r for r in self.replicas.values() if r.retiring_since is None and not r.done]
-        alive = [r for r in reps if r.running and r.progress]
-        if not reps or len(alive) < len(reps) or (not self.rl and len(alive) < 2):
-            return False
-        r = self._rng.choice(alive)
-        assert r.proc is not None
-        signal_proc(r.proc, signal.SIGKILL)
-        r.proc.wait()
-        r.proc = None
-        r.kills += 1
-        if self.tracking is not None:
-            self.tracking.killed()
-        assert self.chaos is not None
-        r.restart_at = time.monotonic() + self.chaos.restart_after_s
-        what = f"step {r.step}" if r.role == "policy" else f"{r.rollouts} rollouts"
-        self.note(f"chaos: SIGKILL {r.name} at {what}")
-        return True
 
     def all_replicas(self) -> list[Replica]:
         return [*self.retired, *self.replicas.values()]

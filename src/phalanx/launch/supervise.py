@@ -63,6 +63,12 @@ class ControllerProcess:
         self._started_at = 0.0
 
     @property
+    def target(self) -> str:
+        """What replicas are given as ``--controller``: the state dir, whose ``url``
+        they re-read when the controller comes back on another port."""
+        return str(self.state_dir)
+
+    @property
     def url_file(self) -> Path:
         return self.state_dir / "url"
 

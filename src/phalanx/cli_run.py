@@ -1,0 +1,101 @@
+"""``phalanx run``: its options read and checked, then the launcher that fits the job.
+
+Bad options end in one line (``SystemExit``) before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``phalanx run``: the job's controllers and replicas on this machine (or its
+    replicas as Ray actors), or a decoupled DiLoCo job's slots."""
+    from phalanx.cli_net import run_controller_host, tls_files
+    from phalanx.config import load_config
+    from phalanx.launch.local import LocalJob
+    from phalanx.launch.options import Chaos, launch_counts
+
+    if args.launcher == "local" and args.ray_address:
+        raise SystemExit("phalanx run: --ray-address goes with --launcher ray: add it.")
+    cfg = load_config(args.config, overrides)
+    if cfg.diloco is not None and cfg.diloco.mode == "objectstore" and cfg.rl is None:
+        from phalanx.launch.decoupled import DecoupledJob
+
+        if args.launcher == "ray":  # the slots' executor (diloco.executor, ray_address)
+            overrides = [*overrides, "--diloco.executor", "ray"]
+            if args.ray_address:
+                overrides += ["--diloco.ray_address", args.ray_address]
+            cfg = load_config(args.config, overrides)
+
+        if args.chaos or args.tls_cert or args.tls_key or args.journal or args.controllers != 1:
+            raise SystemExit(
+                "phalanx run: --chaos, --tls-cert/--tls-key, --controllers and --journal are "
+                "for jobs with a controller; a decoupled DiLoCo job has none (it restarts "
+                "failed slots itself: diloco.max_restarts). Drop them."
+            )
+        if args.replicas:
+            if not args.replicas.isdigit() or int(args.replicas) < 1:
+                raise SystemExit(
+                    f"phalanx run: --replicas must be a positive count of slots for a decoupled "
+                    f"DiLoCo job: got {args.replicas!r}."
+                )
+            overrides = [*overrides, "--diloco.replicas", args.replicas]
+            cfg = load_config(args.config, overrides)
+        run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return DecoupledJob(args.config, cfg, run_dir, overrides).run(as_json=args.json)
+    try:
+        chaos = Chaos.parse(args.chaos) if args.chaos else None
+        counts, extra = launch_counts(cfg, args.replicas)
+    except ValueError as e:
+        raise SystemExit(f"phalanx run: {e}") from None
+    local_etcd, journal = controllers_of(args, cfg.controller.journal)
+    extra += journal
+    if extra:
+        overrides = [*overrides, *extra]
+        cfg = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    tls = tls_files(args, "run")
+    host = run_controller_host(args, tls is not None)
+    common = dict(
+        controller_host=host, tls=tls, controllers=args.controllers, local_etcd=local_etcd
+    )
+    job: LocalJob
+    if args.launcher == "ray":
+        from phalanx.launch.ray_job import RayJob, RayOptions
+
+        ray = RayOptions(args.ray_address, args.ray_cpus_per_rank, args.ray_gpus_per_rank)
+        job = RayJob(args.config, cfg, run_dir, overrides, counts, chaos, ray=ray, **common)
+    else:
+        zygote = not args.no_zygote
+        job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos, zygote, **common)
+    return job.run(live=not args.plain, as_json=args.json)
+
+
+def controllers_of(args: argparse.Namespace, configured: str) -> tuple[bool, list[str]]:
+    """``--controllers`` and ``--journal``, checked against the config's journal
+    (``configured``): whether the launcher runs a local etcd, and the config override
+    that names the journal given. Raises ``SystemExit`` in one line."""
+    n, journal = args.controllers, args.journal
+    if not 1 <= n <= 9:
+        raise SystemExit(f"phalanx run: --controllers must be 1 to 9: got {n}.")
+    local, override = False, []
+    if journal == "etcd":
+        local = True
+    elif journal is not None and (journal == "sqlite" or journal.startswith("etcd://")):
+        override = [f"--controller.journal={journal}"]
+        configured = journal
+    elif journal is not None:
+        raise SystemExit(
+            f"phalanx run: --journal must be 'etcd' (a local etcd in the run dir), an "
+            f"etcd://HOST:PORT[,HOST:PORT...] URL or 'sqlite': got {journal!r}."
+        )
+    if n > 1 and not local and configured == "sqlite":
+        raise SystemExit(
+            f"phalanx run: --controllers {n} needs the journal in etcd (the standbys follow "
+            f"the leader's through it): add --journal etcd (a local etcd) or --journal "
+            f"etcd://HOST:2379, or set controller.journal in the job config."
+        )
+    return local, override
