@@ -163,7 +163,9 @@ class Member:
         deadline = loop.time() + CHECK_EVERY_S
         while not gone.is_set() and loop.time() < deadline:
             url = self.switch.leader_url
-            if url and url != self.url and await _refused(url):
+            # Its own URL: this process holds that socket, so the leader that had it
+            # (this controller's predecessor, restarted on the same port) is gone.
+            if url and (url == self.url or await _refused(url)):
                 await asyncio.to_thread(self._depose, url)
                 return
             try:

@@ -145,8 +145,8 @@ class Switch:
 
         async def fenced_send(msg: dict[str, Any]) -> None:
             nonlocal replaced
-            if msg["type"] == "http.response.start":
-                late = self.fence()
+            if msg["type"] == "http.response.start" and msg.get("status", 200) < 500:
+                late = self.fence()  # a 503 already (the journal's own reason) stays
                 if late:
                     replaced = True
                     await _reply(send, 503, ErrorBody(error=late).model_dump_json().encode())
