@@ -252,11 +252,21 @@ class Controller:
 class Replica:
     """A ``replica_proc.py`` subprocess; :meth:`lines` are the quorums it printed."""
 
-    def __init__(self, procs: Procs, controller: Controller, name: str, step_delay: float):
+    def __init__(
+        self,
+        procs: Procs,
+        controller: Controller | str,
+        name: str,
+        step_delay: float,
+        env: dict[str, str] | None = None,
+    ):
+        """``controller``: a controller (its state dir), or controller URLs (a
+        comma-separated list; ``env`` then holds the token)."""
         self.name = name
-        args = [sys.executable, str(REPLICA_SCRIPT), "--controller", str(controller.state_dir)]
+        where = controller if isinstance(controller, str) else str(controller.state_dir)
+        args = [sys.executable, str(REPLICA_SCRIPT), "--controller", where]
         args += ["--name", name, "--step-delay", str(step_delay)]
-        self.proc, self.out, self.err = procs.spawn(args, f"replica-{name}")
+        self.proc, self.out, self.err = procs.spawn(args, f"replica-{name}", env)
 
     @property
     def pid(self) -> int:

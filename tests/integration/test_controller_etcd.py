@@ -55,10 +55,14 @@ class Job:
         )
 
     def start(self, host: str, port: int = 0) -> Controller:
+        """A controller on ``host``, once it leads (one started while another's leader
+        key is still there stands by until it takes over)."""
         ctl_env = {**child_env(), env.TOKEN: self.token}
         args = ["--port", str(port)] if port else []
         ctl = Controller(self.procs, self.tmp / host, self.config, args=args, env=ctl_env)
-        return ctl.start(timeout=START_S)
+        ctl.start(timeout=START_S)
+        wait_for(lambda: ctl.get("/healthz").json()["role"] == "leader", START_S, "it to lead")
+        return ctl
 
 
 def test_a_controller_restarted_on_a_fresh_state_dir_resumes_from_etcd(

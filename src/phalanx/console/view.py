@@ -265,6 +265,14 @@ def status_text(st: Status) -> str:
         )
     elif j is not None and j.kind == "etcd":
         lines.append(f"  journal: {j.where} (leader term {j.term})")
+    c = st.controllers
+    if c is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.since))
+        standbys = ", ".join(s.url for s in c.standbys) or "none"
+        lines.append(
+            f"  controller: {c.leader} leads since {since} (term {c.term}, "
+            f"{c.failovers} failover(s)); standbys: {standbys}"
+        )
     for role, info in st.roles.items():
         reps = info.replicas
         suspects = sum(1 for r in reps if r.suspect)

@@ -113,18 +113,13 @@ def serve(
     tls = check_tls(tls_cert, tls_key)
     import uvicorn
 
-    from phalanx.controller.http import create_app
-    from phalanx.controller.journal import Deposed, open_journal
     from phalanx.controller.lock import StateDirLock
-    from phalanx.controller.payloads import PayloadLog
-    from phalanx.controller.service import ControllerService
 
     os.umask(0o077)
     prepare(state_dir)
     lock = StateDirLock(state_dir)
     lock.acquire()
     try:
-        token = load_or_create_token(state_dir)
         if cfg.controller.journal == "sqlite":
             moved = check_journal(state_dir, fresh)
             if moved:
@@ -135,32 +130,19 @@ def serve(
                 f"{cfg.controller.journal!r}. To begin the job again on etcd, delete its prefix "
                 f"(etcdctl del --prefix PREFIX) and start without --fresh."
             )
-        sync = cfg.controller.journal_sync
         sock = _bind(host, port, state_dir)
         url = url_of(sock, tls)
         warn_if_clear_text(sock.getsockname()[0], tls)
-        journal = open_journal(cfg, state_dir / JOURNAL, url)
-        try:
-            service = ControllerService(
-                cfg,
-                journal,
-                PayloadLog(state_dir / PAYLOADS, sync),
-                time.monotonic,
-                time.time,
-                collector=open_collector(cfg),
-                check_addresses=not is_loopback(host),
-            )
-        except BaseException:
-            journal.close()  # an etcd leader key goes at once
-            raise
-        # After the journal holds the job: from now on a missing journal is damage.
-        write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
-        app = create_app(service, token)
+        run = Run(cfg, state_dir, url, check_addresses=not is_loopback(host))
+        if cfg.controller.journal == "sqlite":
+            app: Any = run.sqlite_app()
+        else:
+            from phalanx.controller.standby import etcd_app
+
+            app = etcd_app(run)
         write_private(state_dir / URL_FILE, url + "\n")
         lock.note(f"pid {os.getpid()} url {url}")
-        print(
-            f"phalanx controller for job {cfg.job.id} (epoch {service.epoch}) at {url}", flush=True
-        )
+        print(run.first_line, flush=True)
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -174,12 +156,75 @@ def serve(
         )
         server = uvicorn.Server(config)
 
-        def deposed() -> None:
+        def stop() -> None:
             server.should_exit = True  # stop serving; the outbox refuses every reply meanwhile
 
-        service.outbox.on_deposed = deposed
+        run.stop = stop
         server.run(sockets=[sock])
-        if service.outbox.deposed:
-            raise Deposed(f"{service.outbox.deposed}: this controller stopped")
+        run.raise_why()
     finally:
         lock.release()
+
+
+class Run:
+    """What one controller process serves, however it came to lead: its service and
+    app once built (:meth:`build`), and why it stopped."""
+
+    def __init__(self, cfg: JobConfig, state_dir: Path, url: str, check_addresses: bool):
+        self.cfg, self.state_dir, self.url = cfg, state_dir, url
+        self.check_addresses = check_addresses
+        self.token = ""
+        self.service: Any = None
+        self.first_line = ""
+        """What the process prints once it serves (tests and launchers wait for it)."""
+        self.stop: Any = lambda: None
+        """Stops the server (set by :func:`serve`)."""
+        self.error: BaseException | None = None
+        """Why the server was stopped early (raised once it has)."""
+
+    def sqlite_app(self) -> Any:
+        """The app of a controller on the state dir's SQLite journal."""
+        from phalanx.controller.journal import open_journal
+
+        self.token = load_or_create_token(self.state_dir)
+        journal = open_journal(self.cfg, self.state_dir / JOURNAL, self.url)
+        _, app = self.build(journal)
+        return app
+
+    def build(self, journal: Any) -> tuple[Any, Any]:
+        """The service on ``journal`` and its app (closes the journal if it fails)."""
+        from phalanx.controller.http import create_app
+        from phalanx.controller.payloads import PayloadLog
+        from phalanx.controller.service import ControllerService
+
+        cfg = self.cfg
+        try:
+            service = ControllerService(
+                cfg,
+                journal,
+                PayloadLog(self.state_dir / PAYLOADS, cfg.controller.journal_sync),
+                time.monotonic,
+                time.time,
+                collector=open_collector(cfg),
+                check_addresses=self.check_addresses,
+            )
+        except BaseException:
+            journal.close()  # an etcd leader key goes at once
+            raise
+        # After the journal holds the job: from now on a missing journal is damage.
+        write_private(self.state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
+        self.service = service
+        service.outbox.on_deposed = lambda: self.stop()
+        self.first_line = (
+            f"phalanx controller for job {cfg.job.id} (epoch {service.epoch}) at {self.url}"
+        )
+        return service, create_app(service, self.token)
+
+    def raise_why(self) -> None:
+        """After the server stopped: raise why, if it was not asked to."""
+        from phalanx.controller.journal import Deposed
+
+        if self.error is not None:
+            raise self.error
+        if self.service is not None and self.service.outbox.deposed:
+            raise Deposed(f"{self.service.outbox.deposed}: this controller stopped")

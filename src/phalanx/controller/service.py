@@ -157,7 +157,8 @@ class ControllerService:
     def status(self) -> Status:
         """The status document, with the journal's health."""
         st = self.state.status(self.clock(), self.wall())
-        return st.model_copy(update={"journal": self.outbox.health()})
+        update = {"journal": self.outbox.health(), "controllers": self.journal.controllers()}
+        return st.model_copy(update=update)
 
     def _act(self, ticks: list[Tick], wrote: bool) -> None:
         """Act on ticks whose changes are durable, in order (``wrote``: a batch was

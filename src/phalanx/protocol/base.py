@@ -21,7 +21,7 @@ The rules every model follows:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,6 +105,11 @@ class ErrorBody(Wire):
 class Health(Wire):
     ok: bool
     epoch: Count
+    """The leader's controller epoch (0 from a standby)."""
+    role: Literal["leader", "standby"] = "leader"
+    """``standby``: a controller of an etcd journal that follows the leader."""
+    leader: Annotated[str, Field(max_length=2000)] = ""
+    """A standby's: the leader's URL ('' during an election)."""
 
 
 # -- free-form JSON -----------------------------------------------------------

@@ -357,6 +357,26 @@ class JournalHealth(Wire):
     """The etcd leader's term: 1 for the job's first controller, one more per takeover."""
 
 
+class StandbyInfo(Wire):
+    url: Annotated[str, Field(max_length=2000)]
+    since: Wall
+    """When it started following the job."""
+
+
+class Controllers(Wire):
+    """The job's controllers on an etcd journal: who leads, since when, how many
+    takeovers so far, and the standbys that would take over."""
+
+    leader: Annotated[str, Field(max_length=2000)]
+    """The URL of the leader (the controller that answered)."""
+    since: Wall
+    """When it took office."""
+    term: Count
+    failovers: Count
+    """Takeovers so far: ``term - 1``."""
+    standbys: Annotated[list[StandbyInfo], Field(max_length=64)] = []
+
+
 class Status(Reply):
     job_id: JobId
     roles: Annotated[dict[RoleName, RoleStatus], Field(max_length=64)]
@@ -366,6 +386,8 @@ class Status(Reply):
     overview: Overview
     journal: JournalHealth | None = None
     """The journal's health (set by the service; None from the bare core)."""
+    controllers: Controllers | None = None
+    """The leader and its standbys (an etcd journal; None with SQLite)."""
 
     def role_step(self, role: str) -> int:
         r = self.roles.get(role)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from phalanx.controller.core.base import RETIRED_TABLES, Change
 from phalanx.controller.statedir import CannotStart
+from phalanx.protocol.status import Controllers
 
 Tables = dict[str, dict[str, dict[str, Any]]]
 """``{table: {key: record}}``: the journal's rows."""
@@ -95,6 +96,10 @@ class Journal(ABC):
     @property
     def term(self) -> int | None:
         """The leader term this controller writes in (etcd), or None (SQLite)."""
+        return None
+
+    def controllers(self) -> Controllers | None:
+        """The leader and standbys of the job (etcd), or None (SQLite: one controller)."""
         return None
 
     @abstractmethod

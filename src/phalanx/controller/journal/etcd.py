@@ -66,6 +66,7 @@ from phalanx.controller.journal.base import (
 from phalanx.controller.journal.etcd_kv import EtcdKV, Op, delete, delete_prefix, put
 from phalanx.controller.journal.leader import LEASE_TTL_S, Leadership
 from phalanx.controller.statedir import CannotStart
+from phalanx.protocol.status import Controllers, StandbyInfo
 
 MAX_OPS = 100
 """Rows per transaction (etcd's default ``--max-txn-ops`` is 128)."""
@@ -91,18 +92,31 @@ class EtcdJournal(Journal):
     group_commit = True
 
     def __init__(
-        self, target: EtcdTarget, job_id: str, leader_url: str, take_wait_s: float | None = None
+        self,
+        target: EtcdTarget,
+        job_id: str,
+        leader_url: str,
+        take_wait_s: float | None = None,
+        leader: Leadership | None = None,
+        tables: Tables | None = None,
     ):
+        """``leader``: the office a standby took already (its tables, kept current by
+        its watch, are ``tables``: :meth:`load` returns them instead of reading the
+        prefix again); None: take office here, waiting up to ``take_wait_s``."""
         self.prefix = target.prefix_for(job_id)
         self.where = target.url(self.prefix)
         self.writes = 0
-        self.kv = EtcdKV(target, TIMEOUT_S)
+        self.kv = leader.kv if leader is not None else EtcdKV(target, TIMEOUT_S)
+        self._tables = tables
         self.rec_prefix = f"{self.prefix}/rec/"
         self.stage_prefix = f"{self.prefix}/stage/"
         self.commit_key = f"{self.prefix}/commit"
         self._unsettled = False
         """A large batch may be committed and not folded yet (or staged parts left over):
         the next write settles it first."""
+        if leader is not None:
+            self.leader = leader
+            return
         try:
             self.kv.call("maintenance/status", {})
         except JournalUnavailable as e:
@@ -126,15 +140,31 @@ class EtcdJournal(Journal):
     def deposed(self) -> str:
         return self.leader.deposed
 
+    def controllers(self) -> Controllers:
+        led = self.leader
+        standbys = [
+            StandbyInfo(url=str(s["url"]), since=float(s.get("since", 0.0)))
+            for s in led.standbys[:64]
+            if s["url"] != led.url  # its own key, until its lease lapses
+        ]
+        return Controllers(
+            leader=led.url,
+            since=led.since,
+            term=led.term,
+            failovers=max(0, led.term - 1),
+            standbys=standbys,
+        )
+
     # -- load ---------------------------------------------------------------
 
     def load(self) -> Tables:
         try:
-            rows = self.kv.range_prefix(self.rec_prefix)
+            rows = [] if self._tables is not None else self.kv.range_prefix(self.rec_prefix)
             staged = self._committed()
         except JournalUnavailable as e:
             raise CannotStart(f"etcd journal {self.where} cannot be read: {e}.") from None
-        tables: Tables = {}
+        tables: Tables = self._tables if self._tables is not None else {}
+        self._tables = None
         for kv in rows:
             tbl, _, key = kv["key"].decode()[len(self.rec_prefix) :].partition("/")
             text = kv["value"].decode(errors="replace")

@@ -42,7 +42,7 @@ def b64(data: str | bytes) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
-def _after_prefix(prefix: str) -> str:
+def after_prefix(prefix: str) -> str:
     """The range end that covers every key starting with ``prefix``."""
     raw = prefix.encode()
     return b64(raw[:-1] + bytes([raw[-1] + 1]))
@@ -60,7 +60,7 @@ def delete(key: str) -> Op:
 
 
 def delete_prefix(prefix: str) -> Op:
-    return {"request_delete_range": {"key": b64(prefix), "range_end": _after_prefix(prefix)}}
+    return {"request_delete_range": {"key": b64(prefix), "range_end": after_prefix(prefix)}}
 
 
 def get(key: str) -> Op:
@@ -72,7 +72,8 @@ def same_mod(key: str, revision: int) -> dict[str, Any]:
     return {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}
 
 
-def _kv(raw: dict[str, Any]) -> KV:
+def decode_kv(raw: dict[str, Any]) -> KV:
+    """A key-value as the gateway sends it (base64, numbers as text), decoded."""
     return {
         "key": base64.b64decode(raw["key"]),
         "value": base64.b64decode(raw.get("value", "")),
@@ -85,7 +86,7 @@ def _kv(raw: dict[str, Any]) -> KV:
 def ranged(reply: dict[str, Any], i: int) -> KV | None:
     """The key-value the ``i``-th op of a txn (a :func:`get`) found, or None."""
     kvs = reply.get("responses", [])[i].get("response_range", {}).get("kvs", [])
-    return _kv(kvs[0]) if kvs else None
+    return decode_kv(kvs[0]) if kvs else None
 
 
 def revision(reply: dict[str, Any]) -> int:
@@ -111,6 +112,14 @@ class EtcdKV:
             # api_path given: no /version round trip before the first call.
             clients[i] = Etcd3Client(host, port, timeout=self.timeout_s, api_path="/v3/")
         return clients[i]
+
+    def endpoint(self) -> tuple[str, int]:
+        """The endpoint calls go to now (host, port)."""
+        return self.target.endpoints[self._current]
+
+    def next_endpoint(self) -> None:
+        """Send the next call to the next endpoint (this one failed a stream)."""
+        self._current = (self._current + 1) % len(self.target.endpoints)
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to the gateway's ``/v3/<path>`` on the current endpoint (see
@@ -148,23 +157,28 @@ class EtcdKV:
     def get(self, key: str) -> KV | None:
         """The key-value at ``key``, or None."""
         kvs = self.call("kv/range", {"key": b64(key)}).get("kvs", [])
-        return _kv(kvs[0]) if kvs else None
+        return decode_kv(kvs[0]) if kvs else None
 
     def range_prefix(self, prefix: str, page: int = 500) -> list[KV]:
         """Every key under ``prefix``, in key order, read in pages at one revision."""
+        return self.range_at(prefix, page)[0]
+
+    def range_at(self, prefix: str, page: int = 500) -> tuple[list[KV], int]:
+        """:meth:`range_prefix` and the store revision it was read at (a watch from the
+        next revision misses nothing)."""
         out: list[KV] = []
         start, rev = b64(prefix), 0
         while True:
-            body: dict[str, Any] = {"key": start, "range_end": _after_prefix(prefix)}
+            body: dict[str, Any] = {"key": start, "range_end": after_prefix(prefix)}
             body["limit"] = str(page)
             if rev:
                 body["revision"] = str(rev)
             reply = self.call("kv/range", body)
             rev = rev or revision(reply)
-            kvs = [_kv(x) for x in reply.get("kvs", [])]
+            kvs = [decode_kv(x) for x in reply.get("kvs", [])]
             out += kvs
             if not reply.get("more") or not kvs:
-                return out
+                return out, rev
             start = b64(kvs[-1]["key"] + b"\0")
 
     def grant(self, ttl_s: int) -> int:

@@ -8,9 +8,12 @@ Keys, under the job's prefix ``P``:
   controller is term 1, each one that takes over adds one: the failovers are
   ``term - 1``). Never leased.
 - ``P/leader``: ``{"url", "since", "term", "pid"}``, attached to the leader's lease
-  (:data:`LEASE_TTL_S`, kept alive every third of it by a thread). It goes when the
-  lease lapses (the leader died, was stopped, or lost etcd) or is revoked (a clean
-  stop). A standby watches it to take over.
+  (:data:`LEASE_TTL_S`, kept alive every :data:`KEEP_ALIVE_S` by a thread). It goes
+  when the lease lapses (the leader died, was stopped, or lost etcd) or is revoked (a
+  clean stop, or a standby that found the leader's port refused). A standby watches
+  it to take over (:mod:`phalanx.controller.standby`).
+- ``P/standby/<url>``: ``{"url", "since"}``, each standby on a lease of its own.
+- ``P/token``: the job token, for controllers on hosts without the state dir.
 
 Taking office is one transaction: *if* ``P/leader`` is absent and ``P/term`` is as
 read, *then* put the new term and the leader key. Its revision is the leader key's
@@ -41,9 +44,20 @@ from phalanx.controller.statedir import CannotStart
 
 log = logging.getLogger("phalanx.controller")
 
-LEASE_TTL_S = 5
+LEASE_TTL_S = 2
 """The leader key's lease: a controller that dies leaves its key for at most this
-long (then a restarted or standby controller takes over)."""
+long (then a restarted or standby controller takes over). etcd's shortest lease is
+about 1.5 s with its default timings (it rounds a shorter one up); a standby on the
+leader's host network finds a dead leader sooner, by a refused connection
+(:mod:`phalanx.controller.standby`)."""
+KEEP_ALIVE_S = LEASE_TTL_S / 4
+"""How often the leader refreshes its lease."""
+FENCE_AFTER_S = LEASE_TTL_S - 0.5
+"""A leader that has not had a refresh acknowledged for this long (counted from when
+the last acknowledged one was sent, on the monotonic clock, so a SIGSTOP shows as a
+jump) stops answering (:meth:`Leadership.fenced`): its lease may lapse, and a standby
+take over, before its keep-alive can find out. The margin covers the clock steps of
+one request."""
 
 
 def _json(kv: KV | None) -> dict[str, Any]:
@@ -86,6 +100,12 @@ class Leadership:
         """The keep-alive found the lease gone (the next write tries :meth:`recover`)."""
         self.deposed = ""
         """Why this controller no longer leads ('' while it does)."""
+        self.since = 0.0
+        """When this controller took office (wall clock)."""
+        self.renewed = 0.0
+        """``time.monotonic()`` when the last refresh etcd acknowledged was sent."""
+        self.standbys: list[dict[str, Any]] = []
+        """The standbys registered under ``P/standby/`` (read by the keep-alive)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -98,33 +118,45 @@ class Leadership:
         died goes within a lease TTL, so a restart right after a SIGKILL waits)."""
         deadline = time.monotonic() + wait_s
         while True:
-            got = self.kv.txn([], [get(self.job_key), get(self.term_key), get(self.leader_key)], [])
-            job, term, leader = (ranged(got, i) for i in range(3))
-            other = _json(job).get("job_id")
-            if job is not None and other != self.job_id:
+            leader = self.campaign()
+            if leader is None:
+                return
+            if leader and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            if leader:
                 raise CannotStart(
-                    f"etcd prefix {self.prefix} must hold one job: it holds job {other!r}, and "
-                    f"this is job {self.job_id!r}. Give this job its own prefix "
-                    f"(controller.journal = etcd://HOST:PORT/OTHER/PREFIX), or its own job.id."
-                )
-            if leader is not None:
-                if time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    continue
-                raise CannotStart(
-                    f"job {self.job_id!r} must have one leader: {describe(_json(leader))} leads "
+                    f"job {self.job_id!r} must have one leader: {describe(leader)} leads "
                     f"it (etcd key {self.leader_key}). Stop that controller first; its key "
                     f"goes {LEASE_TTL_S} s after it stops."
                 )
-            if self._start_term(job is None, term):
-                break
+
+    def campaign(self) -> dict[str, Any] | None:
+        """One try at taking office. Returns None once this controller leads (its
+        keep-alive started), else the leader key's value (``{}``: the key changed
+        meanwhile, try again). Raises CannotStart when another job holds the prefix."""
+        got = self.kv.txn([], [get(self.job_key), get(self.term_key), get(self.leader_key)], [])
+        job, term, leader = (ranged(got, i) for i in range(3))
+        other = _json(job).get("job_id")
+        if job is not None and other != self.job_id:
+            raise CannotStart(
+                f"etcd prefix {self.prefix} must hold one job: it holds job {other!r}, and "
+                f"this is job {self.job_id!r}. Give this job its own prefix "
+                f"(controller.journal = etcd://HOST:PORT/OTHER/PREFIX), or its own job.id."
+            )
+        if leader is not None:
+            return _json(leader) or {"url": "?"}
+        if not self._start_term(job is None, term):
+            return {}
         self._thread = threading.Thread(target=self._keep_alive, name="etcd-lease", daemon=True)
         self._thread.start()
+        return None
 
     def _start_term(self, new_job: bool, term: KV | None) -> bool:
         """The one transaction that takes office; False if something changed meanwhile."""
         n = int(_json(term).get("term", 0)) + 1
         now = time.time()
+        sent = time.monotonic()
         lease = self.kv.grant(LEASE_TTL_S)
         value = {"url": self.url, "since": now, "term": n, "pid": os.getpid()}
         ops = [
@@ -143,8 +175,9 @@ class Leadership:
         if not reply.get("succeeded"):
             self._revoke(lease)
             return False
-        self.term, self.lease, self.lapsed = n, lease, False
+        self.term, self.lease, self.lapsed, self.renewed = n, lease, False, sent
         self.term_rev = self.leader_rev = revision(reply)
+        self.since = now
         log.info("etcd journal: leader of job %s, term %d (%s)", self.job_id, n, self.leader_key)
         return True
 
@@ -173,6 +206,7 @@ class Leadership:
             self.leader_rev, self.lapsed = leader["mod_revision"], False
             return
         if leader is None and term is not None and term["mod_revision"] == self.term_rev:
+            sent = time.monotonic()
             lease = kv.grant(LEASE_TTL_S)
             value = {"url": self.url, "since": time.time(), "term": self.term, "pid": os.getpid()}
             again = kv.txn(
@@ -181,7 +215,7 @@ class Leadership:
                 self.lost(),
             )
             if again.get("succeeded"):
-                old, self.lease, self.lapsed = self.lease, lease, False
+                old, self.lease, self.lapsed, self.renewed = self.lease, lease, False, sent
                 self.leader_rev = revision(again)
                 log.warning(
                     "etcd journal: the leader key's lease lapsed and nobody took over: "
@@ -199,15 +233,35 @@ class Leadership:
         )
         raise Deposed(self.deposed)
 
+    def fenced(self) -> str:
+        """Why this controller must not answer now ('' when it may): deposed, or no
+        refresh acknowledged for :data:`FENCE_AFTER_S` (etcd may have let its lease
+        lapse, and a standby may lead already). Cheap: every request asks. Lifted when
+        a refresh lands again (etcd unreachable for a while, nobody took over)."""
+        if self.deposed:
+            return self.deposed
+        quiet = time.monotonic() - self.renewed
+        if self.renewed and quiet > FENCE_AFTER_S:
+            return (
+                f"this controller (term {self.term}) has had no lease refresh acknowledged by "
+                f"etcd for {quiet:.1f} s, so it may no longer lead job {self.job_id!r}: retry "
+                f"on another controller"
+            )
+        return ""
+
     def _keep_alive(self) -> None:
-        """Refresh the lease every third of its TTL. When etcd says it lapsed, find out
-        at once whether this controller still leads (:meth:`_resolve`): a controller
-        woken from a SIGSTOP learns it was deposed here, without waiting for a write."""
-        period = LEASE_TTL_S / 3
-        while not self._stop.wait(period):
+        """Refresh the lease every :data:`KEEP_ALIVE_S`. When etcd says it lapsed, find
+        out at once whether this controller still leads (:meth:`_resolve`): a controller
+        woken from a SIGSTOP learns it was deposed here, without waiting for a write.
+        Each round also reads the registered standbys (for the status)."""
+        while not self._stop.wait(KEEP_ALIVE_S):
             lease = self.lease
             try:
+                sent = time.monotonic()
                 ttl = self.keep.keep_alive(lease)
+                if ttl > 0 and lease == self.lease:
+                    self.renewed = max(self.renewed, sent)
+                    self._read_standbys()
                 if ttl > 0 or lease != self.lease or self.deposed:
                     continue
                 self.lapsed = True
@@ -218,6 +272,10 @@ class Leadership:
                         self._resolve(self.keep, ranged(got, 0), ranged(got, 1))
             except (JournalUnavailable, Deposed):
                 continue  # the writes say so (Deposed is kept in self.deposed)
+
+    def _read_standbys(self) -> None:
+        rows = self.keep.range_prefix(f"{self.prefix}/standby/")
+        self.standbys = [v for v in (_json(kv) for kv in rows) if v.get("url")]
 
     def _revoke(self, lease: int) -> None:
         try:
