@@ -11,11 +11,13 @@ and how:
   ``DIR/url`` while it retries, in case the controller came back on another
   port.
 - **several controllers, one leader**: given a comma-separated list of URLs
-  (``http://a:8080,http://b:8080,http://c:8080``), it talks to one at a time.
-  A standby answers 421 with the leader's URL, and the call goes there at once;
-  a controller that fails (network error or 5xx) sends the next attempt to the
-  next URL of the list, so a call finds the new leader after a failover by
-  itself. :attr:`Transport.url` is the controller it talks to now.
+  (``http://a:8080,http://b:8080,http://c:8080``), each call starts at the
+  controller the last successful call reached (:attr:`Transport.url`). A
+  standby answers 421 with the leader's URL, and the call goes there at once;
+  a controller that fails (network error or 5xx) sends the call's next attempt
+  to the next URL of the list, so a call finds the new leader after a failover
+  by itself. Each call keeps its own place in the list: threads calling at
+  once never move each other's.
 
 It raises :class:`ControllerUnreachable` after ``unreachable_timeout_s`` of
 failed attempts, :class:`Evicted` on 410, and :class:`Rejected` for any other
@@ -34,6 +36,7 @@ import functools
 import os
 import random
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +199,7 @@ class Transport:
         self.urls = split_urls(controller) if self.state_dir is None else [self.url]
         """Every controller this transport may talk to (the list it was given, then any
         leader a standby named)."""
+        self._urls_lock = threading.Lock()
         self.leader_changes = 0
         """How often the calls moved to another controller (a failover, seen from here)."""
         self.token = token or find_token(self.state_dir)
@@ -229,66 +233,86 @@ class Transport:
         first_failure: float | None = None
         backoff = 0.05
         last_error = ""
+        errors: dict[str, str] = {}  # the last error of each controller tried
         redirects = 0
         tried = 1  # controllers of the list tried since the first failure
+        # This call's own cursor in the list: threads that call at once (heartbeats,
+        # long-polls) must not move each other's. Where a call succeeds becomes
+        # everyone's first try (self.url).
+        url = self.url
         while True:
+            stay = False
             try:
                 if body is None:
-                    r = http.get(self.url + path, timeout=timeout)
+                    r = http.get(url + path, timeout=timeout)
                 else:
-                    r = http.post(self.url + path, content=body, headers=headers, timeout=timeout)
+                    r = http.post(url + path, content=body, headers=headers, timeout=timeout)
                 if r.status_code == 421 and redirects < MAX_REDIRECTS:
-                    leader = _error_body(r).leader
+                    leader = _error_body(r).leader.rstrip("/")
                     redirects += 1
-                    if leader and leader.rstrip("/") != self.url:
-                        self._move_to(leader.rstrip("/"))
+                    if leader and leader != url:
+                        url = self._known(leader)
                         continue
-                    last_error = f"controller at {self.url} is a standby and knows no leader yet"
+                    # Naming itself, it won an election and is taking over: ask it again.
+                    stay = leader == url
+                    last_error = (
+                        f"controller at {url} is taking over as the leader"
+                        if stay
+                        else f"controller at {url} is a standby and knows no leader yet"
+                    )
                 elif r.status_code == 421:
                     last_error = f"{redirects} standbys in a row named no reachable leader"
                 elif r.status_code < 500:
+                    self._move_to(url)
                     return self._handle(r, reply)
                 else:
                     last_error = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
-                mismatch = certificate_mismatch(self.url, e)
+                mismatch = certificate_mismatch(url, e)
                 if mismatch is not None:
                     raise mismatch from None
                 last_error = str(e) or type(e).__name__
+            errors[url] = last_error
             if self.closed:
                 raise ControllerUnreachable(f"client closed while calling {path}")
             now = time.monotonic()
             first_failure = first_failure or now
             # Past the timeout once every controller of the list had its try.
             if now - first_failure > self.unreachable_timeout_s and tried >= len(self.urls):
-                where = f"controller at {self.url}"
+                what = f"controller at {url} unreachable"
+                why = f"last error: {last_error}"
                 if len(self.urls) > 1:
-                    where = f"controllers at {', '.join(self.urls)}"
+                    what = f"controllers at {', '.join(self.urls)} unreachable"
+                    why = "last errors: " + "; ".join(f"{u}: {e}" for u, e in errors.items())
                 raise ControllerUnreachable(
-                    f"{where} unreachable for {now - first_failure:.0f} s "
-                    f"(last error: {last_error})",
-                    last_error,
+                    f"{what} for {now - first_failure:.0f} s ({why})", last_error
                 )
             time.sleep(random.uniform(0, backoff))
             backoff = min(backoff * 2, 2.0)
             redirects = 0
             if self.state_dir is not None:
                 try:
-                    self.url = resolve(str(self.state_dir))[0]
+                    url = self.url = resolve(str(self.state_dir))[0]
                 except ControllerError:
                     pass
             elif len(self.urls) > 1:
-                self._move_to(self.urls[(self.urls.index(self.url) + 1) % len(self.urls)])
+                if not stay:
+                    url = self.urls[(self.urls.index(url) + 1) % len(self.urls)]
                 tried += 1
 
+    def _known(self, url: str) -> str:
+        """``url`` (a leader a standby named), added to the list if it is new."""
+        with self._urls_lock:
+            if url not in self.urls:
+                self.urls.append(url)
+        return url
+
     def _move_to(self, url: str) -> None:
-        """Talk to ``url`` from now on (a standby named it the leader, or the controller
-        talked to so far failed). A leader named outside the list joins it."""
-        if url not in self.urls:
-            self.urls.append(url)
-        if url != self.url:
-            self.url = url
-            self.leader_changes += 1
+        """A call succeeded at ``url``: the next calls try it first."""
+        with self._urls_lock:
+            if url != self.url:
+                self.url = url
+                self.leader_changes += 1
 
     def _handle(self, r: httpx.Response, reply: type[R]) -> R:
         if r.status_code == 410:
