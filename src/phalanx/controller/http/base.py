@@ -19,10 +19,8 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from phalanx.controller.core.state import ControllerState
+from phalanx.controller.http.rosters import Rosters
 from phalanx.controller.service import ControllerService
-
-REPLY_CACHE = 32
-"""Encoded quorum replies kept (every member of a quorum gets the same bytes)."""
 
 
 @dataclass
@@ -30,8 +28,11 @@ class Api:
     """The context every route is called with."""
 
     service: ControllerService
-    quorum_replies: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
-    """(role, round, quorum_id) -> the encoded ``ok`` reply of that quorum."""
+    rosters: Rosters = field(init=False)
+    """Quorum replies and member lists, encoded once per round and per quorum."""
+
+    def __post_init__(self) -> None:
+        self.rosters = Rosters(self.service.envelope, encode)
 
     @property
     def state(self) -> ControllerState:
