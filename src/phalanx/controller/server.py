@@ -113,7 +113,7 @@ def serve(
     tls = check_tls(tls_cert, tls_key)
     import uvicorn
 
-    from phalanx.controller.http import create_app
+    from phalanx.controller.http import create_asgi
     from phalanx.controller.journal import Journal
     from phalanx.controller.lock import StateDirLock
     from phalanx.controller.payloads import PayloadLog
@@ -143,7 +143,7 @@ def serve(
         )
         # After the journal holds the job: from now on a missing journal is damage.
         write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
-        app = create_app(service, token)
+        app = create_asgi(service, token)
         write_private(state_dir / URL_FILE, url + "\n")
         lock.note(f"pid {os.getpid()} url {url}")
         print(
@@ -157,6 +157,9 @@ def serve(
             timeout_graceful_shutdown=1,
             backlog=2048,
             limit_concurrency=cfg.controller.max_connections,
+            # Nothing reads a client's address or scheme; the X-Forwarded-* rewrite
+            # cost every request from loopback a dict of its headers.
+            proxy_headers=False,
             ssl_certfile=tls_cert if tls else None,
             ssl_keyfile=tls_key if tls else None,
         )

@@ -56,6 +56,17 @@ def _endpoint(api: Api, route: Route) -> Any:
 
 
 def create_app(service: ControllerService, token: str) -> FastAPI:
+    """The controller's API as a FastAPI app (its OpenAPI spec, every route)."""
+    return _build(service, token).app
+
+
+def create_asgi(service: ControllerService, token: str) -> FastPath:
+    """What the server serves: the API, with its hot routes answered by the
+    :class:`FastPath` in front of it (``.app`` is the FastAPI app)."""
+    return _build(service, token)
+
+
+def _build(service: ControllerService, token: str) -> FastPath:
     api = Api(service)
 
     @asynccontextmanager
@@ -102,9 +113,8 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     on_drop = dropped if service.cfg.timeouts.suspect_on_disconnect else None
     fast = [r for r in ROUTES if r.path in membership.FAST]
-    # Added last = outermost: AuthAndEpoch -> BodyLimit -> FastPath -> FastAPI.
+    # Added last = outermost: AuthAndEpoch -> BodyLimit -> FastAPI's routing.
     ctl = service.cfg.controller
-    app.add_middleware(FastPath, api=api, routes=fast, on_disconnect=on_drop)
     app.add_middleware(BodyLimit, limit=ctl.max_body_bytes, timeout_s=ctl.body_timeout_s)
     app.add_middleware(
         AuthAndEpoch,
@@ -113,7 +123,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         unauthorized=errors.unauthorized,
         is_public=is_public,
     )
-    return app
+    return FastPath(app, api, fast, expected, ctl.max_body_bytes, on_drop)
 
 
 def _status_routes(app: FastAPI, api: Api, authorized: Any) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 import uuid
 
-from starlette.responses import Response
-
 from phalanx.controller.core.base import StateError
 from phalanx.controller.http.base import Api, Route
 from phalanx.net import connect
@@ -79,7 +77,7 @@ async def register(api: Api, req: RegisterReq) -> RegisterReply:
     )
 
 
-async def heartbeat(api: Api, req: HeartbeatReq) -> HeartbeatReply:
+async def heartbeat(api: Api, req: HeartbeatReq) -> bytes:
     """Report liveness and progress; held up to ``wait_s`` (at most the heartbeat
     interval) and answered at once with ``probe`` when a peer suspects the replica."""
     svc, st = api.service, api.state
@@ -101,10 +99,10 @@ async def heartbeat(api: Api, req: HeartbeatReq) -> HeartbeatReply:
     if m is None:
         st.member(req.replica_id)  # raises 410: evicted while we waited
     probe = woken and m is not None and m.suspect_since is not None
-    return HeartbeatReply.model_construct(**api.envelope(), probe=probe)
+    return api.once(("heartbeat", probe), lambda: HeartbeatReply(**api.envelope(), probe=probe))
 
 
-async def lifeline(api: Api, req: LifelineReq) -> Reply:
+async def lifeline(api: Api, req: LifelineReq) -> bytes:
     """Held open by a replica for as long as it lives (re-posted every ``wait_s``):
     when the connection drops with no reply, the process died, and the replica is
     suspected at once (``timeouts.suspect_on_disconnect``). Unlike the held
@@ -112,10 +110,10 @@ async def lifeline(api: Api, req: LifelineReq) -> Reply:
     thread is doing. Ends early if the replica leaves."""
     api.state.member(req.replica_id)  # 410 when not a member
     await api.service.wait("lifeline", req.replica_id, req.wait_s)
-    return Reply.model_construct(**api.envelope())
+    return api.once("lifeline", lambda: Reply(**api.envelope()))
 
 
-async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
+async def quorum(api: Api, req: QuorumReq) -> QuorumReply | bytes:
     """Ask to take part in the role's next quorum at ``step``; held up to ``wait_s``.
     ``pending``: ask again with the same ``request_id``."""
     svc, st = api.service, api.state
@@ -141,10 +139,10 @@ async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
     # A brief of a few hundred bytes, whatever N: the member list is fetched apart,
     # once per change (members below). Sending all N members to each of N replicas
     # every round was O(N^2) bytes a round (docs/benchmarks.md, "Controller").
-    return Response(api.rosters.reply(q, req.replica_id), media_type="application/json")
+    return api.rosters.reply(q, req.replica_id)
 
 
-async def members(api: Api, req: MembersReq) -> Response:
+async def members(api: Api, req: MembersReq) -> bytes:
     """The member list of a quorum this controller answered (one of the role's last
     few), in rank order, or its difference from a list the replica holds (``have``).
     A replica calls it when a quorum brief names a digest it does not hold: once per
@@ -152,7 +150,7 @@ async def members(api: Api, req: MembersReq) -> Response:
     quorum again."""
     body, kind = api.rosters.members(api.state, req)
     api.service.metrics.member_lists.labels(kind).inc()
-    return Response(body, media_type="application/json")
+    return body
 
 
 async def report_failure(api: Api, req: ReportReq) -> ReportReply:
