@@ -23,6 +23,7 @@ from phalanx.protocol.quorum import (
     QuorumBrief,
     QuorumPeer,
     QuorumView,
+    members_of,
     roster_digest,
     view_of,
 )
@@ -94,15 +95,10 @@ class MemberLists:
         req = MembersReq(role=brief.role, quorum_id=brief.quorum_id, digest=brief.digest, have=have)
         r = self.transport.call("/v1/quorum/members", req, MembersReply)
         self.fetches += 1
-        if r.base is None:
-            members = r.members
-        else:
-            base = self.lists.get(r.base)
-            if base is None:
-                return None
-            gone = set(r.removed)
-            kept = [m for m in base if m.replica_id not in gone]
-            members = tuple(sorted(kept + list(r.members), key=lambda m: m.replica_id))
+        base = self.lists.get(r.base) if r.base is not None else None
+        if r.base is not None and base is None:
+            return None
+        members = members_of(r, base)
         if roster_digest(members) != brief.digest:
             if self.log is not None:
                 self.log("member list of quorum %d does not match its digest", brief.quorum_id)

@@ -140,6 +140,19 @@ class MembersReply(Reply):
     """Members of ``base`` that are not in this list."""
 
 
+def members_of(reply: MembersReply, base: tuple[QuorumPeer, ...] | None) -> tuple[QuorumPeer, ...]:
+    """The member list ``reply`` gives: its ``members`` when whole, else ``base`` (the
+    list of digest ``reply.base``, which the caller holds) with the difference
+    applied, in rank order. The caller checks it against the digest it asked for."""
+    if reply.base is None:
+        return reply.members
+    if base is None:
+        raise ValueError(f"a difference from list {reply.base} needs that list")
+    gone = set(reply.removed)
+    kept = [m for m in base if m.replica_id not in gone]
+    return tuple(sorted(kept + list(reply.members), key=lambda m: m.replica_id))
+
+
 class QuorumView(Wire):
     """A quorum as one replica holds it: its brief, with the member list from the
     client's cache. What :meth:`phalanx.client.ControllerClient.quorum` returns;

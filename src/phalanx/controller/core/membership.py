@@ -311,6 +311,8 @@ class Membership:
         (a stopped process's port still accepts) reports them all: left to count, two
         survivors' reports of each other would evict one of them as cut off."""
         blamed = set(m.reported_by)
+        if not blamed:
+            return  # most evictions: nobody reported it, so no report is explained
         for rid in self.roles[m.role].member_ids - {m.replica_id}:
             other = self.members[rid]
             other.reported_by = {r: t for r, t in other.reported_by.items() if r not in blamed}
