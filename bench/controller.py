@@ -154,9 +154,15 @@ class Conn:
 
 
 async def _open_all(url: str, token: str, n: int) -> list[Conn]:
+    """``n`` connections, each answered once (``GET /healthz``) before the next batch
+    opens: a connect returns once the kernel finished the handshake, not once the
+    controller accepted it, and thousands at once overflow its accept queue (the
+    kernel then resets them when the first request comes)."""
     conns = [Conn(url, token) for _ in range(n)]
     for i in range(0, n, CONNECT_BATCH):
-        await asyncio.gather(*(c.open() for c in conns[i : i + CONNECT_BATCH]))
+        batch = conns[i : i + CONNECT_BATCH]
+        await asyncio.gather(*(c.open() for c in batch))
+        await asyncio.gather(*(c.request(b"GET", b"/healthz") for c in batch))
     return conns
 
 
@@ -229,13 +235,20 @@ async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float
 
 
 async def _pooled_heartbeats(conn: Conn, rids: list[str], counter: list[int]) -> None:
-    """Heartbeat each of ``rids`` once a second over one connection, unheld
-    (``wait_s = 0``), spread over the second: where the controller cannot hold a
-    connection per replica for its heartbeat (its file descriptors), as many
-    heartbeats over fewer connections."""
-    bodies = [HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode() for rid in rids]
+    """Heartbeat each of ``rids`` (a list that grows as replicas register) once a
+    second over one connection, unheld (``wait_s = 0``), spread over the second:
+    where the controller cannot hold a connection per replica for its heartbeat (its
+    file descriptors), as many heartbeats over fewer connections."""
+    bodies: list[bytes] = []
     while True:
         start = time.monotonic()
+        bodies += [
+            HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
+            for rid in rids[len(bodies) :]
+        ]
+        if not bodies:
+            await asyncio.sleep(0.05)
+            continue
         for i, body in enumerate(bodies):
             status, data = await conn.request(b"POST", b"/v1/heartbeat", body)
             if status != 200:
@@ -301,36 +314,40 @@ async def _phalanx_worker_async(
     pipe: Any, url: str, token: str, names: list[str], plan: Plan
 ) -> None:
     loop = asyncio.get_running_loop()
+    # Every connection first, while the controller is idle: opened once thousands of
+    # replicas heartbeat, they would wait on its accept queue for minutes.
+    n = len(names)
+    pool = n if plan.held_heartbeats else max(8, n // 10)
     reg = await _open_all(url, token, 8)
+    hb_conns = await _open_all(url, token, pool)
+    q_conns = await _open_all(url, token, n)
+    beats = [0]
+    rids: list[str] = [""] * n
+    shares: list[list[str]] = [[] for _ in range(pool)]
+    hb_tasks = []
+    if not plan.held_heartbeats:
+        hb_tasks = [
+            loop.create_task(_pooled_heartbeats(c, share, beats))
+            for c, share in zip(hb_conns, shares, strict=True)
+        ]
 
-    async def register(conn: Conn, chunk: list[str]) -> list[str]:
-        out = []
-        for name in chunk:
+    async def register(conn: Conn, first: int) -> None:
+        # Each replica heartbeats from its registration on, as the real client does
+        # (the controller evicts a replica silent for heartbeat_s).
+        for i in range(first, n, len(reg)):
             reply = await conn.post(
-                "/v1/register", RegisterReq(role=ROLE, name=name), RegisterReply
+                "/v1/register", RegisterReq(role=ROLE, name=names[i]), RegisterReply
             )
-            out.append(reply.replica_id)
-        return out
+            rids[i] = reply.replica_id
+            if plan.held_heartbeats:
+                hb = _heartbeat_loop(hb_conns[i], rids[i], beats, (i % 100) / 100)
+                hb_tasks.append(loop.create_task(hb))
+            else:
+                shares[i % pool].append(rids[i])
 
-    chunks = await asyncio.gather(*(register(c, names[i :: len(reg)]) for i, c in enumerate(reg)))
-    rids = [rid for chunk in chunks for rid in chunk]
+    await asyncio.gather(*(register(c, i) for i, c in enumerate(reg)))
     for c in reg:
         c.close()
-    beats = [0]
-    if plan.held_heartbeats:
-        hb_conns = await _open_all(url, token, len(rids))
-        hb_tasks = [
-            loop.create_task(_heartbeat_loop(c, rid, beats, i / len(rids)))
-            for i, (c, rid) in enumerate(zip(hb_conns, rids, strict=True))
-        ]
-    else:
-        pool = max(8, len(rids) // 10)
-        hb_conns = await _open_all(url, token, pool)
-        hb_tasks = [
-            loop.create_task(_pooled_heartbeats(c, rids[i::pool], beats))
-            for i, c in enumerate(hb_conns)
-        ]
-    q_conns = await _open_all(url, token, len(rids))
     lists = Lists()
     pipe.send(("ready",))
     _, t0 = await loop.run_in_executor(None, pipe.recv)
@@ -589,11 +606,14 @@ def controller(
     # join_timeout_s: a round waits for every live replica (all N here) unless one
     # is this late. The default 1 s would cut a round at N = 1000 short on a busy
     # 2-core machine; 60 s is also torchft's documented lighthouse join timeout.
-    # max_connections: each replica holds two (its heartbeat and its quorum request).
+    # max_connections (uvicorn's limit_concurrency): each replica holds two connections
+    # (heartbeat, quorum request), and uvicorn counts a finished request's task until
+    # its done-callback runs: when a round's N replies go out and the N next requests
+    # come in at once, it briefly counts twice as many tasks as connections.
     cfg.write_text(
         f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\n'
         f"n_init_replicas = {n_init}\njoin_timeout_s = {JOIN_TIMEOUT_S}\n\n"
-        f"[controller]\nmax_connections = {max(8192, 2 * n_init + FD_MARGIN)}\n"
+        f"[controller]\nmax_connections = {max(8192, 4 * n_init + FD_MARGIN)}\n"
     )
     log = (state / "controller.log").open("wb")
     cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
