@@ -100,6 +100,8 @@ FETCHES_AT_ONCE = 32
 and 5,000 replicas fetching at once would hold 5 GB in one process."""
 FD_MARGIN = 512
 """File descriptors a controller needs besides its replicas' connections."""
+PIPELINED = 64
+"""Pooled heartbeats one connection has in flight at most."""
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------
@@ -124,10 +126,18 @@ class Conn:
         return self
 
     async def request(self, method: bytes, path: bytes, body: bytes = b"") -> tuple[int, bytes]:
-        assert self._r is not None and self._w is not None, "open() the connection first"
+        self.send(method, path, body)
+        return await self.response()
+
+    def send(self, method: bytes, path: bytes, body: bytes = b"") -> None:
+        """Write a request; :meth:`response` reads the replies in the order sent."""
+        assert self._w is not None, "open() the connection first"
         self._w.write(
             b"%s %s %sContent-Length: %d\r\n\r\n%s" % (method, path, self._head, len(body), body)
         )
+
+    async def response(self) -> tuple[int, bytes]:
+        assert self._r is not None, "open() the connection first"
         head = await self._r.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         i = head.lower().find(b"content-length:")
@@ -238,25 +248,58 @@ async def _pooled_heartbeats(conn: Conn, rids: list[str], counter: list[int]) ->
     """Heartbeat each of ``rids`` (a list that grows as replicas register) once a
     second over one connection, unheld (``wait_s = 0``), spread over the second:
     where the controller cannot hold a connection per replica for its heartbeat (its
-    file descriptors), as many heartbeats over fewer connections."""
-    bodies: list[bytes] = []
-    while True:
-        start = time.monotonic()
-        bodies += [
-            HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
-            for rid in rids[len(bodies) :]
-        ]
-        if not bodies:
-            await asyncio.sleep(0.05)
-            continue
-        for i, body in enumerate(bodies):
-            status, data = await conn.request(b"POST", b"/v1/heartbeat", body)
+    file descriptors), as many heartbeats over fewer connections. Pipelined (each
+    sent on time, the replies read as they come), so that a slow reply delays no
+    other replica's heartbeat."""
+    sent = asyncio.Semaphore(PIPELINED)
+
+    async def replies() -> None:
+        while True:
+            status, data = await conn.response()
             if status != 200:
                 raise RuntimeError(f"POST /v1/heartbeat answered {status}: {data[:300]!r}")
             counter[0] += 1
-            lag = start + (i + 1) / len(bodies) - time.monotonic()
-            if lag > 0:
-                await asyncio.sleep(lag)
+            sent.release()
+
+    reader = asyncio.get_running_loop().create_task(replies())
+    bodies: list[bytes] = []
+    try:
+        while True:
+            start = time.monotonic()
+            bodies += [
+                HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
+                for rid in rids[len(bodies) :]
+            ]
+            if not bodies:
+                await asyncio.sleep(0.05)
+                continue
+            for i, body in enumerate(bodies):
+                await sent.acquire()  # a few seconds' worth in flight at most
+                conn.send(b"POST", b"/v1/heartbeat", body)
+                lag = start + (i + 1) / len(bodies) - time.monotonic()
+                if lag > 0:
+                    await asyncio.sleep(lag)
+                if reader.done():
+                    reader.result()  # raises what ended it
+    finally:
+        reader.cancel()
+
+
+async def _refresh(conns: list[Conn]) -> None:
+    """Use each connection once more, opening it again if the controller closed it:
+    registering thousands of replicas can take longer than its keep-alive timeout
+    (75 s), and an idle connection is closed then."""
+
+    async def one(c: Conn) -> None:
+        try:
+            await c.request(b"GET", b"/healthz")
+        except (OSError, asyncio.IncompleteReadError):
+            c.close()
+            await c.open()
+            await c.request(b"GET", b"/healthz")
+
+    for i in range(0, len(conns), CONNECT_BATCH):
+        await asyncio.gather(*(one(c) for c in conns[i : i + CONNECT_BATCH]))
 
 
 def _cpu_s() -> float:
@@ -348,6 +391,7 @@ async def _phalanx_worker_async(
     await asyncio.gather(*(register(c, i) for i, c in enumerate(reg)))
     for c in reg:
         c.close()
+    await _refresh(q_conns)
     lists = Lists()
     pipe.send(("ready",))
     _, t0 = await loop.run_in_executor(None, pipe.recv)

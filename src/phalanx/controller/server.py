@@ -114,7 +114,8 @@ def serve(
     tls = check_tls(tls_cert, tls_key)
     import uvicorn
 
-    from phalanx.controller.http import create_asgi
+    from phalanx.controller.http import create_served
+    from phalanx.controller.http.hot import hot_protocol
     from phalanx.controller.journal import Journal
     from phalanx.controller.lock import StateDirLock
     from phalanx.controller.payloads import PayloadLog
@@ -144,7 +145,7 @@ def serve(
         )
         # After the journal holds the job: from now on a missing journal is damage.
         write_private(state_dir / CONFIG, json.dumps(cfg.dump(), indent=2) + "\n")
-        app = create_asgi(service, token)
+        app, hot = create_served(service, token)
         write_private(state_dir / URL_FILE, url + "\n")
         lock.note(f"pid {os.getpid()} url {url}")
         print(
@@ -152,6 +153,7 @@ def serve(
         )
         config = uvicorn.Config(
             app,
+            http=hot_protocol(hot) or "auto",
             log_level="warning",
             access_log=False,
             timeout_keep_alive=75,

@@ -30,7 +30,8 @@ from starlette.responses import Response
 from phalanx.controller.http import commands, errors, membership, rl
 from phalanx.controller.http.base import Api, Route, json_response
 from phalanx.controller.http.dashboard import dashboard_routes, is_public
-from phalanx.controller.http.middleware import AuthAndEpoch, BodyLimit, FastPath
+from phalanx.controller.http.hot import Hot
+from phalanx.controller.http.middleware import AuthAndEpoch, BodyLimit
 from phalanx.controller.service import ControllerService
 from phalanx.protocol.base import API_VERSION, Health
 from phalanx.protocol.status import Status
@@ -57,16 +58,16 @@ def _endpoint(api: Api, route: Route) -> Any:
 
 def create_app(service: ControllerService, token: str) -> FastAPI:
     """The controller's API as a FastAPI app (its OpenAPI spec, every route)."""
-    return _build(service, token).app
+    return _build(service, token)[0]
 
 
-def create_asgi(service: ControllerService, token: str) -> FastPath:
-    """What the server serves: the API, with its hot routes answered by the
-    :class:`FastPath` in front of it (``.app`` is the FastAPI app)."""
+def create_served(service: ControllerService, token: str) -> tuple[FastAPI, Hot]:
+    """What the server serves: the API, and its hot routes, which the server's HTTP
+    protocol answers itself when it can (:func:`phalanx.controller.http.hot.hot_protocol`)."""
     return _build(service, token)
 
 
-def _build(service: ControllerService, token: str) -> FastPath:
+def _build(service: ControllerService, token: str) -> tuple[FastAPI, Hot]:
     api = Api(service)
 
     @asynccontextmanager
@@ -123,7 +124,7 @@ def _build(service: ControllerService, token: str) -> FastPath:
         unauthorized=errors.unauthorized,
         is_public=is_public,
     )
-    return FastPath(app, api, fast, expected, ctl.max_body_bytes, on_drop)
+    return app, Hot(api, fast, expected, ctl.max_body_bytes, on_drop)
 
 
 def _status_routes(app: FastAPI, api: Api, authorized: Any) -> None:
