@@ -69,13 +69,20 @@ from pydantic import BaseModel
 from phalanx.protocol.membership import (
     HeartbeatReply,
     HeartbeatReq,
-    Quorum,
     QuorumReply,
     QuorumReq,
     RegisterReply,
     RegisterReq,
     ReportReply,
     ReportReq,
+)
+from phalanx.protocol.quorum import (
+    MembersReply,
+    MembersReq,
+    QuorumBrief,
+    QuorumPeer,
+    members_of,
+    roster_digest,
 )
 from phalanx.protocol.status import Status
 
@@ -88,6 +95,13 @@ READY_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 60.0
 DRIVE_TIMEOUT_S = 600.0
 HEARTBEAT_THREADS = 8
+FETCHES_AT_ONCE = 32
+"""Member-list fetches one load worker has in flight: at N = 10,000 a list is ~1 MB,
+and 5,000 replicas fetching at once would hold 5 GB in one process."""
+FD_MARGIN = 512
+"""File descriptors a controller needs besides its replicas' connections."""
+PIPELINED = 64
+"""Pooled heartbeats one connection has in flight at most."""
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------
@@ -112,10 +126,18 @@ class Conn:
         return self
 
     async def request(self, method: bytes, path: bytes, body: bytes = b"") -> tuple[int, bytes]:
-        assert self._r is not None and self._w is not None, "open() the connection first"
+        self.send(method, path, body)
+        return await self.response()
+
+    def send(self, method: bytes, path: bytes, body: bytes = b"") -> None:
+        """Write a request; :meth:`response` reads the replies in the order sent."""
+        assert self._w is not None, "open() the connection first"
         self._w.write(
             b"%s %s %sContent-Length: %d\r\n\r\n%s" % (method, path, self._head, len(body), body)
         )
+
+    async def response(self) -> tuple[int, bytes]:
+        assert self._r is not None, "open() the connection first"
         head = await self._r.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         i = head.lower().find(b"content-length:")
@@ -142,20 +164,75 @@ class Conn:
 
 
 async def _open_all(url: str, token: str, n: int) -> list[Conn]:
+    """``n`` connections, each answered once (``GET /healthz``) before the next batch
+    opens: a connect returns once the kernel finished the handshake, not once the
+    controller accepted it, and thousands at once overflow its accept queue (the
+    kernel then resets them when the first request comes)."""
     conns = [Conn(url, token) for _ in range(n)]
     for i in range(0, n, CONNECT_BATCH):
-        await asyncio.gather(*(c.open() for c in conns[i : i + CONNECT_BATCH]))
+        batch = conns[i : i + CONNECT_BATCH]
+        await asyncio.gather(*(c.open() for c in batch))
+        await asyncio.gather(*(c.request(b"GET", b"/healthz") for c in batch))
     return conns
 
 
-async def _quorum(conn: Conn, rid: str, step: int) -> Quorum:
+class Lists:
+    """The member lists of one load worker's replicas. Each simulated replica holds a
+    digest and fetches the list (or its difference) when its brief names another, as
+    the real client does (:mod:`phalanx.client.members`); a reply is parsed and
+    checked once per worker (5,000 replicas in one process cannot each parse 10,000
+    members: a real replica parses its own list, on its own host, once per change)."""
+
+    def __init__(self) -> None:
+        self.by_digest: dict[str, tuple[QuorumPeer, ...]] = {}
+        self.parsed: dict[bytes, tuple[QuorumPeer, ...]] = {}
+        self.held: dict[str, str] = {}
+        """Replica id -> the digest of the list it holds."""
+        self.fetches = 0
+        self.reply_bytes = 0
+        """The largest quorum reply (a brief) seen."""
+        self.gate = asyncio.Semaphore(FETCHES_AT_ONCE)
+
+    async def of(self, conn: Conn, rid: str, brief: QuorumBrief) -> tuple[QuorumPeer, ...]:
+        have = self.held.get(rid)
+        if have != brief.digest:
+            req = MembersReq(
+                role=brief.role, quorum_id=brief.quorum_id, digest=brief.digest, have=have
+            )
+            async with self.gate:
+                status, data = await conn.request(
+                    b"POST", b"/v1/quorum/members", req.model_dump_json().encode()
+                )
+            if status != 200:
+                raise RuntimeError(f"POST /v1/quorum/members answered {status}: {data[:300]!r}")
+            self.fetches += 1
+            if data not in self.parsed:
+                reply = MembersReply.model_validate_json(data)
+                base = self.by_digest.get(reply.base) if reply.base is not None else None
+                members = members_of(reply, base)
+                if roster_digest(members) != brief.digest:
+                    raise RuntimeError(f"member list does not match digest {brief.digest}")
+                self.parsed[data] = self.by_digest[brief.digest] = members
+            self.held[rid] = brief.digest
+        return self.by_digest[brief.digest]
+
+
+async def _quorum(
+    conn: Conn, rid: str, step: int, lists: Lists
+) -> tuple[QuorumBrief, tuple[QuorumPeer, ...]]:
     """Ask for the quorum at ``step`` until it is answered (a pending long-poll is
-    retried with the same request id, as the real client does)."""
+    retried with the same request id, as the real client does), then hold its member
+    list (fetched only when the digest changed)."""
     req = QuorumReq(replica_id=rid, step=step, request_id=f"s{step}", wait_s=QUORUM_WAIT_S)
+    body = req.model_dump_json().encode()
     while True:
-        reply = await conn.post("/v1/quorum", req, QuorumReply)
+        status, data = await conn.request(b"POST", b"/v1/quorum", body)
+        if status != 200:
+            raise RuntimeError(f"POST /v1/quorum answered {status}: {data[:300]!r}")
+        reply = QuorumReply.model_validate_json(data)
         if reply.quorum is not None:
-            return reply.quorum
+            lists.reply_bytes = max(lists.reply_bytes, len(data))
+            return reply.quorum, await lists.of(conn, rid, reply.quorum)
 
 
 async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float = 0.0) -> None:
@@ -165,6 +242,64 @@ async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float
     while True:
         await conn.post("/v1/heartbeat", HeartbeatReq(replica_id=rid, wait_s=1.0), HeartbeatReply)
         counter[0] += 1
+
+
+async def _pooled_heartbeats(conn: Conn, rids: list[str], counter: list[int]) -> None:
+    """Heartbeat each of ``rids`` (a list that grows as replicas register) once a
+    second over one connection, unheld (``wait_s = 0``), spread over the second:
+    where the controller cannot hold a connection per replica for its heartbeat (its
+    file descriptors), as many heartbeats over fewer connections. Pipelined (each
+    sent on time, the replies read as they come), so that a slow reply delays no
+    other replica's heartbeat."""
+    sent = asyncio.Semaphore(PIPELINED)
+
+    async def replies() -> None:
+        while True:
+            status, data = await conn.response()
+            if status != 200:
+                raise RuntimeError(f"POST /v1/heartbeat answered {status}: {data[:300]!r}")
+            counter[0] += 1
+            sent.release()
+
+    reader = asyncio.get_running_loop().create_task(replies())
+    bodies: list[bytes] = []
+    try:
+        while True:
+            start = time.monotonic()
+            bodies += [
+                HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
+                for rid in rids[len(bodies) :]
+            ]
+            if not bodies:
+                await asyncio.sleep(0.05)
+                continue
+            for i, body in enumerate(bodies):
+                await sent.acquire()  # a few seconds' worth in flight at most
+                conn.send(b"POST", b"/v1/heartbeat", body)
+                lag = start + (i + 1) / len(bodies) - time.monotonic()
+                if lag > 0:
+                    await asyncio.sleep(lag)
+                if reader.done():
+                    reader.result()  # raises what ended it
+    finally:
+        reader.cancel()
+
+
+async def _refresh(conns: list[Conn]) -> None:
+    """Use each connection once more, opening it again if the controller closed it:
+    registering thousands of replicas can take longer than its keep-alive timeout
+    (75 s), and an idle connection is closed then."""
+
+    async def one(c: Conn) -> None:
+        try:
+            await c.request(b"GET", b"/healthz")
+        except (OSError, asyncio.IncompleteReadError):
+            c.close()
+            await c.open()
+            await c.request(b"GET", b"/healthz")
+
+    for i in range(0, len(conns), CONNECT_BATCH):
+        await asyncio.gather(*(one(c) for c in conns[i : i + CONNECT_BATCH]))
 
 
 def _cpu_s() -> float:
@@ -196,38 +331,68 @@ class Plan:
     rounds: int
     warmup: int
     interval_s: float
+    held_heartbeats: bool = True
+    """One held heartbeat connection per replica, as the real client; else pooled
+    (:func:`_pooled_heartbeats`)."""
+    profile: str = ""
+    """Write each load worker's cProfile stats here ('' for none)."""
 
 
 def _phalanx_worker(pipe: Any, url: str, token: str, names: list[str], plan: Plan) -> None:
-    _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+    if not plan.profile:
+        _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+    finally:
+        prof.disable()
+        prof.dump_stats(f"{plan.profile}-{os.getpid()}.prof")
 
 
 async def _phalanx_worker_async(
     pipe: Any, url: str, token: str, names: list[str], plan: Plan
 ) -> None:
     loop = asyncio.get_running_loop()
+    # Every connection first, while the controller is idle: opened once thousands of
+    # replicas heartbeat, they would wait on its accept queue for minutes.
+    n = len(names)
+    pool = n if plan.held_heartbeats else max(8, n // 10)
     reg = await _open_all(url, token, 8)
+    hb_conns = await _open_all(url, token, pool)
+    q_conns = await _open_all(url, token, n)
+    beats = [0]
+    rids: list[str] = [""] * n
+    shares: list[list[str]] = [[] for _ in range(pool)]
+    hb_tasks = []
+    if not plan.held_heartbeats:
+        hb_tasks = [
+            loop.create_task(_pooled_heartbeats(c, share, beats))
+            for c, share in zip(hb_conns, shares, strict=True)
+        ]
 
-    async def register(conn: Conn, chunk: list[str]) -> list[str]:
-        out = []
-        for name in chunk:
+    async def register(conn: Conn, first: int) -> None:
+        # Each replica heartbeats from its registration on, as the real client does
+        # (the controller evicts a replica silent for heartbeat_s).
+        for i in range(first, n, len(reg)):
             reply = await conn.post(
-                "/v1/register", RegisterReq(role=ROLE, name=name), RegisterReply
+                "/v1/register", RegisterReq(role=ROLE, name=names[i]), RegisterReply
             )
-            out.append(reply.replica_id)
-        return out
+            rids[i] = reply.replica_id
+            if plan.held_heartbeats:
+                hb = _heartbeat_loop(hb_conns[i], rids[i], beats, (i % 100) / 100)
+                hb_tasks.append(loop.create_task(hb))
+            else:
+                shares[i % pool].append(rids[i])
 
-    chunks = await asyncio.gather(*(register(c, names[i :: len(reg)]) for i, c in enumerate(reg)))
-    rids = [rid for chunk in chunks for rid in chunk]
+    await asyncio.gather(*(register(c, i) for i, c in enumerate(reg)))
     for c in reg:
         c.close()
-    hb_conns = await _open_all(url, token, len(rids))
-    q_conns = await _open_all(url, token, len(rids))
-    beats = [0]
-    hb_tasks = [
-        loop.create_task(_heartbeat_loop(c, rid, beats, i / len(rids)))
-        for i, (c, rid) in enumerate(zip(hb_conns, rids, strict=True))
-    ]
+    await _refresh(q_conns)
+    lists = Lists()
     pipe.send(("ready",))
     _, t0 = await loop.run_in_executor(None, pipe.recv)
     samples: list[tuple[int, float, float]] = []
@@ -239,10 +404,10 @@ async def _phalanx_worker_async(
             if delay > 0:
                 await asyncio.sleep(delay)
             sent = time.monotonic()
-            q = await _quorum(conn, rid, r)
+            brief, members = await _quorum(conn, rid, r, lists)
             answered = time.monotonic()
-            if len(q.members) != plan.n:
-                raise RuntimeError(f"round {r}: quorum has {len(q.members)} members, not {plan.n}")
+            if brief.world_size != plan.n or len(members) != plan.n:
+                raise RuntimeError(f"round {r}: quorum has {len(members)} members, not {plan.n}")
             samples.append((r, sent, answered))
             if r == plan.warmup - 1:
                 warm_left[0] -= 1
@@ -250,13 +415,16 @@ async def _phalanx_worker_async(
                     pipe.send(("warm", _cpu_s(), beats[0]))
 
     await asyncio.gather(*(replica(c, rid) for c, rid in zip(q_conns, rids, strict=True)))
-    cpu = _cpu_s()
+    pipe.send(("done", samples, beats[0], _cpu_s(), lists.fetches, lists.reply_bytes))
+    # Heartbeat on until the coordinator has read the controller's figures: closing
+    # a held connection suspects its replica (that is the point of holding it), and
+    # the evictions that follow are the teardown's, not the run's.
+    await loop.run_in_executor(None, pipe.recv)
     for t in hb_tasks:
         t.cancel()
     await asyncio.gather(*hb_tasks, return_exceptions=True)
     for c in hb_conns + q_conns:
         c.close()
-    pipe.send(("done", samples, beats[0], cpu))
 
 
 def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
@@ -358,6 +526,10 @@ class Load:
     heartbeats: int
     loadgen_cpu_s: float
     window_s: float
+    fetches: int = 0
+    """Member lists the replicas fetched (phalanx), over the whole run."""
+    reply_bytes: int = 0
+    """The largest quorum reply (phalanx)."""
 
 
 def _drive(
@@ -366,6 +538,7 @@ def _drive(
     on_warm: Callable[[], None],
     on_done: Callable[[], None],
     timeout_s: float,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Load:
     """Run the load workers through ready / go / warm / done (see above)."""
     ctx = mp.get_context("spawn")
@@ -378,7 +551,7 @@ def _drive(
             pipes.append(mine)
             procs.append(p)
         for pipe in pipes:
-            _expect(pipe, "ready", READY_TIMEOUT_S)
+            _expect(pipe, "ready", ready_timeout_s)
         t0 = time.monotonic() + 0.5
         for pipe in pipes:
             pipe.send(("go", t0))
@@ -388,6 +561,8 @@ def _drive(
         done = [_expect(pipe, "done", timeout_s) for pipe in pipes]
         on_done()
         window = time.monotonic() - w0
+        for pipe in pipes:
+            pipe.send(("stop",))  # a phalanx worker ends its heartbeats now
         for p in procs:
             p.join(timeout=30)
         return Load(
@@ -395,6 +570,8 @@ def _drive(
             heartbeats=sum(d[2] for d in done) - sum(w[2] for w in warm),
             loadgen_cpu_s=sum(d[3] for d in done) - sum(w[1] for w in warm),
             window_s=window,
+            fetches=sum(d[4] for d in done if len(d) > 4),
+            reply_bytes=max((d[5] for d in done if len(d) > 5), default=0),
         )
     finally:
         for p in procs:
@@ -454,10 +631,12 @@ class Controller:
         raise RuntimeError("controller /metrics must expose phalanx_heartbeats_total")
 
     def evictions_total(self) -> int:
+        return int(self.metric("phalanx_evictions_total"))
+
+    def metric(self, name: str) -> float:
+        """The sum of ``name``'s samples on ``/metrics`` (every label set)."""
         lines = self.get("/metrics").text.splitlines()
-        return int(
-            sum(float(x.split()[-1]) for x in lines if x.startswith("phalanx_evictions_total"))
-        )
+        return sum(float(x.split()[-1]) for x in lines if x.startswith((name + " ", name + "{")))
 
 
 @contextlib.contextmanager
@@ -474,10 +653,15 @@ def controller(
     # join_timeout_s: a round waits for every live replica (all N here) unless one
     # is this late. The default 1 s would cut a round at N = 1000 short on a busy
     # 2-core machine; 60 s is also torchft's documented lighthouse join timeout.
+    # max_connections (uvicorn's limit_concurrency): each replica holds two connections
+    # (heartbeat, quorum request), and uvicorn counts a finished request's task until
+    # its done-callback runs: when a round's N replies go out and the N next requests
+    # come in at once, it briefly counts twice as many tasks as connections.
     cfg.write_text(
-        f'[job]\nid = "{name}"\n\n[controller]\njournal = "{journal}"\n\n'
-        f"[roles.{ROLE}]\nmin_replicas = 1\n"
-        f"n_init_replicas = {n_init}\njoin_timeout_s = {JOIN_TIMEOUT_S}\n"
+        f'[job]\nid = "{name}"\n\n[roles.{ROLE}]\nmin_replicas = 1\n'
+        f"n_init_replicas = {n_init}\njoin_timeout_s = {JOIN_TIMEOUT_S}\n\n"
+        f'[controller]\njournal = "{journal}"\n'
+        f"max_connections = {max(8192, 4 * n_init + FD_MARGIN)}\n"
     )
     log = (state / "controller.log").open("wb")
     cmd = [sys.executable, "-m", "phalanx.cli", "controller", "--state-dir", str(state)]
@@ -525,11 +709,13 @@ def bench_phalanx(
     with controller(tmp, f"bench-n{plan.n}", plan.n, profile_dir, journal) as ctl:
         cpu = psutil.Process(ctl.pid)
         marks: dict[str, tuple[float, float, float]] = {}
+        evictions: dict[str, int] = {}
 
         def mark(key: str) -> Callable[[], None]:
             def f() -> None:
                 t = cpu.cpu_times()
                 marks[key] = (time.monotonic(), t.user + t.system, ctl.heartbeats_total())
+                evictions[key] = ctl.evictions_total()
 
             return f
 
@@ -541,14 +727,20 @@ def bench_phalanx(
             mark("done"),
             timeout_s=DRIVE_TIMEOUT_S,
         )
-        evictions = ctl.evictions_total()
+        served = ctl.metric("phalanx_quorum_member_lists_total")
+        quorum_ids = ctl.metric("phalanx_quorum_id")
     (t_a, c_a, h_a), (t_b, c_b, h_b) = marks["warm"], marks["done"]
     return {
         **_summarize(load, plan.warmup),
         "heartbeats_per_s": round((h_b - h_a) / (t_b - t_a), 1),
+        "heartbeat_mode": "held" if plan.held_heartbeats else "pooled",
         "controller_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
         "loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),
-        "evictions": evictions,
+        "evictions": evictions["done"],
+        "quorum_reply_bytes": load.reply_bytes,
+        "quorum_ids": int(quorum_ids),
+        "member_lists_fetched": load.fetches,
+        "member_lists_served": int(served),
     }
 
 
@@ -580,7 +772,7 @@ def torchft_version() -> str | None:
     return version("torchft")
 
 
-def bench_torchft(tmp: Path, plan: Plan, workers: int) -> dict[str, Any]:
+def bench_torchft(tmp: Path, plan: Plan, workers: int, timeout_s: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     log = str(tmp / f"lighthouse-n{plan.n}.log")
@@ -604,7 +796,8 @@ def bench_torchft(tmp: Path, plan: Plan, workers: int) -> dict[str, Any]:
             [(addr, chunk, plan) for chunk in _split(names, workers)],
             mark("warm"),
             mark("done"),
-            timeout_s=DRIVE_TIMEOUT_S,
+            timeout_s=timeout_s,
+            ready_timeout_s=timeout_s,
         )
         mine.send("stop")
         server.join(timeout=10)
@@ -655,23 +848,24 @@ async def _fd_replica_async(pipe: Any, url: str, token: str, name: str) -> None:
     ).replica_id
     beats = [0]
     hb_task = loop.create_task(_heartbeat_loop(hb, rid, beats))
+    lists = Lists()
     pipe.send(("ready", rid, os.getpid()))
     while True:
         msg = await loop.run_in_executor(None, pipe.recv)
         if msg[0] == "quorum":
-            q = await _quorum(conn, rid, msg[1])
-            pipe.send(("quorum", q.replica_ids))
+            _, members = await _quorum(conn, rid, msg[1], lists)
+            pipe.send(("quorum", [m.replica_id for m in members]))
         elif msg[0] == "report":
             _, victim, step = msg
             sent = time.monotonic()
             report = ReportReq(reporter=rid, suspects=[victim], reason="bench: collective error")
             await conn.post("/v1/report-failure", report, ReportReply)
-            t_evict, q = await asyncio.gather(
-                _evicted_at(status_conn, victim), _quorum(conn, rid, step)
+            t_evict, (_, members) = await asyncio.gather(
+                _evicted_at(status_conn, victim), _quorum(conn, rid, step, lists)
             )
             t_quorum = time.monotonic()
-            members = q.replica_ids
-            pipe.send(("reported", t_evict - sent, t_quorum - sent, members))
+            ids = [m.replica_id for m in members]
+            pipe.send(("reported", t_evict - sent, t_quorum - sent, ids))
         else:
             break
     hb_task.cancel()
@@ -746,7 +940,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fd-trials", type=int, default=3, help="failure-detection trials")
     p.add_argument("--no-torchft", action="store_true", help="skip the torchft comparison")
     p.add_argument(
-        "--profile-dir", type=Path, help="run the controller under cProfile, stats into this dir"
+        "--profile-dir",
+        type=Path,
+        help="run the controller and the load workers under cProfile, stats into this dir",
+    )
+    p.add_argument(
+        "--heartbeats",
+        choices=("auto", "held", "pooled"),
+        default="auto",
+        help="held: a held heartbeat connection per replica, as the real client; pooled: "
+        "1 Hz unheld heartbeats over N/10 connections; auto: held where the controller's "
+        "file descriptors allow 2N connections",
+    )
+    p.add_argument(
+        "--torchft-timeout-s",
+        type=float,
+        default=300.0,
+        help="give up the torchft arm (and say where it stopped) after this long per phase",
     )
     p.add_argument(
         "--journal",
@@ -763,7 +973,13 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(d)
         for n in (int(x) for x in args.n.split(",")):
             rounds = args.rounds or max(args.warmup + 4, min(12, 6000 // n))
-            plan = Plan(n, rounds, args.warmup, args.interval_s)
+            held = args.heartbeats == "held" or (
+                args.heartbeats == "auto" and 2 * n + FD_MARGIN <= _fd_limit()
+            )
+            profile = str(args.profile_dir / f"loadgen-n{n}") if args.profile_dir else ""
+            if args.profile_dir:
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+            plan = Plan(n, rounds, args.warmup, args.interval_s, held, profile)
             workers = 1 if n < 100 else args.workers
             row: dict[str, Any] = {
                 "n": n,
@@ -776,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             row.update(bench_phalanx(tmp, plan, workers, args.profile_dir, args.journal))
             row["journal"] = args.journal.split("://")[0]
-            row.update(torchft_fields(tmp, plan, workers, tf_version))
+            row.update(torchft_fields(tmp, plan, workers, tf_version, args.torchft_timeout_s))
             ours, theirs = row["quorum_p50_ms"], row.get("torchft_quorum_p50_ms")
             row["ratio_vs_torchft"] = round(ours / theirs, 2) if theirs else None
             rows.append(row)
@@ -800,7 +1016,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def torchft_fields(tmp: Path, plan: Plan, workers: int, version: str | None) -> dict[str, Any]:
+def _fd_limit() -> int:
+    """File descriptors the controller (a child of this process) may open."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def torchft_fields(
+    tmp: Path, plan: Plan, workers: int, version: str | None, timeout_s: float
+) -> dict[str, Any]:
     empty = {
         "torchft_quorum_p50_ms": None,
         "torchft_quorum_p99_ms": None,
@@ -810,9 +1033,9 @@ def torchft_fields(tmp: Path, plan: Plan, workers: int, version: str | None) -> 
     if version is None:
         return {**empty, "torchft_reason": "skipped, or torchft is not installed"}
     try:
-        return {**bench_torchft(tmp, plan, workers), "torchft_version": version}
+        return {**bench_torchft(tmp, plan, workers, timeout_s), "torchft_version": version}
     except Exception as e:
-        return {**empty, "torchft_reason": f"torchft run failed at N={plan.n}: {e!r}"}
+        return {**empty, "torchft_reason": f"torchft run failed at N={plan.n}: {e}"}
 
 
 def _median(xs: list[float]) -> float:

@@ -22,7 +22,7 @@ from phalanx.protocol.rl import (
     parse_rollout_id,
 )
 
-MODULES = ["base", "membership", "commands", "rl", "status"]
+MODULES = ["base", "membership", "quorum", "commands", "rl", "status"]
 FREE_FORM = {
     ("EnqueueReq", "payload"),
     ("Command", "payload"),

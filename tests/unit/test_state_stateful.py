@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +371,28 @@ class ControllerMachine(RuleBasedStateMachine):
             assert (rs.pending_since is None) == (not rs.pending)
             assert rs.force_bump == self.failed_commit[name]
         assert set(self.state.commands.queues) <= set(self.state.members)
+
+    @invariant()
+    def indexes_agree(self) -> None:
+        """The indexes that keep a request, a heartbeat and a tick O(1) at N replicas
+        say what a scan of the records would."""
+        ms = self.state.members
+        for name in ROLES:
+            rs = self.state.roles[name]
+            by_step: dict[int, set[str]] = {}
+            for rid in rs.member_ids:
+                by_step.setdefault(ms[rid].step, set()).add(rid)
+            assert rs.by_step == by_step
+            assert rs.pending_steps == Counter(p.step for p in rs.pending.values())
+            assert rs.ranks_count == Counter(ms[r].ranks for r in rs.member_ids)
+            assert rs.roots == Counter((ms[r].state_root, ms[r].root_id) for r in rs.member_ids)
+            assert all(rs.next_deadline <= p.deadline for p in rs.pending.values())
+        seen = list(self.state.membership._by_seen)
+        assert sorted(seen) == sorted(ms)
+        assert [ms[r].last_seen for r in seen] == sorted(ms[r].last_seen for r in seen)
+        assert self.state.membership._suspects == {
+            r for r, m in ms.items() if m.suspect_since is not None
+        }
 
     @invariant()
     def journal_matches(self) -> None:

@@ -3,9 +3,11 @@
 - ``transport.py``  where the controller is, the job token, one typed call with retries
 - ``replica.py``    :class:`ControllerClient`: membership, quorum, commands, the RL ledger
 - ``liveness.py``   the heartbeat and lifeline threads, and the progress they carry
+- ``members.py``    the cache of quorum member lists, fetched once per change of membership
 """
 
 from phalanx.client.liveness import LIFELINE_HOLD_S
+from phalanx.client.members import DigestMismatch
 from phalanx.client.replica import ControllerClient
 from phalanx.client.transport import (
     CertificateMismatch,
@@ -25,6 +27,7 @@ __all__ = [
     "ControllerClient",
     "ControllerError",
     "ControllerUnreachable",
+    "DigestMismatch",
     "Evicted",
     "QuorumTimeout",
     "Rejected",

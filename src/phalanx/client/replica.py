@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from phalanx.client.ledger import LedgerCalls
 from phalanx.client.liveness import Liveness
+from phalanx.client.members import MemberLists
 from phalanx.client.transport import Evicted, QuorumTimeout, Transport
 from phalanx.log import ReplicaLogger, Who
 from phalanx.protocol.base import OkReply, Scalar
@@ -51,7 +52,6 @@ from phalanx.protocol.commands import (
 from phalanx.protocol.membership import (
     DeregisterReq,
     HeartbeatReply,
-    Quorum,
     QuorumReply,
     QuorumReq,
     RegisterReply,
@@ -59,6 +59,7 @@ from phalanx.protocol.membership import (
     ReportReply,
     ReportReq,
 )
+from phalanx.protocol.quorum import QuorumView
 from phalanx.protocol.status import Status
 
 log = logging.getLogger("phalanx.client")
@@ -104,6 +105,8 @@ class ControllerClient(LedgerCalls):
         self.leaving = False
         self._reg_lock = threading.Lock()
         self.liveness = Liveness(self)
+        self.member_lists = MemberLists(self.transport, self.log.warning)
+        """Quorum member lists, by digest: fetched once per change of membership."""
 
     @property
     def url(self) -> str:
@@ -244,14 +247,16 @@ class ControllerClient(LedgerCalls):
 
     # -- quorum ----------------------------------------------------------
 
-    def quorum(self, step: int, timeout_s: float | None = None, lineage: int = 0) -> Quorum:
+    def quorum(self, step: int, timeout_s: float | None = None, lineage: int = 0) -> QuorumView:
         """Block until this replica is in a quorum of its role for ``step``.
 
         Call it once per step from the replica's rank 0, with the replica's
         committed step. Safe to retry: one call is one request id, so a
         controller that answered before a network error answers the same
-        quorum again. Raises :class:`QuorumTimeout` after ``timeout_s``
-        (default: the job's ``timeouts.quorum_s``)."""
+        quorum again. The reply is a brief; the member list comes from
+        :attr:`member_lists`, fetched only when membership changed. Raises
+        :class:`QuorumTimeout` after ``timeout_s`` (default: the job's
+        ``timeouts.quorum_s``)."""
         if timeout_s is None:
             timeout_s = self.timeouts.quorum_timeout_s if self.timeouts is not None else 60.0
         request_id = uuid.uuid4().hex
@@ -265,7 +270,7 @@ class ControllerClient(LedgerCalls):
                 )
             wait = min(10.0, left)
 
-            def ask(rid: str, wait: float = wait, left: float = left) -> QuorumReply:
+            def ask(rid: str, wait: float = wait, left: float = left) -> tuple[str, QuorumReply]:
                 req = QuorumReq(
                     replica_id=rid,
                     step=step,
@@ -274,12 +279,15 @@ class ControllerClient(LedgerCalls):
                     wait_s=wait,
                     lineage=lineage,
                 )
-                return self.transport.call("/v1/quorum", req, QuorumReply, timeout=wait + 10)
+                return rid, self.transport.call("/v1/quorum", req, QuorumReply, timeout=wait + 10)
 
-            r = self._as_member(ask)
+            rid, r = self._as_member(ask)
             if r.status == "ok" and r.quorum is not None:
-                self.who.quorum_id = r.quorum.quorum_id
-                return r.quorum
+                view = self.member_lists.view(r.quorum, rid)
+                if view is None:  # the controller no longer keeps that quorum: ask again
+                    continue
+                self.who.quorum_id = view.quorum_id
+                return view
 
     # -- failures and commands -------------------------------------------
 

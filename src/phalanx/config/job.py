@@ -278,10 +278,13 @@ class JobConfig(_Section):
         """An exact reduction refuses what it cannot honour (module doc of
         :mod:`phalanx.train.exact`): a lossy wire format, a sum of more terms than
         its headroom holds."""
-        from phalanx.train.exact import MAX_TERMS
-
         if not self.train.exact_reduction:
             return
+        # Only here: phalanx.train.exact imports torch, which a controller (every job's
+        # config is checked in it) must not load: a second and a half at its start, and
+        # half a million objects every full garbage collection walks.
+        from phalanx.train.exact import MAX_TERMS
+
         dc = self.diloco
         if dc is not None and dc.compression != "none":
             raise ValueError(

@@ -213,14 +213,12 @@ class GRPOSection(_Section):
 
     @model_validator(mode="after")
     def _exact_fits(self) -> GRPOSection:
-        from phalanx.train.exact import MAX_TERMS
+        if not (self.exact_reduction and self.micro_batch_size):
+            return self
+        from phalanx.train.exact import MAX_TERMS  # imports torch: only when needed
 
         rows = self.prompts_per_step * self.group_size
-        if (
-            self.exact_reduction
-            and self.micro_batch_size
-            and rows > MAX_TERMS * self.micro_batch_size
-        ):
+        if rows > MAX_TERMS * self.micro_batch_size:
             raise ValueError(
                 f"grpo.prompts_per_step x grpo.group_size / grpo.micro_batch_size must be at "
                 f"most {MAX_TERMS} micro-batches with grpo.exact_reduction: got "

@@ -206,6 +206,13 @@ class Metrics:
             registry=r,
         )
         self.reports = Counter("phalanx_failure_reports", "Failure reports received.", registry=r)
+        self.member_lists = Counter(
+            "phalanx_quorum_member_lists",
+            "Quorum member lists served: whole (kind=full) or as the difference from a list "
+            "the replica held (kind=delta). About one per replica per change of membership.",
+            ["kind"],
+            registry=r,
+        )
         self.commands = Counter("phalanx_commands", "Commands queued.", ["kind"], registry=r)
         self.journal_writes = Counter(
             "phalanx_journal_writes", "Journal transactions committed.", registry=r

@@ -101,7 +101,7 @@ class ControllerService:
         self.metrics = Metrics(self)
         self.outbox = Outbox(journal, wall, self._act, self.metrics.journal_writes.inc)
         """The journal write of every call, and what happens while the journal is down."""
-        self._waiters: dict[str, dict[str, list[asyncio.Future[None]]]] = {k: {} for k in WAITS}
+        self._waiters: dict[str, dict[str, list[asyncio.Future[bool]]]] = {k: {} for k in WAITS}
         self._ticker: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         """Connections to suspects' addresses in flight (:meth:`_probe_address`)."""
@@ -237,22 +237,24 @@ class ControllerService:
     def _wake(self, kind: str, key: str) -> None:
         for fut in self._waiters[kind].pop(key, []):
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(True)
 
     async def wait(self, kind: str, key: str, timeout: float) -> bool:
         """Wait until ``key`` (a replica id; a stream's own key for ``status``) is woken
-        for ``kind`` or ``timeout`` passes. Returns True when woken."""
+        for ``kind`` or ``timeout`` passes. Returns True when woken. A future and a
+        timer, no task: every held heartbeat waits here, 10,000 a second at N =
+        10,000 (``asyncio.wait_for`` cost several times more)."""
         waiters = self._waiters[kind]
         if timeout <= 0:
             return False
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
         waiters.setdefault(key, []).append(fut)
+        timer = loop.call_later(timeout, _time_out, fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await fut
         finally:
+            timer.cancel()
             lst = waiters.get(key)
             if lst is not None and fut in lst:
                 lst.remove(fut)
@@ -323,3 +325,8 @@ class ControllerService:
             await asyncio.sleep(0)  # let the collector's last reports apply
         self.journal.close()
         self.payloads.close()
+
+
+def _time_out(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)

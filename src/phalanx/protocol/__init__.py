@@ -6,6 +6,7 @@ from them. One module per part of the API:
 
 - ``base.py``        the strict base model, bounded field types, the reply envelope, errors
 - ``membership.py``  register, heartbeat, lifeline, quorum, failure reports, deregister
+- ``quorum.py``      what a replica learns of a quorum: a brief per round, members per change
 - ``commands.py``    commands to replicas, operator actions, checkpoint reports
 - ``rl.py``          prompt leases, rollouts and their payloads, batches, weight syncs
 - ``status.py``      the job's status and the dashboard's overview

@@ -21,6 +21,7 @@ from phalanx.protocol.base import (
     Wall,
     Wire,
 )
+from phalanx.protocol.quorum import QuorumBrief
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]
 
@@ -117,7 +118,9 @@ class QuorumMember(Wire):
 
 
 class Quorum(Wire):
-    """The replicas of a role that take part in its next step."""
+    """The replicas of a role that take part in its next step: the controller's
+    record of a formed quorum (journaled, and shown by the status API). A replica
+    gets a :class:`~phalanx.protocol.quorum.QuorumBrief` of it instead."""
 
     role: RoleName
     quorum_id: Count
@@ -149,9 +152,10 @@ class Quorum(Wire):
 
 class QuorumReply(Reply):
     status: Literal["ok", "pending"]
-    quorum: Quorum | None = None
-    """The quorum when ``status`` is ``ok``; ask again with the same request id when
-    ``pending``."""
+    quorum: QuorumBrief | None = None
+    """This replica's brief of the quorum when ``status`` is ``ok`` (the member list
+    is fetched apart, once per change: :mod:`phalanx.protocol.quorum`); ask again
+    with the same request id when ``pending``."""
 
 
 class ReportReq(Wire):

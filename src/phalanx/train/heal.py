@@ -31,7 +31,7 @@ from phalanx.comm.transfer import (
     recv_state,
     send_state,
 )
-from phalanx.protocol.membership import Quorum
+from phalanx.protocol.quorum import QuorumView
 
 OPTIMIZER_SLOTS = {
     "Adam": 2,
@@ -147,7 +147,7 @@ def prefault_if_joining(m: Any) -> None:
         m._heal_buffer.start(expected_state_bytes(m.state_dict(), m.optimizer))
 
 
-def heal_in_quorum(m: Any, q: Quorum, me: str | None) -> None:
+def heal_in_quorum(m: Any, q: QuorumView, me: str | None) -> None:
     """The heals of quorum ``q`` that concern ``me`` (a :class:`~phalanx.train.manager.
     Manager`'s replica, as it took the quorum): receive its own state from its
     source, and send its state to each replica it heals."""

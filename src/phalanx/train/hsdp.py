@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from phalanx.log import Who
 from phalanx.net import pin_gloo_interface
-from phalanx.protocol.membership import Quorum
+from phalanx.protocol.quorum import QuorumView
 from phalanx.train.batch import split
 from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
@@ -259,7 +259,7 @@ class HSDPManager(Manager):
         else:
             prefault_if_joining(self)
 
-    def _take_quorum(self) -> Quorum:
+    def _take_quorum(self) -> QuorumView:
         from phalanx.client import QuorumTimeout
 
         if self.ranks.leader:
@@ -287,7 +287,7 @@ class HSDPManager(Manager):
         self.client.incarnations = msg["incarnations"]
         self._replica_at_quorum = msg["replica_id"]
         self._incarnation_at_quorum = msg["incarnations"]
-        q = Quorum.model_validate_json(msg["quorum"])
+        q = QuorumView.model_validate_json(msg["quorum"])
         self._check_layout(q)
         return q
 
@@ -302,14 +302,14 @@ class HSDPManager(Manager):
             return None
         return q.replica_ids.index(me), len(q.members)
 
-    def _group_prefix(self, q: Quorum) -> str:
+    def _group_prefix(self, q: QuorumView) -> str:
         return f"{super()._group_prefix(q)}/n{self.ranks.size}/s{self.ranks.rank}"
 
     def _identity(self) -> tuple[str | None, int]:
         """What rank 0 took the quorum as, alike on every rank (its broadcast)."""
         return self._replica_at_quorum, self._incarnation_at_quorum
 
-    def wait_quorum(self) -> Quorum:
+    def wait_quorum(self) -> QuorumView:
         heals = self.heals
         q = super().wait_quorum()
         self._agree("the quorum's setup")
@@ -331,7 +331,7 @@ class HSDPManager(Manager):
         if healed and min(got[:n]) > 0:
             rec["replica"] = {"bytes": int(sum(got[:n])), "transfer_s": got[n + 1] + got[n]}
 
-    def _check_layout(self, q: Quorum) -> None:
+    def _check_layout(self, q: QuorumView) -> None:
         other = {m.ranks for m in q.members} - {self.ranks.size}
         if other:
             raise LayoutMismatch(

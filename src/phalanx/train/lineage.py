@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from phalanx.client import Rejected
 from phalanx.log import ReplicaLogger
-from phalanx.protocol.membership import Quorum
+from phalanx.protocol.quorum import QuorumView
 from phalanx.train.base import BranchAbandoned, JobFinished
 
 
-def check_quorum(q: Quorum, total_steps: int | None, log: ReplicaLogger) -> None:
+def check_quorum(q: QuorumView, total_steps: int | None, log: ReplicaLogger) -> None:
     """Raise :class:`JobFinished` when ``q`` comes after the job's last step (the
     quorum's, else ``total_steps``) and nobody in it holds that step; log a rollback
     that ``q`` made."""

@@ -36,7 +36,7 @@ from phalanx.comm.base import CommError, Communicator
 from phalanx.data.sampler import ElasticSampler
 from phalanx.log import ReplicaLogger
 from phalanx.net import unreachable, wait_for_most
-from phalanx.protocol.membership import Quorum
+from phalanx.protocol.quorum import QuorumView
 from phalanx.train.base import Compute, StepResult
 from phalanx.train.batch import micro_batches
 from phalanx.train.exact_grads import ExactGrads, ExactShardedGrads
@@ -81,14 +81,14 @@ class Manager:
         self.step = 0
         self.lineage = 0
         """The quorum in which the state was committed last (``QuorumReq.lineage``)."""
-        self.quorum: Quorum | None = None
+        self.quorum: QuorumView | None = None
         self._configured: tuple[int, ...] | None = None
         self._incarnation = -1
         self.rank, self.world_size = 0, 1
         self.extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self.log = ReplicaLogger(logging.getLogger("phalanx.train"), client.who)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
-        self._pending: Future[Quorum] | None = None
+        self._pending: Future[QuorumView] | None = None
         self._heal_buffer = PrefaultedBuffer()
         self._ok = True
         self._error: str | None = None
@@ -187,7 +187,7 @@ class Manager:
             return None
         return q.replica_ids.index(me), len(q.members)
 
-    def wait_quorum(self) -> Quorum:
+    def wait_quorum(self) -> QuorumView:
         """Wait for the quorum; rebuild the process group if ``quorum_id`` changed;
         heal this replica or its assigned lagging peers. CommError is recorded
         (this replica will vote no), not raised."""
@@ -245,7 +245,7 @@ class Manager:
         from the same step)."""
         return self.client.incarnations == self._incarnation
 
-    def _ask(self, step: int, peers: dict[str, str]) -> Quorum:
+    def _ask(self, step: int, peers: dict[str, str]) -> QuorumView:
         timeout = self.quorum_timeout_s or 60.0
         if peers:
             try:
@@ -254,7 +254,7 @@ class Manager:
                 raise QuorumTimeout(f"not rejoining yet: {e}") from None
         return self.client.quorum(step, self.quorum_timeout_s, self.lineage)
 
-    def _take_quorum(self) -> Quorum:
+    def _take_quorum(self) -> QuorumView:
         """The quorum asked for by :meth:`start_quorum` (waits for it). Raises
         :class:`~phalanx.train.base.BranchAbandoned` when the controller refused this
         replica's state as one of a branch the job rolled back."""
@@ -266,11 +266,11 @@ class Manager:
         finally:
             self._pending = None
 
-    def _group_prefix(self, q: Quorum) -> str:
+    def _group_prefix(self, q: QuorumView) -> str:
         """The store prefix of this quorum's process group."""
         return f"{q.role}/q{q.quorum_id}"
 
-    def _heal(self, q: Quorum, me: str | None) -> None:
+    def _heal(self, q: QuorumView, me: str | None) -> None:
         """Receive this replica's heal, or send the heals it is the source of."""
         heal_in_quorum(self, q, me)
 

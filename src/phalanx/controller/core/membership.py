@@ -12,6 +12,8 @@ member records.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from typing import Any
 
 from phalanx.config import JobConfig
@@ -30,6 +32,13 @@ class Membership:
         self.cut_off: set[str] = set()
         """New incarnations of those: until one asks for a quorum (once it reaches its
         peers again), rounds do not wait for it (not durable)."""
+        self._by_seen: OrderedDict[str, None] = OrderedDict()
+        """Member ids, least recently seen first (:meth:`touch`): the ticker finds the
+        silent ones at the front instead of scanning every member every tick."""
+        self._seen_in_order = True
+        """False once a clock went back: :meth:`overdue` then scans them all."""
+        self._last_touch = -math.inf
+        self._suspects: set[str] = set()
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]], now: float) -> None:
         for rec in tables.get("members", {}).values():
@@ -40,7 +49,9 @@ class Membership:
     def _add(self, m: Member) -> None:
         self.members[m.replica_id] = m
         self._by_name[(m.role, m.name)] = m.replica_id
-        self.roles[m.role].member_ids.add(m.replica_id)
+        self.roles[m.role].join(m)
+        self._by_seen[m.replica_id] = None
+        self._note_touch(m.last_seen)
 
     # -- lookups ---------------------------------------------------------
 
@@ -70,8 +81,21 @@ class Membership:
     def seen(self, replica_id: str, now: float) -> Member:
         """The member, marked alive now (any request of its own is a sign of life)."""
         m = self.member(replica_id)
-        m.last_seen = now
+        self.touch(m, now)
         return m
+
+    def touch(self, m: Member, now: float) -> None:
+        """Mark a live member seen at ``now``: the one way to set ``last_seen``, which
+        keeps :meth:`overdue` O(evicted) a tick. O(1)."""
+        m.last_seen = now
+        self._by_seen.move_to_end(m.replica_id)
+        self._note_touch(now)
+
+    def _note_touch(self, now: float) -> None:
+        if now < self._last_touch:
+            self._seen_in_order = False
+        else:
+            self._last_touch = now
 
     # -- changes ---------------------------------------------------------
 
@@ -101,7 +125,12 @@ class Membership:
         if rid in self.members:
             raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
         old = self._by_name.get((role, name))
-        other = sorted({self.members[r].ranks for r in rs.member_ids if r != old} - {ranks})
+        old_m = self.members[old] if old is not None else None
+        other = sorted(
+            k
+            for k, n in rs.ranks_count.items()
+            if k != ranks and n > (old_m is not None and old_m.ranks == k)
+        )
         if other:
             # Shard r of a replica all-reduces with shard r of its peers: replicas of
             # another size cannot share a step. The job changes its layout through a
@@ -135,6 +164,14 @@ class Membership:
         both branches as trained (issue 34). A root shared at last restart is not
         pinned: with no live peer, a replica may bring another (the job then waits for,
         or explicitly rolls back to, what that root holds)."""
+        same = rs.roots.get((root, root_id), 0)
+        if old is not None and (self.members[old].state_root, self.members[old].root_id) == (
+            root,
+            root_id,
+        ):
+            same -= 1
+        if same == len(rs.member_ids) - (old is not None):
+            return  # every live peer names this root (counted: O(1) a registration)
         for rid in sorted(rs.member_ids):
             peer = self.members[rid]
             if rid == old or (peer.state_root, peer.root_id) == (root, root_id):
@@ -195,10 +232,12 @@ class Membership:
 
     def remove(self, replica_id: str) -> Member:
         self.cut_off.discard(replica_id)
+        self._suspects.discard(replica_id)
         self._explained_by(self.members[replica_id])
         m = self.members.pop(replica_id)
         del self._by_name[(m.role, m.name)]
-        self.roles[m.role].member_ids.discard(replica_id)
+        del self._by_seen[replica_id]
+        self.roles[m.role].leave(m)
         self.log.put("members", replica_id, None)
         return m
 
@@ -215,6 +254,7 @@ class Membership:
     ) -> Member:
         m = self.seen(replica_id, now)
         m.suspect_since = None
+        self._suspects.discard(replica_id)
         if healed is not None:
             self.log.event("healed", wall, role=m.role, replica_id=replica_id, **healed)
         if inner_step is not None:
@@ -225,7 +265,7 @@ class Membership:
             if not rs.losses or step > rs.losses[-1][0]:
                 rs.losses.append((step, loss))
         if step is not None and step > m.step:
-            m.step = step
+            rs.restep(m, step)
             self.save(m)
             if rs.bump_step(step, now):
                 save_role(self.log, rs)
@@ -271,6 +311,8 @@ class Membership:
         (a stopped process's port still accepts) reports them all: left to count, two
         survivors' reports of each other would evict one of them as cut off."""
         blamed = set(m.reported_by)
+        if not blamed:
+            return  # most evictions: nobody reported it, so no report is explained
         for rid in self.roles[m.role].member_ids - {m.replica_id}:
             other = self.members[rid]
             other.reported_by = {r: t for r, t in other.reported_by.items() if r not in blamed}
@@ -281,19 +323,34 @@ class Membership:
         if m is None or m.suspect_since is not None:
             return False
         m.suspect_since, m.suspect_reason = now, reason
+        self._suspects.add(replica_id)
         return True
 
     def overdue(self, now: float) -> list[tuple[str, str]]:
         """(replica id, reason) of every member to evict now: suspects past their
-        grace, and members silent past the heartbeat timeout."""
+        grace, and members silent past the heartbeat timeout, in registration order.
+        Called every tick: O(suspects + evicted), not O(members)."""
         t = self.cfg.timeouts
-        out = []
-        for m in list(self.members.values()):
+        out: dict[str, str] = {}
+        for rid in self._suspects:
+            m = self.members[rid]
             if m.suspect_since is not None and now - m.suspect_since >= t.suspect_grace_s:
-                out.append((m.replica_id, f"{m.suspect_reason}, no heartbeat in grace"))
-            elif now - m.last_seen >= t.heartbeat_s:
-                out.append((m.replica_id, "heartbeat timeout"))
-        return out
+                out[rid] = f"{m.suspect_reason}, no heartbeat in grace"
+        for rid in self._by_seen:
+            if now - self.members[rid].last_seen < t.heartbeat_s:
+                if self._seen_in_order:
+                    break  # the rest were seen later still
+                continue
+            out.setdefault(rid, "heartbeat timeout")
+        if not self._seen_in_order:  # a clock went back: put them in order again
+            ids = sorted(self._by_seen, key=lambda r: self.members[r].last_seen)
+            self._by_seen = OrderedDict.fromkeys(ids)
+            self._last_touch = self.members[ids[-1]].last_seen if ids else -math.inf
+            self._seen_in_order = True
+        if len(out) > 1:  # rare: order them as the members were registered
+            order = {rid: i for i, rid in enumerate(self.members)}
+            return sorted(out.items(), key=lambda kv: order[kv[0]])
+        return list(out.items())
 
 
 def _gone(reason: str, detector: str) -> bool:

@@ -84,7 +84,7 @@ def replica_state(st: ControllerState, rs: RoleState, m: Member) -> str:
     last = rs.last_quorum
     if last is not None and m.replica_id in last.heal:
         return "healing"
-    if last is not None and m.replica_id in last.replica_ids:
+    if last is not None and m.replica_id in rs.prev_ids:  # the last quorum's, as a set
         return "active"
     if last is None and st.ledger is not None and rs.name == "rollout":
         return "active" if st.ledger.weights.versions.get(m.replica_id, -1) >= 0 else "joining"

@@ -7,8 +7,9 @@ I/O or reads a clock.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from phalanx.config import RoleSection
@@ -50,18 +51,22 @@ class Member:
     its peers, which the controller's own probe cannot see)."""
 
     def record(self) -> dict[str, Any]:
-        """The durable fields: those marked ``compare=False`` are liveness and figures."""
-        d = asdict(self)
-        for f in fields(self):
-            if not f.compare:
-                del d[f.name]
+        """The durable fields: those marked ``compare=False`` are liveness and figures.
+        (Not ``dataclasses.asdict``: its deep copies made a round's N member records
+        half of a quorum formation's cost at N = 10,000.)"""
+        d = {name: getattr(self, name) for name in _DURABLE}
+        d["capabilities"] = dict(self.capabilities)
         return d
+
+
+_DURABLE = tuple(f.name for f in fields(Member) if f.compare)
 
 
 def quorum_of(rec: dict[str, Any]) -> Quorum:
     """A journaled quorum record as the wire type (trusted: it was built here)."""
     members = tuple(QuorumMember.model_construct(**m) for m in rec["members"])
-    return Quorum.model_construct(**{**rec, "members": members})
+    fields = {k: v for k, v in rec.items() if k != "request_ids"}  # the journal's own
+    return Quorum.model_construct(**{**fields, "members": members})
 
 
 @dataclass
@@ -84,6 +89,18 @@ class RoleState:
     pending: dict[str, Pending] = field(default_factory=dict)
     pending_since: float | None = None
     member_ids: set[str] = field(default_factory=set)
+    by_step: dict[int, set[str]] = field(default_factory=dict)
+    """The live members by their step (:attr:`Member.step`), kept by :meth:`join`,
+    :meth:`leave` and :meth:`restep`: whether a member that has not asked holds a
+    newer step is then O(distinct steps) a request, not O(N)."""
+    pending_steps: Counter[int] = field(default_factory=Counter)
+    """How many pending requests ask at each step (the round's newest step in O(1))."""
+    next_deadline: float = math.inf
+    """No pending request expires before this (the ticker skips the scan until then)."""
+    ranks_count: Counter[int] = field(default_factory=Counter)
+    """How many live members span each number of ranks."""
+    roots: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """How many live members name each (state root, root id)."""
     prev_ids: frozenset[str] = frozenset()
     prev_pending: int = 0
     """How many of the previous quorum's members are pending (kept incrementally,
@@ -118,20 +135,62 @@ class RoleState:
     def last_quorum(self) -> Quorum | None:
         return self.quorums[-1] if self.quorums else None
 
+    # -- live members, indexed (every change goes through these) -------------
+
+    def join(self, m: Member) -> None:
+        self.member_ids.add(m.replica_id)
+        self.by_step.setdefault(m.step, set()).add(m.replica_id)
+        self.ranks_count[m.ranks] += 1
+        self.roots[(m.state_root, m.root_id)] += 1
+
+    def leave(self, m: Member) -> None:
+        self.member_ids.discard(m.replica_id)
+        self._unstep(m)
+        _uncount(self.ranks_count, m.ranks)
+        _uncount(self.roots, (m.state_root, m.root_id))
+
+    def restep(self, m: Member, step: int) -> None:
+        """Set a live member's step."""
+        if step != m.step:
+            self._unstep(m)
+            m.step = step
+            self.by_step.setdefault(step, set()).add(m.replica_id)
+
+    def _unstep(self, m: Member) -> None:
+        ids = self.by_step.get(m.step)
+        if ids is not None:
+            ids.discard(m.replica_id)
+            if not ids:
+                del self.by_step[m.step]
+
+    # -- pending requests ---------------------------------------------------
+
+    def newest_pending(self) -> int:
+        """The newest step a pending request asks at (call with requests pending)."""
+        return max(self.pending_steps)
+
     def add_pending(self, replica_id: str, p: Pending, now: float) -> None:
-        if replica_id not in self.pending and replica_id in self.prev_ids:
+        old = self.pending.get(replica_id)
+        if old is not None:
+            _uncount(self.pending_steps, old.step)
+        elif replica_id in self.prev_ids:
             self.prev_pending += 1
             if self.prev_since is None:
                 self.prev_since = now
         self.pending[replica_id] = p
+        self.pending_steps[p.step] += 1
+        self.next_deadline = min(self.next_deadline, p.deadline)
         if self.pending_since is None:
             self.pending_since = now
 
     def drop_pending(self, replica_id: str) -> None:
-        if self.pending.pop(replica_id, None) is not None and replica_id in self.prev_ids:
-            self.prev_pending -= 1
-            if self.prev_pending == 0:
-                self.prev_since = None
+        p = self.pending.pop(replica_id, None)
+        if p is not None:
+            _uncount(self.pending_steps, p.step)
+            if replica_id in self.prev_ids:
+                self.prev_pending -= 1
+                if self.prev_pending == 0:
+                    self.prev_since = None
         if not self.pending:
             self.pending_since = None
             self.quorate_since = None
@@ -141,6 +200,8 @@ class RoleState:
         self.unproven_step = 0  # its evictees' steps are the quorum's, or rolled back
         self.prev_ids = frozenset(q.replica_ids)
         self.pending.clear()
+        self.pending_steps.clear()
+        self.next_deadline = math.inf
         self.pending_since = None
         self.prev_pending = 0
         self.prev_since = None
@@ -173,6 +234,12 @@ class RoleState:
             self.steps_seen.append((now, step))
             return True
         return False
+
+
+def _uncount(c: Counter[Any], key: Any) -> None:
+    c[key] -= 1
+    if c[key] <= 0:
+        del c[key]
 
 
 ROLLBACKS_KEPT = 64

@@ -118,7 +118,7 @@ class RLRequests:
         """A rollout replica asks for prompts. The reply carries the lease (or None),
         the sync order it must take part in first (or None), and the job's state."""
         m, led = self._ledger(replica_id, "rollout")
-        m.last_seen = now
+        self.members.touch(m, now)
         led.weights.versions[replica_id] = version  # before deciding whether anyone syncs
         tick = self.maybe_sync(now, wall)
         lease = led.lease(replica_id, version, max_prompts, now=now, wall=wall)
@@ -151,7 +151,7 @@ class RLRequests:
         """Record a lease's rollouts (policy replicas may submit too, under the prompt
         lease each was made for)."""
         m, led = self._ledger(replica_id, "rollout", "policy")
-        m.last_seen = now
+        self.members.touch(m, now)
         out = led.submit(replica_id, lease_id, rollouts, now=now, wall=wall)
         tick = Tick()
         if out["accepted"]:
@@ -182,7 +182,7 @@ class RLRequests:
         ``durable``: the steps it knows to be checkpointed (None: all of ``step``);
         ``batch``: a DiLoCo slot's own batch index (None: the batch of ``step``)."""
         m, led = self._ledger(replica_id, "policy")
-        m.last_seen = now
+        self.members.touch(m, now)
         discarded_before = sum(led.rollouts.discarded.values())
         end_before = (led.final_step, led.finished)
         # The asker committed ``step`` steps: batches those cover are trained even if
@@ -257,7 +257,7 @@ class RLRequests:
         trained. The reply names the sync order it must serve, and whether the job is
         finished. ``metrics`` (what it measured on the batch) go into the history."""
         m, led = self._ledger(replica_id, "policy")
-        m.last_seen = now
+        self.members.touch(m, now)
         tick = Tick()
         end_before = (led.final_step, led.finished)
         if led.ack(step, wall=wall, metrics=metrics, durable=durable):
@@ -278,7 +278,7 @@ class RLRequests:
     ) -> tuple[LostReply, Tick]:
         """A policy replica could not read these rollouts' payloads."""
         m, led = self._ledger(replica_id, "policy")
-        m.last_seen = now
+        self.members.touch(m, now)
         discarded, reopened = led.lose(lost, wall=wall)
         tick = Tick()
         if discarded:
@@ -293,7 +293,7 @@ class RLRequests:
         order names it (it registered ``inflight_updates``). Cheap: no lease changes
         hands; a sync that is due may be ordered by the ask."""
         m, led = self._ledger(replica_id, "rollout")
-        m.last_seen = now
+        self.members.touch(m, now)
         if replica_id in led.weights.versions:  # not one a failed sync left out
             led.weights.versions[replica_id] = version
         tick = self.maybe_sync(now, wall)
@@ -315,7 +315,7 @@ class RLRequests:
     ) -> tuple[SyncDoneReply, Tick]:
         m = self.members.member(replica_id)
         _, led = self._ledger(replica_id, m.role)
-        m.last_seen = now
+        self.members.touch(m, now)
         tick = Tick()
         if led.weights.done(replica_id, seq, version, ok, error, wall=wall):
             tick.ledger_for |= self.roles["rollout"].member_ids

@@ -161,6 +161,7 @@ class ControllerState(OperatorActions):
         st.log.restore(tables)
         st.quorums.restore(tables)
         st.membership.restore(tables, now)
+        st.quorums.recall(tables)
         st.commands.restore(tables, set(st.members))
         st.checkpoints.restore(tables)
         st.desired = {

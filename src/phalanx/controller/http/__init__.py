@@ -30,7 +30,8 @@ from starlette.responses import Response
 from phalanx.controller.http import commands, errors, membership, rl
 from phalanx.controller.http.base import Api, Route, json_response
 from phalanx.controller.http.dashboard import dashboard_routes, is_public
-from phalanx.controller.http.middleware import AuthAndEpoch, BodyLimit, FastPath
+from phalanx.controller.http.hot import Hot
+from phalanx.controller.http.middleware import AuthAndEpoch, BodyLimit
 from phalanx.controller.service import ControllerService
 from phalanx.protocol.base import API_VERSION, Health
 from phalanx.protocol.status import Status
@@ -58,6 +59,17 @@ def _endpoint(api: Api, route: Route) -> Any:
 
 
 def create_app(service: ControllerService, token: str) -> FastAPI:
+    """The controller's API as a FastAPI app (its OpenAPI spec, every route)."""
+    return _build(service, token)[0]
+
+
+def create_served(service: ControllerService, token: str) -> tuple[FastAPI, Hot]:
+    """What the server serves: the API, and its hot routes, which the server's HTTP
+    protocol answers itself when it can (:func:`phalanx.controller.http.hot.hot_protocol`)."""
+    return _build(service, token)
+
+
+def _build(service: ControllerService, token: str) -> tuple[FastAPI, Hot]:
     api = Api(service)
 
     @asynccontextmanager
@@ -104,9 +116,8 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
 
     on_drop = dropped if service.cfg.timeouts.suspect_on_disconnect else None
     fast = [r for r in ROUTES if r.path in membership.FAST]
-    # Added last = outermost: AuthAndEpoch -> BodyLimit -> FastPath -> FastAPI.
+    # Added last = outermost: AuthAndEpoch -> BodyLimit -> FastAPI's routing.
     ctl = service.cfg.controller
-    app.add_middleware(FastPath, api=api, routes=fast, on_disconnect=on_drop)
     app.add_middleware(BodyLimit, limit=ctl.max_body_bytes, timeout_s=ctl.body_timeout_s)
     app.add_middleware(
         AuthAndEpoch,
@@ -115,7 +126,7 @@ def create_app(service: ControllerService, token: str) -> FastAPI:
         unauthorized=errors.unauthorized,
         is_public=is_public,
     )
-    return app
+    return app, Hot(api, fast, expected, ctl.max_body_bytes, on_drop)
 
 
 def _status_routes(app: FastAPI, api: Api, authorized: Any) -> None:

@@ -19,10 +19,8 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from phalanx.controller.core.state import ControllerState
+from phalanx.controller.http.rosters import Rosters
 from phalanx.controller.service import ControllerService
-
-REPLY_CACHE = 32
-"""Encoded quorum replies kept (every member of a quorum gets the same bytes)."""
 
 
 @dataclass
@@ -30,8 +28,22 @@ class Api:
     """The context every route is called with."""
 
     service: ControllerService
-    quorum_replies: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
-    """(role, round, quorum_id) -> the encoded ``ok`` reply of that quorum."""
+    rosters: Rosters = field(init=False)
+    """Quorum replies and member lists, encoded once per round and per quorum."""
+
+    fixed: dict[Any, bytes] = field(default_factory=dict)
+    """Encoded replies that never change in a controller's life (its epoch is fixed),
+    by key: built once, served as bytes (:meth:`once`)."""
+
+    def __post_init__(self) -> None:
+        self.rosters = Rosters(self.service.envelope, encode)
+
+    def once(self, key: Any, build: Callable[[], BaseModel]) -> bytes:
+        """The encoded reply ``build()`` makes, built at the first call for ``key``."""
+        body = self.fixed.get(key)
+        if body is None:
+            body = self.fixed[key] = encode(build())
+        return body
 
     @property
     def state(self) -> ControllerState:
@@ -41,7 +53,8 @@ class Api:
         return self.service.envelope()
 
 
-Handler = Callable[[Api, Any], Awaitable[BaseModel | Response]]
+Handler = Callable[[Api, Any], Awaitable[BaseModel | Response | bytes]]
+"""A route: the reply model, or its JSON already encoded (a Response, or bytes)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,8 @@ def encode(reply: BaseModel) -> bytes:
     return reply.__pydantic_serializer__.to_json(reply)
 
 
-def json_response(reply: BaseModel | Response) -> Response:
+def json_response(reply: BaseModel | Response | bytes) -> Response:
     if isinstance(reply, Response):
         return reply
-    return Response(encode(reply), media_type="application/json")
+    body = reply if isinstance(reply, bytes) else encode(reply)
+    return Response(body, media_type="application/json")

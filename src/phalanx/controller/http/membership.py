@@ -1,14 +1,13 @@
-"""Membership routes: register, heartbeat, lifeline, quorum, failure reports, deregister."""
+"""Membership routes: register, heartbeat, lifeline, quorum and its members, failure
+reports, deregister."""
 
 from __future__ import annotations
 
 import time
 import uuid
 
-from starlette.responses import Response
-
 from phalanx.controller.core.base import StateError
-from phalanx.controller.http.base import REPLY_CACHE, Api, Route, encode
+from phalanx.controller.http.base import Api, Route
 from phalanx.net import connect
 from phalanx.protocol.base import OkReply, Reply
 from phalanx.protocol.membership import (
@@ -16,7 +15,6 @@ from phalanx.protocol.membership import (
     HeartbeatReply,
     HeartbeatReq,
     LifelineReq,
-    Quorum,
     QuorumReply,
     QuorumReq,
     RegisterReply,
@@ -24,6 +22,7 @@ from phalanx.protocol.membership import (
     ReportReply,
     ReportReq,
 )
+from phalanx.protocol.quorum import MembersReply, MembersReq
 
 REACH_S = 2.0
 """How long the controller tries to connect to a registering replica's address."""
@@ -78,7 +77,7 @@ async def register(api: Api, req: RegisterReq) -> RegisterReply:
     )
 
 
-async def heartbeat(api: Api, req: HeartbeatReq) -> HeartbeatReply:
+async def heartbeat(api: Api, req: HeartbeatReq) -> bytes:
     """Report liveness and progress; held up to ``wait_s`` (at most the heartbeat
     interval) and answered at once with ``probe`` when a peer suspects the replica."""
     svc, st = api.service, api.state
@@ -100,10 +99,10 @@ async def heartbeat(api: Api, req: HeartbeatReq) -> HeartbeatReply:
     if m is None:
         st.member(req.replica_id)  # raises 410: evicted while we waited
     probe = woken and m is not None and m.suspect_since is not None
-    return HeartbeatReply.model_construct(**api.envelope(), probe=probe)
+    return api.once(("heartbeat", probe), lambda: HeartbeatReply(**api.envelope(), probe=probe))
 
 
-async def lifeline(api: Api, req: LifelineReq) -> Reply:
+async def lifeline(api: Api, req: LifelineReq) -> bytes:
     """Held open by a replica for as long as it lives (re-posted every ``wait_s``):
     when the connection drops with no reply, the process died, and the replica is
     suspected at once (``timeouts.suspect_on_disconnect``). Unlike the held
@@ -111,24 +110,10 @@ async def lifeline(api: Api, req: LifelineReq) -> Reply:
     thread is doing. Ends early if the replica leaves."""
     api.state.member(req.replica_id)  # 410 when not a member
     await api.service.wait("lifeline", req.replica_id, req.wait_s)
-    return Reply.model_construct(**api.envelope())
+    return api.once("lifeline", lambda: Reply(**api.envelope()))
 
 
-def _quorum_ok(api: Api, q: Quorum) -> Response:
-    # Every member of a quorum gets the same reply: encode it once per quorum, not
-    # once per member. Building and serializing the N-member record N times a round
-    # was O(N^2) and the controller's top cost from N = 100 on (docs/benchmarks.md).
-    key = (q.role, q.round, q.quorum_id)
-    body = api.quorum_replies.get(key)
-    if body is None:
-        reply = QuorumReply.model_construct(**api.envelope(), status="ok", quorum=q)
-        body = api.quorum_replies[key] = encode(reply)
-        while len(api.quorum_replies) > REPLY_CACHE:
-            del api.quorum_replies[next(iter(api.quorum_replies))]
-    return Response(body, media_type="application/json")
-
-
-async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
+async def quorum(api: Api, req: QuorumReq) -> QuorumReply | bytes:
     """Ask to take part in the role's next quorum at ``step``; held up to ``wait_s``.
     ``pending``: ask again with the same ``request_id``."""
     svc, st = api.service, api.state
@@ -151,7 +136,21 @@ async def quorum(api: Api, req: QuorumReq) -> QuorumReply | Response:
     if q is None:
         return QuorumReply.model_construct(**api.envelope(), status="pending", quorum=None)
     svc.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
-    return _quorum_ok(api, q)
+    # A brief of a few hundred bytes, whatever N: the member list is fetched apart,
+    # once per change (members below). Sending all N members to each of N replicas
+    # every round was O(N^2) bytes a round (docs/benchmarks.md, "Controller").
+    return api.rosters.reply(q, req.replica_id)
+
+
+async def members(api: Api, req: MembersReq) -> bytes:
+    """The member list of a quorum this controller answered (one of the role's last
+    few), in rank order, or its difference from a list the replica holds (``have``).
+    A replica calls it when a quorum brief names a digest it does not hold: once per
+    change of membership. 404 (no longer kept) or 409 (another digest): ask for the
+    quorum again."""
+    body, kind = api.rosters.members(api.state, req)
+    api.service.metrics.member_lists.labels(kind).inc()
+    return body
 
 
 async def report_failure(api: Api, req: ReportReq) -> ReportReply:
@@ -180,8 +179,9 @@ ROUTES = [
     Route("/v1/heartbeat", heartbeat, HeartbeatReq, HeartbeatReply, held=True),
     Route("/v1/lifeline", lifeline, LifelineReq, Reply, held=True),
     Route("/v1/quorum", quorum, QuorumReq, QuorumReply, held=True),
+    Route("/v1/quorum/members", members, MembersReq, MembersReply),
     Route("/v1/report-failure", report_failure, ReportReq, ReportReply),
     Route("/v1/deregister", deregister, DeregisterReq, OkReply),
 ]
-FAST = ("/v1/heartbeat", "/v1/quorum", "/v1/lifeline")
+FAST = ("/v1/heartbeat", "/v1/quorum", "/v1/lifeline", "/v1/quorum/members")
 """Served by the fast path (the hot long-polls)."""

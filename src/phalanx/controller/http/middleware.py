@@ -1,5 +1,6 @@
-"""The controller's ASGI middleware, outermost first: :class:`AuthAndEpoch` ->
-:class:`BodyLimit` -> :class:`FastPath` -> FastAPI.
+"""The controller's ASGI middleware, outermost first: FastAPI's error middleware ->
+:class:`AuthAndEpoch` -> :class:`BodyLimit` -> FastAPI's routing. (The hot routes
+are mostly answered before ASGI: :mod:`phalanx.controller.http.hot`.)
 
 Plain ASGI classes on purpose: each ``@app.middleware("http")`` costs a task
 group and memory streams per request, which was most of the controller's
@@ -15,11 +16,8 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.security.utils import get_authorization_scheme_param
-from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from phalanx.controller.core.base import StateError
-from phalanx.controller.http.base import Api, Route, encode
 from phalanx.controller.http.errors import error
 
 
@@ -114,70 +112,3 @@ class AuthAndEpoch:
                 response.headers["Connection"] = "close"
                 return await response(scope, receive, send_with_epoch)
         return await self.app(scope, receive, send_with_epoch)
-
-
-OnDisconnect = Callable[[Any], None]
-
-
-class FastPath:
-    """Serve the hot long-polls (heartbeat, quorum, lifeline) without FastAPI's
-    routing and dependency layers: validate the body with the route's own request
-    model, call the route's own handler, write its reply. Every request it cannot
-    validate goes on to FastAPI unchanged, so error replies are exactly FastAPI's.
-    Sits inside :class:`BodyLimit` (which hands it the whole body as one message)
-    and :class:`AuthAndEpoch` (token checked, epoch stamped). Per request this
-    halves the controller's CPU, which is what a quorum round of N replicas waits
-    on (docs/benchmarks.md)."""
-
-    def __init__(self, app: Any, api: Api, routes: list[Route], on_disconnect: OnDisconnect | None):
-        self.app, self.api, self.on_disconnect = app, api, on_disconnect
-        self.routes = {r.path: r for r in routes}
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        route = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.routes.get(scope["path"])
-        if route is None:
-            return await self.app(scope, receive, send)
-        msg = await receive()
-        try:
-            req = route.request.model_validate_json(msg.get("body", b""))
-        except ValidationError:
-            sent = False
-
-            async def replay() -> dict[str, Any]:
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return msg
-                return await receive()
-
-            return await self.app(scope, replay, send)
-        # While a long-poll is held, the only thing the client can send is its
-        # disconnect: a replica that died (SIGKILL) drops its held request.
-        watch = None
-        on_disconnect = self.on_disconnect if route.held else None
-        if on_disconnect is not None:
-            watch = asyncio.ensure_future(receive())
-            watch.add_done_callback(
-                lambda w: (
-                    on_disconnect(req)
-                    if not w.cancelled()
-                    and w.exception() is None
-                    and w.result()["type"] == "http.disconnect"
-                    else None
-                )
-            )
-        try:
-            out = await route.handler(self.api, req)
-            await self.api.service.acknowledged()  # waits for the journal; 503 while it is down
-        except StateError as exc:
-            fields = [{"field": exc.field, "message": str(exc)}] if exc.field else []
-            return await error(exc.status, str(exc), fields)(scope, receive, send)
-        finally:
-            if watch is not None and not watch.done():
-                watch.cancel()
-        body = out.body if isinstance(out, Response) else encode(out)
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
