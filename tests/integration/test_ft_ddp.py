@@ -364,7 +364,16 @@ def test_min_replicas_blocks_until_back(make_job: MakeJob, reference: dict[str, 
 
 
 def test_controller_restart(make_job: MakeJob, reference: dict[str, dict[str, Any]]):
-    job = make_job(policy={"n_init_replicas": 2}, train={"step_delay_s": 0.01})
+    # A replica whose quorum call straddles the restart enters its step's allreduce
+    # late by the restart's time (a new interpreter and its imports: over 1 s on a
+    # loaded machine), so its peer must wait longer than the 1 s default collective
+    # timeout: else the two part ways at that step (seen in CI: one committed step
+    # 16 alone, the other healed past it).
+    job = make_job(
+        policy={"n_init_replicas": 2},
+        train={"step_delay_s": 0.01},
+        timeouts={"collective_s": 5.0, "heartbeat_s": 10.0},
+    )
     ctl = job.start_controller()
     url = (job.state_dir / "url").read_text()
     a, b = job.start_replica("a"), job.start_replica("b")

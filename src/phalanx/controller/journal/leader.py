@@ -226,6 +226,11 @@ class Leadership:
                 return
             self._revoke(lease)
             leader = ranged(again, 0)
+            if leader is not None and leader["lease"] == self.lease:
+                # The keep-alive thread took it again meanwhile (under this lock, in
+                # the read's window): still this controller's.
+                self.leader_rev, self.lapsed = leader["mod_revision"], False
+                return
         who = describe(_json(leader)) if leader is not None else "another controller"
         self.deposed = (
             f"this controller (term {self.term}) no longer leads job {self.job_id!r}: "
