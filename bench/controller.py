@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -100,8 +101,12 @@ FETCHES_AT_ONCE = 32
 and 5,000 replicas fetching at once would hold 5 GB in one process."""
 FD_MARGIN = 512
 """File descriptors a controller needs besides its replicas' connections."""
-PIPELINED = 64
-"""Pooled heartbeats one connection has in flight at most."""
+PIPELINED = 1000
+"""Pooled heartbeats one connection has in flight at most: enough that the load
+generator never holds a heartbeat back for a slow controller (it would then measure
+a lighter load than 1 Hz a replica)."""
+SLOTS = 100
+"""Pooled heartbeats are sent in this many slots a second."""
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------
@@ -244,45 +249,56 @@ async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float
         counter[0] += 1
 
 
-async def _pooled_heartbeats(conn: Conn, rids: list[str], counter: list[int]) -> None:
-    """Heartbeat each of ``rids`` (a list that grows as replicas register) once a
-    second over one connection, unheld (``wait_s = 0``), spread over the second:
-    where the controller cannot hold a connection per replica for its heartbeat (its
-    file descriptors), as many heartbeats over fewer connections. Pipelined (each
-    sent on time, the replies read as they come), so that a slow reply delays no
-    other replica's heartbeat."""
-    sent = asyncio.Semaphore(PIPELINED)
+class PooledHeartbeats:
+    """1 Hz unheld heartbeats (``wait_s = 0``) for many replicas over a pool of
+    connections: where the controller cannot hold a connection per replica for its
+    heartbeat (its file descriptors). Each replica has a slot in the second
+    (:data:`SLOTS` of them) and a connection of the pool; one task sends each slot's
+    heartbeats on time, each its own request and write (pipelined on its connection),
+    and a reader per connection takes the replies as they come, so that a slow reply
+    delays no other heartbeat. (One sleep per slot, not per heartbeat: at N = 10,000 a
+    sleep per heartbeat was most of the load generator's CPU.)"""
 
-    async def replies() -> None:
+    def __init__(self, conns: list[Conn], counter: list[int]):
+        self.conns, self.counter = conns, counter
+        self.slots: list[list[tuple[Conn, bytes]]] = [[] for _ in range(SLOTS)]
+        self.added = 0
+        self.in_flight = [asyncio.Semaphore(PIPELINED) for _ in conns]
+
+    def add(self, rid: str) -> None:
+        i = self.added
+        self.added += 1
+        body = HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
+        self.slots[i % SLOTS].append((self.conns[i % len(self.conns)], body))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        readers = [loop.create_task(self._replies(i)) for i in range(len(self.conns))]
+        index = {id(c): i for i, c in enumerate(self.conns)}
+        start = time.monotonic()
+        try:
+            for k in itertools.count():
+                for conn, body in self.slots[k % SLOTS]:
+                    await self.in_flight[index[id(conn)]].acquire()  # a second's worth at most
+                    conn.send(b"POST", b"/v1/heartbeat", body)
+                for r in readers:
+                    if r.done():
+                        r.result()  # raises what ended it
+                lag = start + (k + 1) / SLOTS - time.monotonic()
+                if lag > 0:
+                    await asyncio.sleep(lag)
+        finally:
+            for r in readers:
+                r.cancel()
+
+    async def _replies(self, i: int) -> None:
+        conn, gate = self.conns[i], self.in_flight[i]
         while True:
             status, data = await conn.response()
             if status != 200:
                 raise RuntimeError(f"POST /v1/heartbeat answered {status}: {data[:300]!r}")
-            counter[0] += 1
-            sent.release()
-
-    reader = asyncio.get_running_loop().create_task(replies())
-    bodies: list[bytes] = []
-    try:
-        while True:
-            start = time.monotonic()
-            bodies += [
-                HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
-                for rid in rids[len(bodies) :]
-            ]
-            if not bodies:
-                await asyncio.sleep(0.05)
-                continue
-            for i, body in enumerate(bodies):
-                await sent.acquire()  # a few seconds' worth in flight at most
-                conn.send(b"POST", b"/v1/heartbeat", body)
-                lag = start + (i + 1) / len(bodies) - time.monotonic()
-                if lag > 0:
-                    await asyncio.sleep(lag)
-                if reader.done():
-                    reader.result()  # raises what ended it
-    finally:
-        reader.cancel()
+            self.counter[0] += 1
+            gate.release()
 
 
 async def _refresh(conns: list[Conn]) -> None:
@@ -366,13 +382,8 @@ async def _phalanx_worker_async(
     q_conns = await _open_all(url, token, n)
     beats = [0]
     rids: list[str] = [""] * n
-    shares: list[list[str]] = [[] for _ in range(pool)]
-    hb_tasks = []
-    if not plan.held_heartbeats:
-        hb_tasks = [
-            loop.create_task(_pooled_heartbeats(c, share, beats))
-            for c, share in zip(hb_conns, shares, strict=True)
-        ]
+    pooled = PooledHeartbeats(hb_conns, beats)
+    hb_tasks = [] if plan.held_heartbeats else [loop.create_task(pooled.run())]
 
     async def register(conn: Conn, first: int) -> None:
         # Each replica heartbeats from its registration on, as the real client does
@@ -386,7 +397,7 @@ async def _phalanx_worker_async(
                 hb = _heartbeat_loop(hb_conns[i], rids[i], beats, (i % 100) / 100)
                 hb_tasks.append(loop.create_task(hb))
             else:
-                shares[i % pool].append(rids[i])
+                pooled.add(rids[i])
 
     await asyncio.gather(*(register(c, i) for i, c in enumerate(reg)))
     for c in reg:
@@ -557,9 +568,11 @@ def _drive(
             pipe.send(("go", t0))
         warm = [_expect(pipe, "warm", timeout_s) for pipe in pipes]
         on_warm()
+        cpu0 = _cpu_of(procs)
         w0 = time.monotonic()
         done = [_expect(pipe, "done", timeout_s) for pipe in pipes]
         on_done()
+        cpu1 = _cpu_of(procs)
         window = time.monotonic() - w0
         for pipe in pipes:
             pipe.send(("stop",))  # a phalanx worker ends its heartbeats now
@@ -568,7 +581,7 @@ def _drive(
         return Load(
             samples=[s for d in done for s in d[1]],
             heartbeats=sum(d[2] for d in done) - sum(w[2] for w in warm),
-            loadgen_cpu_s=sum(d[3] for d in done) - sum(w[1] for w in warm),
+            loadgen_cpu_s=cpu1 - cpu0,
             window_s=window,
             fetches=sum(d[4] for d in done if len(d) > 4),
             reply_bytes=max((d[5] for d in done if len(d) > 5), default=0),
@@ -578,6 +591,19 @@ def _drive(
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
+
+
+def _cpu_of(procs: list[Any]) -> float:
+    """CPU seconds the load workers used so far (the same window for all of them:
+    each worker's own figure starts when it is warm, the first long before the last)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = psutil.Process(p.pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -729,6 +755,7 @@ def bench_phalanx(
     return {
         **_summarize(load, plan.warmup),
         "heartbeats_per_s": round((h_b - h_a) / (t_b - t_a), 1),
+        "heartbeats_answered_per_s": round(load.heartbeats / load.window_s, 1),
         "heartbeat_mode": "held" if plan.held_heartbeats else "pooled",
         "controller_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
         "loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),

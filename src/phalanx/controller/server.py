@@ -172,7 +172,7 @@ def serve(
         lock.release()
 
 
-GC_THRESHOLDS = (50_000, 20, 100)
+GC_THRESHOLDS = (200_000, 50, 100)
 """The collector's thresholds in a controller (Python's: 700, 10, 10)."""
 
 
