@@ -755,7 +755,6 @@ def bench_phalanx(
     return {
         **_summarize(load, plan.warmup),
         "heartbeats_per_s": round((h_b - h_a) / (t_b - t_a), 1),
-        "heartbeats_answered_per_s": round(load.heartbeats / load.window_s, 1),
         "heartbeat_mode": "held" if plan.held_heartbeats else "pooled",
         "controller_cpu_percent": round(100 * (c_b - c_a) / (t_b - t_a), 1),
         "loadgen_cpu_percent": round(100 * load.loadgen_cpu_s / load.window_s, 1),
