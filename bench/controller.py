@@ -1,38 +1,47 @@
 """Controller benchmark: quorum latency and heartbeat load at N replicas, next to
 torchft's lighthouse on the same N.
 
-    python bench/controller.py [--json] [--n 10,100,1000] [--rounds R]
+    python bench/controller.py [--json] [--n 10,100,1000,10000] [--rounds R]
 
 For each N it starts a real controller (``python -m phalanx.cli controller``)
 in a temp state dir, with a job whose every round waits for all N
 (``n_init_replicas = N``, ``join_timeout_s = 60``), and drives it from a few
-worker processes that
-simulate the replicas over raw HTTP/1.1 keep-alive connections (asyncio,
-uvloop where installed), so that the load generator costs little next to
-the controller. Each simulated replica:
+worker processes that simulate the replicas over raw HTTP/1.1 keep-alive
+connections (asyncio, uvloop where installed), so that the load generator
+costs little next to the controller. Each simulated replica:
 
-- heartbeats as the real client does: a long-poll with ``wait_s = 1.0``,
-  which the controller holds for ``heartbeat_interval_s`` (1 s), so 1 Hz;
+- heartbeats at 1 Hz: as the real client does where the controller's file
+  descriptors allow a held connection per replica (a long-poll with
+  ``wait_s = 1.0``, held for ``heartbeat_interval_s``); else (``--heartbeats
+  pooled``, chosen by ``auto`` above about N = 9,700 on a 20,000-descriptor
+  machine) unheld heartbeats, each its own request, over N/10 connections
+  (:class:`PooledHeartbeats`);
 - runs quorum rounds: round r starts at ``t0 + r * interval`` (a training
   step of ``--interval-s``; a late round starts at once), asks for the
-  quorum at step r and parses the answer, checking that it holds all N.
+  quorum at step r, parses the brief, and holds the member list, fetched
+  (``POST /v1/quorum/members``) only when the brief names a digest it does
+  not hold, as the real client does. It checks that the list holds all N.
 
 Figures (over the rounds after ``--warmup`` warm-up rounds):
 
 - ``quorum_p50_ms`` / ``quorum_p99_ms``: per replica per round, from sending
-  its quorum request to holding the parsed answer.
+  its quorum request to holding the parsed answer and its member list.
 - ``round_ms_p50``: per round, from the first request sent to the last
   answer received, which is what a training step waits for.
 - ``heartbeats_per_s``: counted by the controller (``phalanx_heartbeats_total``
   on ``/metrics``) over the measured rounds.
 - ``controller_cpu_percent``: the controller process over the same window
-  (100 = one core). ``loadgen_cpu_percent`` is the workers' total.
+  (100 = one core). ``loadgen_cpu_percent`` is the load workers' total.
+- ``quorum_reply_bytes``, ``member_lists_fetched`` (by the replicas, warm-up
+  included) and ``member_lists_served`` (``/metrics``): one list per replica
+  per change of membership, and a reply whose size does not grow with N.
 
 The torchft side runs the same N, rounds, schedule and 1 Hz heartbeats
 against a ``LighthouseServer`` (its Python binding's defaults for the
 timing knobs, ``min_replicas = N``) in its own process, from worker
 processes with one thread and one ``LighthouseClient`` per replica (plus a
-few heartbeat threads).
+few heartbeat threads). ``--torchft-timeout-s`` bounds each of its phases;
+the row then says where it stopped (``torchft_reason``).
 
 Last, fast failure detection: 3 replica processes form a quorum, one is
 SIGKILLed, a survivor reports it (``POST /v1/report-failure``) and asks for
@@ -355,18 +364,20 @@ class Plan:
 
 
 def _phalanx_worker(pipe: Any, url: str, token: str, names: list[str], plan: Plan) -> None:
-    if not plan.profile:
-        _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
-        return
-    import cProfile
+    prof = None
+    if plan.profile:
+        import cProfile
 
-    prof = cProfile.Profile()
-    prof.enable()
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+    except Exception as e:  # said in one line by the coordinator (the row's "error")
+        pipe.send(("error", f"{type(e).__name__}: {str(e)[:300]}"))
     finally:
-        prof.disable()
-        prof.dump_stats(f"{plan.profile}-{os.getpid()}.prof")
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(f"{plan.profile}-{os.getpid()}.prof")
 
 
 async def _phalanx_worker_async(
@@ -526,6 +537,8 @@ def _expect(pipe: Any, kind: str, timeout: float) -> tuple[Any, ...]:
     if not pipe.poll(timeout):
         raise TimeoutError(f"a load worker sent no {kind!r} within {timeout:.0f}s")
     msg = pipe.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"a load worker failed: {msg[1]}")
     if msg[0] != kind:
         raise RuntimeError(f"a load worker must send {kind!r}: got {msg!r}")
     return msg
@@ -1007,10 +1020,13 @@ def main(argv: list[str] | None = None) -> int:
                 # Other tenants' load on this (shared) machine when this N started.
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             }
-            row.update(bench_phalanx(tmp, plan, workers, args.profile_dir))
+            try:
+                row.update(bench_phalanx(tmp, plan, workers, args.profile_dir))
+            except Exception as e:  # a row that says why, and the next N
+                row.update(quorum_p50_ms=None, error=f"phalanx run failed at N={n}: {e}")
             row.update(torchft_fields(tmp, plan, workers, tf_version, args.torchft_timeout_s))
             ours, theirs = row["quorum_p50_ms"], row.get("torchft_quorum_p50_ms")
-            row["ratio_vs_torchft"] = round(ours / theirs, 2) if theirs else None
+            row["ratio_vs_torchft"] = round(ours / theirs, 2) if ours and theirs else None
             rows.append(row)
             if args.json:
                 print(json.dumps(row), file=out, flush=True)

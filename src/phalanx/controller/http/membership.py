@@ -184,4 +184,5 @@ ROUTES = [
     Route("/v1/deregister", deregister, DeregisterReq, OkReply),
 ]
 FAST = ("/v1/heartbeat", "/v1/quorum", "/v1/lifeline", "/v1/quorum/members")
-"""Served by the fast path (the hot long-polls)."""
+"""The hot routes, answered by the server's HTTP protocol itself
+(:mod:`phalanx.controller.http.hot`)."""
