@@ -1,38 +1,47 @@
 """Controller benchmark: quorum latency and heartbeat load at N replicas, next to
 torchft's lighthouse on the same N.
 
-    python bench/controller.py [--json] [--n 10,100,1000] [--rounds R]
+    python bench/controller.py [--json] [--n 10,100,1000,10000] [--rounds R]
 
 For each N it starts a real controller (``python -m phalanx.cli controller``)
 in a temp state dir, with a job whose every round waits for all N
 (``n_init_replicas = N``, ``join_timeout_s = 60``), and drives it from a few
-worker processes that
-simulate the replicas over raw HTTP/1.1 keep-alive connections (asyncio,
-uvloop where installed), so that the load generator costs little next to
-the controller. Each simulated replica:
+worker processes that simulate the replicas over raw HTTP/1.1 keep-alive
+connections (asyncio, uvloop where installed), so that the load generator
+costs little next to the controller. Each simulated replica:
 
-- heartbeats as the real client does: a long-poll with ``wait_s = 1.0``,
-  which the controller holds for ``heartbeat_interval_s`` (1 s), so 1 Hz;
+- heartbeats at 1 Hz: as the real client does where the controller's file
+  descriptors allow a held connection per replica (a long-poll with
+  ``wait_s = 1.0``, held for ``heartbeat_interval_s``); else (``--heartbeats
+  pooled``, chosen by ``auto`` above about N = 9,700 on a 20,000-descriptor
+  machine) unheld heartbeats, each its own request, over N/10 connections
+  (:class:`PooledHeartbeats`);
 - runs quorum rounds: round r starts at ``t0 + r * interval`` (a training
   step of ``--interval-s``; a late round starts at once), asks for the
-  quorum at step r and parses the answer, checking that it holds all N.
+  quorum at step r, parses the brief, and holds the member list, fetched
+  (``POST /v1/quorum/members``) only when the brief names a digest it does
+  not hold, as the real client does. It checks that the list holds all N.
 
 Figures (over the rounds after ``--warmup`` warm-up rounds):
 
 - ``quorum_p50_ms`` / ``quorum_p99_ms``: per replica per round, from sending
-  its quorum request to holding the parsed answer.
+  its quorum request to holding the parsed answer and its member list.
 - ``round_ms_p50``: per round, from the first request sent to the last
   answer received, which is what a training step waits for.
 - ``heartbeats_per_s``: counted by the controller (``phalanx_heartbeats_total``
   on ``/metrics``) over the measured rounds.
 - ``controller_cpu_percent``: the controller process over the same window
-  (100 = one core). ``loadgen_cpu_percent`` is the workers' total.
+  (100 = one core). ``loadgen_cpu_percent`` is the load workers' total.
+- ``quorum_reply_bytes``, ``member_lists_fetched`` (by the replicas, warm-up
+  included) and ``member_lists_served`` (``/metrics``): one list per replica
+  per change of membership, and a reply whose size does not grow with N.
 
 The torchft side runs the same N, rounds, schedule and 1 Hz heartbeats
 against a ``LighthouseServer`` (its Python binding's defaults for the
 timing knobs, ``min_replicas = N``) in its own process, from worker
 processes with one thread and one ``LighthouseClient`` per replica (plus a
-few heartbeat threads).
+few heartbeat threads). ``--torchft-timeout-s`` bounds each of its phases;
+the row then says where it stopped (``torchft_reason``).
 
 Last, fast failure detection: 3 replica processes form a quorum, one is
 SIGKILLed, a survivor reports it (``POST /v1/report-failure``) and asks for
@@ -45,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -100,8 +110,12 @@ FETCHES_AT_ONCE = 32
 and 5,000 replicas fetching at once would hold 5 GB in one process."""
 FD_MARGIN = 512
 """File descriptors a controller needs besides its replicas' connections."""
-PIPELINED = 64
-"""Pooled heartbeats one connection has in flight at most."""
+PIPELINED = 1000
+"""Pooled heartbeats one connection has in flight at most: enough that the load
+generator never holds a heartbeat back for a slow controller (it would then measure
+a lighter load than 1 Hz a replica)."""
+SLOTS = 100
+"""Pooled heartbeats are sent in this many slots a second."""
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------
@@ -244,45 +258,56 @@ async def _heartbeat_loop(conn: Conn, rid: str, counter: list[int], phase: float
         counter[0] += 1
 
 
-async def _pooled_heartbeats(conn: Conn, rids: list[str], counter: list[int]) -> None:
-    """Heartbeat each of ``rids`` (a list that grows as replicas register) once a
-    second over one connection, unheld (``wait_s = 0``), spread over the second:
-    where the controller cannot hold a connection per replica for its heartbeat (its
-    file descriptors), as many heartbeats over fewer connections. Pipelined (each
-    sent on time, the replies read as they come), so that a slow reply delays no
-    other replica's heartbeat."""
-    sent = asyncio.Semaphore(PIPELINED)
+class PooledHeartbeats:
+    """1 Hz unheld heartbeats (``wait_s = 0``) for many replicas over a pool of
+    connections: where the controller cannot hold a connection per replica for its
+    heartbeat (its file descriptors). Each replica has a slot in the second
+    (:data:`SLOTS` of them) and a connection of the pool; one task sends each slot's
+    heartbeats on time, each its own request and write (pipelined on its connection),
+    and a reader per connection takes the replies as they come, so that a slow reply
+    delays no other heartbeat. (One sleep per slot, not per heartbeat: at N = 10,000 a
+    sleep per heartbeat was most of the load generator's CPU.)"""
 
-    async def replies() -> None:
+    def __init__(self, conns: list[Conn], counter: list[int]):
+        self.conns, self.counter = conns, counter
+        self.slots: list[list[tuple[Conn, bytes]]] = [[] for _ in range(SLOTS)]
+        self.added = 0
+        self.in_flight = [asyncio.Semaphore(PIPELINED) for _ in conns]
+
+    def add(self, rid: str) -> None:
+        i = self.added
+        self.added += 1
+        body = HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
+        self.slots[i % SLOTS].append((self.conns[i % len(self.conns)], body))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        readers = [loop.create_task(self._replies(i)) for i in range(len(self.conns))]
+        index = {id(c): i for i, c in enumerate(self.conns)}
+        start = time.monotonic()
+        try:
+            for k in itertools.count():
+                for conn, body in self.slots[k % SLOTS]:
+                    await self.in_flight[index[id(conn)]].acquire()  # a second's worth at most
+                    conn.send(b"POST", b"/v1/heartbeat", body)
+                for r in readers:
+                    if r.done():
+                        r.result()  # raises what ended it
+                lag = start + (k + 1) / SLOTS - time.monotonic()
+                if lag > 0:
+                    await asyncio.sleep(lag)
+        finally:
+            for r in readers:
+                r.cancel()
+
+    async def _replies(self, i: int) -> None:
+        conn, gate = self.conns[i], self.in_flight[i]
         while True:
             status, data = await conn.response()
             if status != 200:
                 raise RuntimeError(f"POST /v1/heartbeat answered {status}: {data[:300]!r}")
-            counter[0] += 1
-            sent.release()
-
-    reader = asyncio.get_running_loop().create_task(replies())
-    bodies: list[bytes] = []
-    try:
-        while True:
-            start = time.monotonic()
-            bodies += [
-                HeartbeatReq(replica_id=rid, wait_s=0.0).model_dump_json().encode()
-                for rid in rids[len(bodies) :]
-            ]
-            if not bodies:
-                await asyncio.sleep(0.05)
-                continue
-            for i, body in enumerate(bodies):
-                await sent.acquire()  # a few seconds' worth in flight at most
-                conn.send(b"POST", b"/v1/heartbeat", body)
-                lag = start + (i + 1) / len(bodies) - time.monotonic()
-                if lag > 0:
-                    await asyncio.sleep(lag)
-                if reader.done():
-                    reader.result()  # raises what ended it
-    finally:
-        reader.cancel()
+            self.counter[0] += 1
+            gate.release()
 
 
 async def _refresh(conns: list[Conn]) -> None:
@@ -339,18 +364,20 @@ class Plan:
 
 
 def _phalanx_worker(pipe: Any, url: str, token: str, names: list[str], plan: Plan) -> None:
-    if not plan.profile:
-        _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
-        return
-    import cProfile
+    prof = None
+    if plan.profile:
+        import cProfile
 
-    prof = cProfile.Profile()
-    prof.enable()
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         _run_loop(_phalanx_worker_async(pipe, url, token, names, plan))
+    except Exception as e:  # said in one line by the coordinator (the row's "error")
+        pipe.send(("error", f"{type(e).__name__}: {str(e)[:300]}"))
     finally:
-        prof.disable()
-        prof.dump_stats(f"{plan.profile}-{os.getpid()}.prof")
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(f"{plan.profile}-{os.getpid()}.prof")
 
 
 async def _phalanx_worker_async(
@@ -366,13 +393,8 @@ async def _phalanx_worker_async(
     q_conns = await _open_all(url, token, n)
     beats = [0]
     rids: list[str] = [""] * n
-    shares: list[list[str]] = [[] for _ in range(pool)]
-    hb_tasks = []
-    if not plan.held_heartbeats:
-        hb_tasks = [
-            loop.create_task(_pooled_heartbeats(c, share, beats))
-            for c, share in zip(hb_conns, shares, strict=True)
-        ]
+    pooled = PooledHeartbeats(hb_conns, beats)
+    hb_tasks = [] if plan.held_heartbeats else [loop.create_task(pooled.run())]
 
     async def register(conn: Conn, first: int) -> None:
         # Each replica heartbeats from its registration on, as the real client does
@@ -386,7 +408,7 @@ async def _phalanx_worker_async(
                 hb = _heartbeat_loop(hb_conns[i], rids[i], beats, (i % 100) / 100)
                 hb_tasks.append(loop.create_task(hb))
             else:
-                shares[i % pool].append(rids[i])
+                pooled.add(rids[i])
 
     await asyncio.gather(*(register(c, i) for i, c in enumerate(reg)))
     for c in reg:
@@ -515,6 +537,8 @@ def _expect(pipe: Any, kind: str, timeout: float) -> tuple[Any, ...]:
     if not pipe.poll(timeout):
         raise TimeoutError(f"a load worker sent no {kind!r} within {timeout:.0f}s")
     msg = pipe.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"a load worker failed: {msg[1]}")
     if msg[0] != kind:
         raise RuntimeError(f"a load worker must send {kind!r}: got {msg!r}")
     return msg
@@ -557,9 +581,11 @@ def _drive(
             pipe.send(("go", t0))
         warm = [_expect(pipe, "warm", timeout_s) for pipe in pipes]
         on_warm()
+        cpu0 = _cpu_of(procs)
         w0 = time.monotonic()
         done = [_expect(pipe, "done", timeout_s) for pipe in pipes]
         on_done()
+        cpu1 = _cpu_of(procs)
         window = time.monotonic() - w0
         for pipe in pipes:
             pipe.send(("stop",))  # a phalanx worker ends its heartbeats now
@@ -568,7 +594,7 @@ def _drive(
         return Load(
             samples=[s for d in done for s in d[1]],
             heartbeats=sum(d[2] for d in done) - sum(w[2] for w in warm),
-            loadgen_cpu_s=sum(d[3] for d in done) - sum(w[1] for w in warm),
+            loadgen_cpu_s=cpu1 - cpu0,
             window_s=window,
             fetches=sum(d[4] for d in done if len(d) > 4),
             reply_bytes=max((d[5] for d in done if len(d) > 5), default=0),
@@ -578,6 +604,19 @@ def _drive(
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
+
+
+def _cpu_of(procs: list[Any]) -> float:
+    """CPU seconds the load workers used so far (the same window for all of them:
+    each worker's own figure starts when it is warm, the first long before the last)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = psutil.Process(p.pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -990,11 +1029,14 @@ def main(argv: list[str] | None = None) -> int:
                 # Other tenants' load on this (shared) machine when this N started.
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             }
-            row.update(bench_phalanx(tmp, plan, workers, args.profile_dir, args.journal))
+            try:
+                row.update(bench_phalanx(tmp, plan, workers, args.profile_dir, args.journal))
+            except Exception as e:  # a row that says why, and the next N
+                row.update(quorum_p50_ms=None, error=f"phalanx run failed at N={n}: {e}")
             row["journal"] = args.journal.split("://")[0]
             row.update(torchft_fields(tmp, plan, workers, tf_version, args.torchft_timeout_s))
             ours, theirs = row["quorum_p50_ms"], row.get("torchft_quorum_p50_ms")
-            row["ratio_vs_torchft"] = round(ours / theirs, 2) if theirs else None
+            row["ratio_vs_torchft"] = round(ours / theirs, 2) if ours and theirs else None
             rows.append(row)
             if args.json:
                 print(json.dumps(row), file=out, flush=True)

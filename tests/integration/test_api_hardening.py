@@ -162,3 +162,29 @@ def test_an_unreadable_body_gets_a_400_that_says_why(ctl, body: bytes, says: byt
     assert r.json()["fields"][0]["field"] == "body"
     spec = ctl.get("/openapi.json").json()
     assert "400" in spec["paths"]["/v1/register"]["post"]["responses"]
+
+
+def test_pipelined_requests_are_answered_in_order(ctl):
+    """Requests pipelined on one connection behind a held heartbeat (answered by the
+    server's protocol itself, not through ASGI) get their replies in the order sent:
+    the held one's first, then an unheld heartbeat's, then one FastAPI answers."""
+    rid = member(ctl)
+
+    def post(path: str, body: dict[str, Any], close: bool = False) -> bytes:
+        data = json.dumps(body).encode()
+        conn = b"Connection: close\r\n" if close else b""
+        return (
+            head(ctl, path, len(data), ctl.token).replace(b"\r\n\r\n", b"\r\n" + conn + b"\r\n")
+            + data
+        )
+
+    held = post("/v1/heartbeat", {"replica_id": rid, "wait_s": 0.3})
+    unheld = post("/v1/heartbeat", {"replica_id": rid, "wait_s": 0, "step": 7})
+    last = post("/v1/register", {"role": "policy", "name": "late"}, close=True)
+    reply = raw(ctl, held + unheld + last)
+    assert reply.count(b"HTTP/1.1 200") == 3, reply[:600]
+    first, second, third = reply.split(b"HTTP/1.1 200")[1:]
+    assert b'"probe":false' in first and b'"probe":false' in second
+    assert b'"replica_id":"late:' in third
+    steps = {r["replica_id"]: r["step"] for r in ctl.status()["roles"]["policy"]["replicas"]}
+    assert steps[rid] == 7

@@ -252,7 +252,7 @@ class Run:
             raise Deposed(f"{self.service.outbox.deposed}: this controller stopped")
 
 
-GC_THRESHOLDS = (50_000, 20, 100)
+GC_THRESHOLDS = (200_000, 50, 100)
 """The collector's thresholds in a controller (Python's: 700, 10, 10)."""
 
 

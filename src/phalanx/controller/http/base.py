@@ -5,8 +5,8 @@ A route is a plain ``async def route(api: Api, req: SomeReq) -> SomeReply``:
 it validates nothing itself (the request model did), calls the core through
 ``api.service.apply`` and builds its reply from :mod:`phalanx.protocol`.
 :func:`phalanx.controller.http.create_app` binds every :class:`Route` to
-FastAPI; the hottest ones are also served by the
-:class:`~phalanx.controller.http.middleware.FastPath`.
+FastAPI; the hottest ones are also answered by the server's HTTP protocol
+itself (:mod:`phalanx.controller.http.hot`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Route:
     request: type[BaseModel]
     reply: type[BaseModel]
     held: bool = False
-    """A long-poll whose dropped connection says its replica died (the fast path
+    """A long-poll whose dropped connection says its replica died (the hot protocol
     watches it: ``timeouts.suspect_on_disconnect``)."""
 
 

@@ -120,12 +120,25 @@ class HotCycle:
     (``protocol.cycle``): a request pipelined behind it waits in uvicorn's pipeline,
     and the server's shutdown ends the connection after its reply."""
 
-    def __init__(self, route: Route, req: BaseModel, keep_alive: bool):
-        self.route, self.req, self.keep_alive = route, req, keep_alive
+    message_event = _Event()
+
+    def __init__(self, protocol: Any, route: Route, req: BaseModel, keep_alive: bool):
+        self.protocol, self.route, self.req, self.keep_alive = protocol, route, req, keep_alive
         self.response_complete = False
         self.disconnected = False
-        self.message_event = _Event()
         self.driven: Driven | None = None
+
+    def done(self, out: BaseModel | Response | bytes) -> None:
+        self.protocol.reply(self, 200, _body_of(out))
+
+    def failed(self, e: Exception) -> None:
+        if isinstance(e, StateError):
+            fields = [{"field": e.field, "message": str(e)}] if e.field else []
+            self.protocol.reply(self, e.status, _json({"error": str(e), "fields": fields}))
+            return
+        log.error("hot route %s failed", self.route.path, exc_info=e)
+        self.keep_alive = False
+        self.protocol.reply(self, 500, _json({"error": "Internal Server Error", "fields": []}))
 
 
 class Hot:
@@ -257,25 +270,16 @@ def hot_protocol(hot: Hot) -> type[asyncio.Protocol] | None:
                 super().on_body(self._body)
                 super().on_message_complete()
                 return
-            cycle = HotCycle(route, req, self.parser.should_keep_alive())
+            cycle = HotCycle(self, route, req, self.parser.should_keep_alive())
             self.cycle = self._inflight = cycle  # type: ignore[assignment]
             cycle.driven = Driven(
                 cast(Coroutine[Any, Any, Any], route.handler(hot.api, req)),
-                lambda out: self._reply(cycle, 200, _body_of(out)),
-                lambda e: self._failed(cycle, e),
+                cycle.done,
+                cycle.failed,
             )
 
-        def _failed(self, cycle: HotCycle, e: Exception) -> None:
-            if isinstance(e, StateError):
-                fields = [{"field": e.field, "message": str(e)}] if e.field else []
-                body = {"error": str(e), "fields": fields}
-                self._reply(cycle, e.status, _json(body))
-                return
-            log.error("hot route %s failed", cycle.route.path, exc_info=e)
-            cycle.keep_alive = False
-            self._reply(cycle, 500, _json({"error": "Internal Server Error", "fields": []}))
-
-        def _reply(self, cycle: HotCycle, status: int, body: bytes) -> None:
+        def reply(self, cycle: HotCycle, status: int, body: bytes) -> None:
+            """Write ``cycle``'s reply (called by the cycle, once)."""
             cycle.response_complete = True
             if self.transport.is_closing():
                 return

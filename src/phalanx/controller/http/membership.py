@@ -94,7 +94,7 @@ async def heartbeat(api: Api, req: HeartbeatReq) -> bytes:
     if req.healed is not None:
         svc.metrics.heal_seconds.observe(req.healed.seconds)
     wait = min(req.wait_s, st.cfg.timeouts.heartbeat_interval_s)
-    woken = await svc.wait("heartbeat", req.replica_id, wait)
+    woken = wait > 0 and await svc.wait("heartbeat", req.replica_id, wait)
     m = st.members.get(req.replica_id)
     if m is None:
         st.member(req.replica_id)  # raises 410: evicted while we waited
@@ -135,7 +135,7 @@ async def quorum(api: Api, req: QuorumReq) -> QuorumReply | bytes:
         q = st.answer(req.replica_id, req.request_id)
     if q is None:
         return QuorumReply.model_construct(**api.envelope(), status="pending", quorum=None)
-    svc.metrics.quorum_wait.labels(q.role).observe(time.monotonic() - t0)
+    svc.metrics.quorum_waited(q.role, time.monotonic() - t0)
     # A brief of a few hundred bytes, whatever N: the member list is fetched apart,
     # once per change (members below). Sending all N members to each of N replicas
     # every round was O(N^2) bytes a round (docs/benchmarks.md, "Controller").
@@ -184,4 +184,5 @@ ROUTES = [
     Route("/v1/deregister", deregister, DeregisterReq, OkReply),
 ]
 FAST = ("/v1/heartbeat", "/v1/quorum", "/v1/lifeline", "/v1/quorum/members")
-"""Served by the fast path (the hot long-polls)."""
+"""The hot routes, answered by the server's HTTP protocol itself
+(:mod:`phalanx.controller.http.hot`)."""
