@@ -460,7 +460,13 @@ def _torchft_worker(pipe: Any, addr: str, names: list[str], plan: Plan) -> None:
     from torchft._torchft import LighthouseClient
 
     threading.stack_size(512 * 1024)
-    clients = [LighthouseClient(addr, connect_timeout=timedelta(seconds=30)) for _ in names]
+    clients = []
+    try:
+        for _ in names:
+            clients.append(LighthouseClient(addr, connect_timeout=timedelta(seconds=30)))
+    except Exception as e:  # where the lighthouse arm stops (said in the row)
+        pipe.send(("error", f"client {len(clients) + 1} of {len(names)} in a worker: {e}"))
+        return
     for c, rid in zip(clients, names, strict=True):
         c.heartbeat(rid)
     stop = threading.Event()
@@ -1077,7 +1083,8 @@ def torchft_fields(
     try:
         return {**bench_torchft(tmp, plan, workers, timeout_s), "torchft_version": version}
     except Exception as e:
-        return {**empty, "torchft_reason": f"torchft run failed at N={plan.n}: {e}"}
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return {**empty, "torchft_reason": f"torchft run failed at N={plan.n}: {why}"}
 
 
 def _median(xs: list[float]) -> float:
