@@ -85,11 +85,8 @@ def roster_digest(members: Iterable[Peerlike]) -> str:
     return hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
 
 
-class QuorumBrief(Wire):
-    """One replica's answer to its quorum request: the quorum, as far as this
-    replica needs it each round. Encoded once per round for all members; only the
-    last three fields differ between them (keep them last: the controller splices
-    them into the round's shared bytes)."""
+class QuorumHead(Wire):
+    """What a brief and a view share, first in both (in this order)."""
 
     role: RoleName
     quorum_id: Count
@@ -104,6 +101,14 @@ class QuorumBrief(Wire):
     """As :attr:`phalanx.protocol.membership.Quorum.final_step`."""
     rolled_back_from: Count | None = None
     """As :attr:`phalanx.protocol.membership.Quorum.rolled_back_from`."""
+
+
+class QuorumBrief(QuorumHead):
+    """One replica's answer to its quorum request: the quorum, as far as this
+    replica needs it each round. Encoded once per round for all members; only the
+    last three fields differ between them (keep them last: the controller splices
+    them into the round's shared bytes)."""
+
     world_size: int = Field(ge=1, le=MAX_MEMBERS)
     digest: Digest
     """:func:`roster_digest` of the quorum's member list."""
@@ -153,19 +158,11 @@ def members_of(reply: MembersReply, base: tuple[QuorumPeer, ...] | None) -> tupl
     return tuple(sorted(kept + list(reply.members), key=lambda m: m.replica_id))
 
 
-class QuorumView(Wire):
+class QuorumView(QuorumHead):
     """A quorum as one replica holds it: its brief, with the member list from the
     client's cache. What :meth:`phalanx.client.ControllerClient.quorum` returns;
     JSON, so that a replica's rank 0 can hand it to its other ranks."""
 
-    role: RoleName
-    quorum_id: Count
-    round: Count
-    max_step: Count
-    formed_at: Wall
-    job_step: Count = 0
-    final_step: Count | None = None
-    rolled_back_from: Count | None = None
     digest: Digest
     members: Annotated[tuple[QuorumPeer, ...], Field(max_length=MAX_MEMBERS)]
     """In rank order (sorted by replica id)."""
@@ -183,16 +180,5 @@ def view_of(brief: QuorumBrief, members: tuple[QuorumPeer, ...], me: str) -> Quo
     heal = {lag: me for lag in brief.heals}
     if brief.heal_from is not None:
         heal[me] = brief.heal_from
-    return QuorumView.model_construct(
-        role=brief.role,
-        quorum_id=brief.quorum_id,
-        round=brief.round,
-        max_step=brief.max_step,
-        formed_at=brief.formed_at,
-        job_step=brief.job_step,
-        final_step=brief.final_step,
-        rolled_back_from=brief.rolled_back_from,
-        digest=brief.digest,
-        members=members,
-        heal=heal,
-    )
+    head = {k: getattr(brief, k) for k in QuorumHead.model_fields}
+    return QuorumView.model_construct(**head, digest=brief.digest, members=members, heal=heal)
