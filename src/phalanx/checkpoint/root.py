@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -83,24 +84,48 @@ def _local_marker(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     marker = os.path.join(path, MARKER)
     fresh = json.dumps({"root_id": uuid.uuid4().hex}).encode()
-    try:
-        # Exclusive create: of two replicas that use a new root at once, one writes
-        # the marker and the other reads it.
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(fresh)
-            f.flush()
-            os.fsync(f.fileno())
+    if not os.path.exists(marker):
+        _place_marker(path, marker, fresh)
     # A root whose marker is there may still have been made read-only since.
     probe = os.path.join(path, f".write-probe-{uuid.uuid4().hex[:8]}")
     with open(probe, "wb"):
         pass
     os.unlink(probe)
-    with open(marker, "rb") as f:
-        return _read_id(f.read(), marker)
+    for _ in range(50):  # empty only between another's exclusive create and its write
+        with open(marker, "rb") as f:
+            data = f.read()
+        if data:
+            break
+        time.sleep(0.02)
+    return _read_id(data, marker)
+
+
+def _place_marker(path: str, marker: str, fresh: bytes) -> None:
+    """Writes the marker whole under a private name, then links it into place. A link
+    fails if the name exists, so of two replicas that use a new root at once one places
+    its marker and the other reads it, never a half-written one."""
+    tmp = os.path.join(path, f".{MARKER}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(fresh)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, marker)
+    except FileExistsError:
+        pass
+    except OSError:
+        # A filesystem without hard links: an exclusive create, then the bytes (a
+        # reader that comes between them finds the marker empty and reads again).
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "wb") as f:
+            f.write(fresh)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        os.unlink(tmp)
 
 
 def _remote_marker(fs: Any, path: str) -> str:
