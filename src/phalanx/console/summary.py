@@ -104,14 +104,15 @@ def idle_text(s: dict[str, Any]) -> str:
 def ft_summary(job: LocalJob) -> dict[str, Any]:
     reps = job.all_replicas()
     lead = max(reps, key=lambda r: r.step, default=None)
+    top = max((r.top for r in reps), key=lambda t: t[0], default=(0, None))
     gaps = [b - a for a, b in zip(job.commit_times, job.commit_times[1:], strict=False)]
     return {
         "event": "summary",
         "job": job.cfg.job.id,
         "ok": job.error is None,
         "error": job.error,
-        "steps": lead.step if lead else 0,
-        "loss": lead.loss if lead else None,
+        "steps": max(top[0], lead.step if lead else 0),
+        "loss": top[1] if top[0] else None,
         "kills": sum(r.kills for r in reps),
         "heals": sum(r.heals for r in reps),
         "controller_restarts": job.controller.restarts if job.controller else 0,

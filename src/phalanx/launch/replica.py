@@ -36,6 +36,9 @@ class Replica:
     step: int = 0
     version: int | None = None
     loss: float | None = None
+    top: tuple[int, float | None] = (0, None)
+    """The highest step any incarnation of this replica committed, and its loss (kept
+    across restarts, which reset ``step`` and ``loss``): what a summary reports."""
     participants: int = 0
     quorum_id: int = 0
     reward: float | None = None
@@ -91,6 +94,8 @@ class Replica:
         if kind == "step":
             self.progress, self.failed_starts = True, 0
             self.step, self.loss = ev.get("step", self.step), ev.get("loss")
+            if self.step >= self.top[0] and self.loss is not None:
+                self.top = (self.step, self.loss)
             self.participants = ev.get("participants", 0)
             self.quorum_id = ev.get("quorum_id", 0)
             for k in ("version", "reward", "exact_match", "staleness", "mfu", "val_loss"):
