@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,16 +41,25 @@ MISSING = (
 class Member:
     """One etcd process."""
 
-    def __init__(self, name: str, client: int, peer: int, workdir: Path):
+    def __init__(self, name: str, client: int, peer: int, workdir: Path, host: Any = None):
+        """``host``: a :class:`netns.Host` to run on (listening on its address), or
+        None: this machine, on loopback."""
         self.name, self.client, self.peer = name, client, peer
+        self.host = host
+        self.ip = host.ip if host is not None else "127.0.0.1"
         self.data = workdir / f"{name}.data"
         self.log = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, cluster: str, state: str = "new") -> None:
+        """Start (or restart, on its data dir) this member of ``cluster``."""
         assert ETCD is not None, MISSING
         # The launcher's command line (history compacted, as deployments do).
-        args = etcd_argv(ETCD, self.name, self.data, self.client, self.peer, cluster, state=state)
+        args = etcd_argv(
+            ETCD, self.name, self.data, self.client, self.peer, cluster, host=self.ip, state=state
+        )
+        if self.host is not None:
+            args = self.host.wrap(args)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 args,
@@ -65,7 +75,7 @@ class Member:
 
     def healthy(self) -> bool:
         try:
-            r = httpx.get(f"http://127.0.0.1:{self.client}/health", timeout=1.0)
+            r = httpx.get(f"http://{self.ip}:{self.client}/health", timeout=1.0)
             return r.status_code == 200 and r.json().get("health") == "true"
         except (httpx.HTTPError, ValueError):
             return False
@@ -87,13 +97,15 @@ class Cluster:
 
     def __init__(self, members: list[Member]):
         self.members = members
+        self.spec = ",".join(f"{m.name}=http://{m.ip}:{m.peer}" for m in members)
+        """``--initial-cluster``: every member's name and peer URL."""
 
     @property
     def member(self) -> Member:
         return self.members[0]
 
     def url(self, prefix: str = "") -> str:
-        hosts = ",".join(f"127.0.0.1:{m.client}" for m in self.members)
+        hosts = ",".join(f"{m.ip}:{m.client}" for m in self.members)
         return f"etcd://{hosts}{prefix}"
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
@@ -111,15 +123,18 @@ class Cluster:
             m.stop()
 
 
-def start_cluster(workdir: Path, n: int = 1) -> Cluster:
-    """Start ``n`` members (ports picked free; tried again if one was taken meanwhile)."""
+def start_cluster(workdir: Path, n: int = 1, hosts: list[Any] | None = None) -> Cluster:
+    """Start ``n`` members (ports picked free; tried again if one was taken meanwhile),
+    member i on ``hosts[i]`` (:class:`netns.Host`) where given, else on loopback."""
     workdir.mkdir(parents=True, exist_ok=True)
+    on = hosts or [None] * n
     for attempt in range(3):
-        members = [Member(f"m{i}a{attempt}", free_port(), free_port(), workdir) for i in range(n)]
-        cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer}" for m in members)
-        for m in members:
-            m.start(cluster)
+        members = [
+            Member(f"m{i}a{attempt}", free_port(), free_port(), workdir, on[i]) for i in range(n)
+        ]
         c = Cluster(members)
+        for m in members:
+            m.start(c.spec)
         try:
             c.wait_healthy()
             return c

@@ -99,7 +99,9 @@ class RLReplica:
         spare: bool = False,
         ranks: int = 1,
         host: Any = None,
+        env: dict[str, str] | None = None,
     ):
+        """``env``: the whole environment of the process (default: the tests')."""
         self.name, self.role = name, role
         head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
         self.gate: Path | None = None
@@ -115,7 +117,7 @@ class RLReplica:
             args += ["--state", str(procs.workdir / "policy-state")]
         stdin = subprocess.PIPE if spare and self.gate is None else subprocess.DEVNULL
         self.proc, self.out, self.err = procs.spawn(
-            [*args, *extra], f"{role}-{name}", stdin=stdin, host=host
+            [*args, *extra], f"{role}-{name}", env=env, stdin=stdin, host=host
         )
 
     def release(self) -> None:

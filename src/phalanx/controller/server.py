@@ -160,10 +160,23 @@ def serve(
             ssl_keyfile=tls_key if tls else None,
         )
         _tune_gc()
-        server = uvicorn.Server(config)
+        def release_held() -> None:
+            # Held requests (heartbeats, lifelines, long-polls) answer within the
+            # graceful shutdown instead of being cancelled mid-wait (uvicorn logs each of
+            # those as a traceback).
+            if run.service is not None:
+                run.service.release_held()
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM, SIGINT
+                super().handle_exit(sig, frame)
+                release_held()
+
+        server = Server(config)
 
         def stop() -> None:
             server.should_exit = True  # stop serving; the outbox refuses every reply meanwhile
+            release_held()
 
         run.stop = stop
         server.run(sockets=[sock])

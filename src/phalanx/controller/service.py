@@ -102,6 +102,8 @@ class ControllerService:
         self.outbox = Outbox(journal, wall, self._act, self.metrics.journal_writes.inc)
         """The journal write of every call, and what happens while the journal is down."""
         self._waiters: dict[str, dict[str, list[asyncio.Future[bool]]]] = {k: {} for k in WAITS}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the service runs on (set by :meth:`start`)."""
         self._ticker: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         """Connections to suspects' addresses in flight (:meth:`_probe_address`)."""
@@ -239,6 +241,23 @@ class ControllerService:
             if not fut.done():
                 fut.set_result(True)
 
+    def release_held(self) -> None:
+        """Wake every held request (heartbeats, lifelines, long-polls) now, from any
+        thread: a server that stops answers them before its graceful shutdown ends,
+        rather than having them cancelled mid-wait."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def release() -> None:
+            for waiters in self._waiters.values():
+                for futs in list(waiters.values()):
+                    for fut in futs:
+                        if not fut.done():
+                            fut.set_result(False)
+
+        loop.call_soon_threadsafe(release)
+
     async def wait(self, kind: str, key: str, timeout: float) -> bool:
         """Wait until ``key`` (a replica id; a stream's own key for ``status``) is woken
         for ``kind`` or ``timeout`` passes. Returns True when woken. A future and a
@@ -270,7 +289,7 @@ class ControllerService:
                 self.apply_quietly(self.state.tick)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._ticker = loop.create_task(self.run_ticker())
         led = self.state.ledger
         if self.replay is not None and led is not None:
