@@ -104,6 +104,8 @@ def test_a_standby_takes_over_from_a_sigkilled_leader_and_the_job_goes_on(
     r = standby.post("/v1/commands", {"target": "policy", "kind": "x", "payload": {}})
     assert r.status_code == 421 and r.json()["leader"] == first.url, r.text
     assert "\n" not in r.json()["error"]
+    page = httpx.get(standby.url + "/", timeout=10)  # a browser's: sent to the leader's page
+    assert page.status_code == 307 and page.headers["location"] == first.url + "/", page
     st = first.status()["controllers"]
     assert st["leader"] == first.url and st["term"] == 1 and st["failovers"] == 0
     wait_for(lambda: len(first.status()["controllers"]["standbys"]) == 2, 30, "two standbys listed")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd_server import etcd  # noqa: F401  (a module-scoped fixture)
 from procs import Procs, cli_status, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,3 +252,53 @@ def test_dashboard_follows_the_main_job_through_a_kill(tmp_path: Path, procs: Pr
                 launcher.kill()
     # 6. No errors in the browser's console.
     assert console == [], console
+
+
+def test_the_dashboard_follows_the_leader_controller(etcd, procs: Procs, tmp_path: Path):  # noqa: F811
+    """Two controllers of one job on etcd. The dashboard opened at the standby's URL is
+    sent to the leader's, and shows who leads; the leader SIGKILLed, the page moves to
+    the new leader by itself (the token along) and shows the failover."""
+    import uuid
+
+    from procs import Controller, child_env, write_job_toml
+
+    from phalanx import env
+
+    job_id = f"dash-{uuid.uuid4().hex[:6]}"
+    config = write_job_toml(
+        tmp_path / "job.toml",
+        {
+            "job": {"id": job_id},
+            "controller": {"journal": etcd.url(f"/{job_id}")},
+            "roles.policy": {"min_replicas": 1, "n_init_replicas": 1},
+        },
+    )
+    token = uuid.uuid4().hex
+    spawn_env = {**child_env(), env.TOKEN: token}
+    first = Controller(procs, tmp_path / "c1", config, env=spawn_env).start(timeout=120)
+    second = Controller(procs, tmp_path / "c2", config, env=spawn_env).start(timeout=120)
+    assert second.get("/healthz").json()["role"] == "standby"
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 900}, bypass_csp=True)
+        page.set_default_timeout(60_000)
+        page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+        page.goto(f"{second.url}/#token={token}")
+        page.wait_for_selector("#app:not([hidden])")
+        assert page.url.startswith(first.url), page.url  # sent to the leader's page
+        shown = page.inner_text("[data-k=leader]")
+        assert f"controller {first.url} leads" in shown and "0 failover(s)" in shown, shown
+        assert second.url in shown  # the standby, listed
+        page.screenshot(path=str(ARTIFACTS / "4-leader.png"))
+        first.kill(signal.SIGKILL)
+        # The page finds the controller gone, tries the other one, and stays there.
+        page.wait_for_function(
+            "document.querySelector('[data-k=leader]')?.textContent.includes('1 failover(s)')"
+        )
+        assert page.url.startswith(second.url), page.url
+        assert f"controller {second.url} leads" in page.inner_text("[data-k=leader]")
+        assert page.is_visible("#app") and "token" not in page.url
+        page.screenshot(path=str(ARTIFACTS / "5-followed.png"))
+        browser.close()
+    assert errors == [], errors

@@ -10,6 +10,9 @@ let token = null;
 let last = null;
 let pollTimer = null;
 let streamAbort = null;
+let known = [];   // the job's controllers, leader first (status.controllers), to follow
+let misses = 0;   // polls in a row that found no controller here
+const FOLLOW_AFTER = 2;
 
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
@@ -60,6 +63,12 @@ async function api(path, body) {
     init.body = JSON.stringify(body);
   }
   const r = await fetch(path, init);
+  if (r.status === 421) {
+    // A standby: it names the leader. The page moves there (the token in the fragment).
+    const data = await r.json();
+    follow(data.leader);
+    throw new Error(data.error || "a standby controller");
+  }
   if (r.status === 401) {
     askToken("The controller refused this token.");
     throw new Error("unauthorized");
@@ -82,6 +91,28 @@ async function connect(t) {
   $("forget").hidden = false;
   sessionStorage.setItem(KEY, token);
   stream();
+}
+
+// -- following the leader (several controllers on an etcd journal) --------------
+
+function follow(url) {
+  // Open the dashboard of the controller at `url`, this tab's token in the fragment
+  // (browsers never send a fragment to a server). Nothing if it is this one.
+  if (!url || !token) return;
+  let there;
+  try { there = new URL(url); } catch (e) { return; }
+  if (there.origin === location.origin) return;
+  location.href = `${there.origin}/#token=${encodeURIComponent(token)}`;
+}
+
+function pollFailed() {
+  // The controller here is gone (its host lost, or it was deposed): after a few polls
+  // in a row, try the next controller it named; a standby there sends us to the leader.
+  setConn("controller unreachable", "down");
+  misses += 1;
+  if (misses < FOLLOW_AFTER) return;
+  const others = known.filter((u) => { try { return new URL(u).origin !== location.origin; } catch (e) { return false; } });
+  if (others.length) follow(others[(misses - FOLLOW_AFTER) % others.length]);
 }
 
 // -- updates: server-sent events over fetch, polling as the fallback --------
@@ -128,7 +159,7 @@ async function stream() {
   if (ctl.signal.aborted || !token) return;
   // The stream ended (controller restarted, proxy timeout): poll, and try again soon.
   setConn("polling", "poll");
-  pollTimer = setInterval(() => api("/v1/status").then(render, () => setConn("controller unreachable", "down")), POLL_MS);
+  pollTimer = setInterval(() => api("/v1/status").then(render, pollFailed), POLL_MS);
   setTimeout(() => { if (token && pollTimer) stream(); }, 5000);
 }
 
@@ -140,8 +171,10 @@ function card(label, value, key) {
 
 function render(st) {
   last = st;
+  misses = 0;
   const ov = st.overview;
   $("job-id").textContent = `job ${st.job_id} · controller epoch ${st.epoch}`;
+  renderControl(st.controllers, st.journal);
   const j = ov.job;
   const cards = [card("step", j.step), card("quorum", j.quorum_id, "quorum_id"), card("steps/s", fmt(j.steps_per_s, 2), "steps_per_s")];
   if (j.rl) {
@@ -164,6 +197,23 @@ function render(st) {
     el("tr", {}, el("td", {}, c.step), el("td", {}, bytes(c.nbytes)), el("td", {}, c.url), el("td", {}, c.by), el("td", {}, clock(c.at)))));
   $("timeline").replaceChildren(...ov.timeline.slice().reverse().map((e) =>
     el("li", { class: e.kind }, el("time", {}, clock(e.at)), e.text)));
+}
+
+function renderControl(c, j) {
+  // Who leads (several controllers), and whether the journal takes writes.
+  const out = [];
+  if (c) {
+    known = [c.leader, ...c.standbys.map((s) => s.url)];
+    const standbys = c.standbys.map((s) => s.url).join(", ") || "none";
+    out.push(el("span", { "data-k": "leader" }, `controller ${c.leader} leads since ${clock(c.since)} (term ${c.term}, ${c.failovers} failover(s)); standbys: ${standbys}`));
+  }
+  if (j && !j.healthy) {
+    out.push(el("span", { class: "error", "data-k": "journal" }, `journal unavailable: ${j.where}: ${j.error}; ${j.unjournaled} change(s) held, writes refused`));
+  } else if (j && j.kind === "etcd") {
+    out.push(el("span", { "data-k": "journal" }, `journal: ${j.where}`));
+  }
+  $("control").hidden = out.length === 0;
+  $("control").replaceChildren(...out);
 }
 
 function renderRoles(ov) {

@@ -27,6 +27,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+DASHBOARD = {"/dashboard/app.js", "/dashboard/style.css"}
+"""The dashboard's files besides ``/``: a standby redirects them to the leader's."""
 UNFENCED = {"/healthz", f"/{API_VERSION}/status", "/metrics"}
 """Read-only routes a fenced leader still answers (the status says why it is fenced)."""
 
@@ -125,6 +127,15 @@ class Switch:
         if scope.get("path") == "/healthz":
             health = Health(ok=True, epoch=0, role="standby", leader=leader)
             await _reply(send, 200, health.model_dump_json().encode())
+            return
+        path = str(scope.get("path", ""))
+        if leader and scope.get("method") == "GET" and (path == "/" or path in DASHBOARD):
+            # A browser that opened a standby's dashboard is sent to the leader's (the
+            # token, in the URL's fragment, goes along: browsers keep it across a redirect).
+            location = (leader.rstrip("/") + path).encode()
+            headers = [(b"location", location), (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 307, "headers": headers})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         where = f"the leader is at {leader}" if leader else "an election is under way"
         error = (
