@@ -1008,6 +1008,14 @@ def main(argv: list[str] | None = None) -> int:
         default="sqlite",
         help="the controllers' controller.journal: sqlite, or etcd://HOST:PORT of a running etcd",
     )
+    p.add_argument(
+        "--etcd-ratio",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="then etcd_quorum_ratio: PAIRS runs at N = 100 of each journal, alternating "
+        "(SQLite, then a local etcd this bench starts), the ratio of their medians",
+    )
     args = p.parse_args(argv)
     if args.rounds is not None and not 0 < args.warmup < args.rounds:
         p.error(f"--warmup must be in [1, --rounds): got {args.warmup} with --rounds {args.rounds}")
@@ -1046,6 +1054,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if args.json:
                 print(json.dumps(row), file=out, flush=True)
+        if args.etcd_ratio:
+            ratio = etcd_ratio(tmp, args.etcd_ratio, args.warmup, args.interval_s)
+            if args.json:
+                print(json.dumps(ratio), file=out, flush=True)
+            else:
+                print(f"etcd_quorum_ratio {ratio['etcd_quorum_ratio']} (goal <= 1.2): {ratio}")
         trials = [bench_failure_detection(tmp, i) for i in range(args.fd_trials)]
     fd = {
         "failure_detection": {
@@ -1062,6 +1076,37 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _table(rows, fd["failure_detection"])
     return 0
+
+
+def etcd_ratio(tmp: Path, pairs: int, warmup: int, interval_s: float) -> dict[str, Any]:
+    """``etcd_quorum_ratio``: quorum p50 at N = 100 with the etcd journal over SQLite's,
+    the median of ``pairs`` runs of each, alternating (the machine's load moves between
+    runs more than the arms differ). The etcd is a local member this bench starts, as
+    ``phalanx run --journal etcd`` does."""
+    from phalanx.launch.controllers.etcd import LocalEtcd
+
+    etcd = LocalEtcd(tmp / "etcd-ratio")
+    try:
+        url = etcd.start()
+        runs: dict[str, list[float]] = {"sqlite": [], "etcd": []}
+        plan = Plan(100, warmup + 8, warmup, interval_s, True, "")
+        for _ in range(pairs):
+            for arm, journal in (("sqlite", "sqlite"), ("etcd", url)):
+                row = bench_phalanx(tmp, plan, 2, None, journal)
+                runs[arm].append(row["quorum_p50_ms"])
+    finally:
+        etcd.stop()
+    sqlite_ms, etcd_ms = _median(runs["sqlite"]), _median(runs["etcd"])
+    return {
+        "n": 100,
+        "etcd_quorum_ratio": round(etcd_ms / sqlite_ms, 3),
+        "goal": 1.2,
+        "sqlite_quorum_p50_ms": sqlite_ms,
+        "etcd_quorum_p50_ms": etcd_ms,
+        "sqlite_runs_ms": runs["sqlite"],
+        "etcd_runs_ms": runs["etcd"],
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def _fd_limit() -> int:

@@ -104,6 +104,8 @@ def test_a_standby_takes_over_from_a_sigkilled_leader_and_the_job_goes_on(
     r = standby.post("/v1/commands", {"target": "policy", "kind": "x", "payload": {}})
     assert r.status_code == 421 and r.json()["leader"] == first.url, r.text
     assert "\n" not in r.json()["error"]
+    hb = standby.post("/v1/heartbeat", {"replica_id": "x", "step": 0})  # a hot route too
+    assert hb.status_code == 421 and hb.json()["leader"] == first.url, hb.text
     page = httpx.get(standby.url + "/", timeout=10)  # a browser's: sent to the leader's page
     assert page.status_code == 307 and page.headers["location"] == first.url + "/", page
     st = first.status()["controllers"]

@@ -195,7 +195,10 @@ class Run:
         self.token = ""
         self.service: Any = None
         self.hot: Any = None
-        """The hot routes of a SQLite controller (None on etcd)."""
+        """The hot routes the server's protocol answers (:class:`~phalanx.controller.http.hot.Hot`;
+        on etcd, armed once this controller leads)."""
+        self.built_hot: Any = None
+        """The hot routes of the service last built."""
         self.first_line = ""
         """What the process prints once it serves (tests and launchers wait for it)."""
         self.stop: Any = lambda: None
@@ -209,10 +212,10 @@ class Run:
 
         self.token = load_or_create_token(self.state_dir)
         journal = open_journal(self.cfg, self.state_dir / JOURNAL, self.url)
-        # The hot routes answered in the HTTP protocol itself (http/hot.py). Only on
-        # SQLite: on etcd the app is the standby switch's, whose 421s, read fence and
-        # group-committed acknowledgements every reply must pass through.
-        _, app = self.build(journal, hot=True)
+        # The hot routes answered in the HTTP protocol itself (http/hot.py); on etcd
+        # they are armed when the controller takes office (standby/__init__.py).
+        _, app = self.build(journal)
+        self.hot = self.built_hot
         return app
 
     def protocol(self) -> Any:
@@ -222,9 +225,9 @@ class Run:
 
         return (hot_protocol(self.hot) if self.hot is not None else None) or "auto"
 
-    def build(self, journal: Any, hot: bool = False) -> tuple[Any, Any]:
+    def build(self, journal: Any) -> tuple[Any, Any]:
         """The service on ``journal`` and its app (closes the journal if it fails);
-        ``hot``: also its hot routes (:attr:`hot`), for the server's protocol."""
+        its hot routes in :attr:`built_hot`."""
         from phalanx.controller.http import create_served
         from phalanx.controller.payloads import PayloadLog
         from phalanx.controller.service import ControllerService
@@ -250,9 +253,7 @@ class Run:
         self.first_line = (
             f"phalanx controller for job {cfg.job.id} (epoch {service.epoch}) at {self.url}"
         )
-        app, routes = create_served(service, self.token)
-        if hot:
-            self.hot = routes
+        app, self.built_hot = create_served(service, self.token)
         return service, app
 
     def raise_why(self) -> None:

@@ -141,20 +141,51 @@ class HotCycle:
         self.protocol.reply(self, 500, _json({"error": "Internal Server Error", "fields": []}))
 
 
+def _unfenced() -> str:
+    return ""
+
+
 class Hot:
-    """What the hot protocol needs of the controller (one per server)."""
+    """What the hot protocol needs of the controller (one per server).
+
+    A controller on etcd starts :meth:`unarmed` (a standby: no hot route, every
+    request goes to the standby switch, which answers 421) and is :meth:`arm`-ed when
+    it takes office, with the leader's fence: a request that arrives while the fence
+    is up, or a reply that would leave while it is, gets the switch's 503."""
 
     def __init__(
         self,
-        api: Api,
+        api: Api | None,
         routes: list[Route],
         token: bytes,
         limit: int,
         on_disconnect: OnDisconnect | None,
     ):
-        self.api, self.on_disconnect = api, on_disconnect
+        self.api, self.on_disconnect = cast(Api, api), on_disconnect
         self.routes = {r.path.encode(): r for r in routes}
         self.auth, self.limit = b"Bearer " + token, limit
+        self.fence: Callable[[], str] = _unfenced
+        """Why this controller may not answer now ('' while it may)."""
+
+    @classmethod
+    def unarmed(cls) -> Hot:
+        """No hot route until :meth:`arm`."""
+        return cls(None, [], b"", 0, None)
+
+    def arm(self, built: Hot, fence: Callable[[], str]) -> None:
+        """Answer ``built``'s routes from now on (those of the service just built),
+        behind ``fence``."""
+        self.api, self.on_disconnect = built.api, built.on_disconnect
+        self.auth, self.limit, self.fence = built.auth, built.limit, fence
+        self.routes = built.routes
+
+
+async def _answered(route: Route, api: Api, req: BaseModel) -> Any:
+    """The route's reply, once the journal holds every change made before it (as the
+    full app's endpoint: :meth:`Outbox.acknowledged`, 503 while it cannot)."""
+    out = await route.handler(api, req)
+    await api.service.acknowledged()
+    return out
 
 
 def hot_protocol(hot: Hot) -> type[asyncio.Protocol] | None:
@@ -272,8 +303,12 @@ def hot_protocol(hot: Hot) -> type[asyncio.Protocol] | None:
                 return
             cycle = HotCycle(self, route, req, self.parser.should_keep_alive())
             self.cycle = self._inflight = cycle  # type: ignore[assignment]
+            why = hot.fence()
+            if why:  # a leader fenced (its lease in doubt, or deposed): the switch's 503
+                self.reply(cycle, 503, _json({"error": why, "fields": []}))
+                return
             cycle.driven = Driven(
-                cast(Coroutine[Any, Any, Any], route.handler(hot.api, req)),
+                cast(Coroutine[Any, Any, Any], _answered(route, hot.api, req)),
                 cycle.done,
                 cycle.failed,
             )
@@ -283,6 +318,10 @@ def hot_protocol(hot: Hot) -> type[asyncio.Protocol] | None:
             cycle.response_complete = True
             if self.transport.is_closing():
                 return
+            if status < 500:
+                late = hot.fence()  # fenced while the request was held: not sent
+                if late:
+                    status, body = 503, _json({"error": late, "fields": []})
             head = b"%scontent-type: application/json\r\ncontent-length: %d\r\n" % (
                 _STATUS.get(status) or _status_line(status),
                 len(body),
@@ -312,7 +351,7 @@ def hot_protocol(hot: Hot) -> type[asyncio.Protocol] | None:
     return HotProtocol
 
 
-_STATUS = {s: _status_line(s) for s in (200, 400, 404, 409, 410, 422, 500)}
+_STATUS = {s: _status_line(s) for s in (200, 400, 404, 409, 410, 422, 500, 503)}
 
 
 def _json(value: Any) -> bytes:

@@ -80,4 +80,8 @@ def etcd_app(run: Run) -> Switch:
             f"phalanx controller for job {cfg.job.id}: standby (leader: "
             f"{leader.get('url', '?')}) at {run.url}"
         )
+    from phalanx.controller.http.hot import Hot
+
+    hot = run.hot = Hot.unarmed()  # the hot routes answer once this controller leads
+    member.switch.on_lead = lambda fence: hot.arm(run.built_hot, fence)
     return member.switch

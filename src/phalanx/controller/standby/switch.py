@@ -92,12 +92,17 @@ class Switch:
         self.app: App | None = None
         self.fence: Callable[[], str] = lambda: ""
         self._lifespan: Lifespan | None = None
+        self.on_lead: Callable[[Callable[[], str]], None] | None = None
+        """Called with the fence once the leader's app serves (the server arms its
+        hot routes: :class:`phalanx.controller.http.hot.Hot`)."""
 
     async def lead(self, app: App, fence: Callable[[], str]) -> None:
         """Serve ``app`` from now on (its startup run first), behind ``fence``."""
         life = Lifespan(app)
         await life.startup()
         self._lifespan, self.fence, self.app = life, fence, app
+        if self.on_lead is not None:
+            self.on_lead(fence)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
