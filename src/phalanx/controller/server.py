@@ -160,6 +160,7 @@ def serve(
             ssl_keyfile=tls_key if tls else None,
         )
         _tune_gc()
+
         def release_held() -> None:
             # Held requests (heartbeats, lifelines, long-polls) answer within the
             # graceful shutdown instead of being cancelled mid-wait (uvicorn logs each of
