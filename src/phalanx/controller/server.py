@@ -220,8 +220,9 @@ class Run:
         return app
 
     def protocol(self) -> Any:
-        """uvicorn's ``http`` setting: the hot protocol where :meth:`sqlite_app` made
-        one (and the pinned uvicorn is the one it was written against), else auto."""
+        """uvicorn's ``http`` setting: the hot protocol (armed by :meth:`sqlite_app`, or
+        unarmed until this controller leads on etcd) where the pinned uvicorn is the
+        one it was written against, else auto."""
         from phalanx.controller.http.hot import hot_protocol
 
         return (hot_protocol(self.hot) if self.hot is not None else None) or "auto"
