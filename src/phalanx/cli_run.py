@@ -84,13 +84,16 @@ def controllers_of(args: argparse.Namespace, configured: str) -> tuple[bool, lis
     local, override = False, []
     if journal == "etcd":
         local = True
-    elif journal is not None and (journal == "sqlite" or journal.startswith("etcd://")):
+    elif journal is not None and (
+        journal == "sqlite" or journal.startswith(("etcd://", "etcds://"))
+    ):
         override = [f"--controller.journal={journal}"]
         configured = journal
     elif journal is not None:
         raise SystemExit(
             f"phalanx run: --journal must be 'etcd' (a local etcd in the run dir), an "
-            f"etcd://HOST:PORT[,HOST:PORT...] URL or 'sqlite': got {journal!r}."
+            f"etcd://HOST:PORT[,HOST:PORT...] URL (etcds:// over TLS) or 'sqlite': got "
+            f"{journal!r}."
         )
     if n > 1 and not local and configured == "sqlite":
         raise SystemExit(

@@ -76,17 +76,30 @@ class CA:
         self.pem = directory / "ca.pem"
         self.pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
-    def server(self, name: str, *ips: str) -> ServerCert:
-        """A server certificate (and its key) naming exactly ``ips`` (SAN IP entries)."""
+    def server(self, name: str, *ips: str, client_too: bool = False) -> ServerCert:
+        """A server certificate (and its key) naming exactly ``ips`` (SAN IP entries).
+        ``client_too``: usable as a client certificate as well (etcd's JSON gateway
+        dials its own gRPC server with it, which asks for one under client-cert-auth)."""
+        usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]
+        if client_too:
+            usages.append(x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH)
+        return self._leaf(name, ips, usages)
+
+    def client(self, name: str) -> ServerCert:
+        """A client certificate (and its key), for a server that asks for one."""
+        return self._leaf(name, (), [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH])
+
+    def _leaf(
+        self, name: str, ips: tuple[str, ...], usages: list[x509.ObjectIdentifier]
+    ) -> ServerCert:
         key = ec.generate_private_key(ec.SECP256R1())
         sans = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+        builder = _builder(name, self.name, key.public_key())
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = (
-            _builder(name, self.name, key.public_key())
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-            )
+            builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .sign(self.key, hashes.SHA256())
         )
         out = self.directory / f"{name}.pem"

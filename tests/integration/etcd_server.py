@@ -18,9 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +40,35 @@ MISSING = (
 )
 
 
+@dataclass(frozen=True)
+class TLS:
+    """A member's TLS: its certificate and key, the CA it trusts for clients, and a
+    client certificate the CA signed (for its health checks here)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert: Path
+    client_key: Path
+
+
 class Member:
     """One etcd process."""
 
-    def __init__(self, name: str, client: int, peer: int, workdir: Path, host: Any = None):
+    def __init__(
+        self,
+        name: str,
+        client: int,
+        peer: int,
+        workdir: Path,
+        host: Any = None,
+        tls: TLS | None = None,
+    ):
         """``host``: a :class:`netns.Host` to run on (listening on its address), or
-        None: this machine, on loopback."""
+        None: this machine, on loopback. ``tls``: serve its clients over TLS, asking
+        each for a certificate the CA signed."""
         self.name, self.client, self.peer = name, client, peer
-        self.host = host
+        self.host, self.tls = host, tls
         self.ip = host.ip if host is not None else "127.0.0.1"
         self.data = workdir / f"{name}.data"
         self.log = workdir / f"{name}.log"
@@ -58,6 +81,12 @@ class Member:
         args = etcd_argv(
             ETCD, self.name, self.data, self.client, self.peer, cluster, host=self.ip, state=state
         )
+        if self.tls is not None:
+            cert, key, ca = self.tls.cert, self.tls.key, self.tls.ca
+            plain = f"http://{self.ip}:{self.client}"
+            args = [a.replace(plain, f"https://{self.ip}:{self.client}") for a in args]
+            args += ["--cert-file", str(cert), "--key-file", str(key)]
+            args += ["--trusted-ca-file", str(ca), "--client-cert-auth"]
         if self.host is not None:
             args = self.host.wrap(args)
         with self.log.open("ab") as log:
@@ -75,7 +104,14 @@ class Member:
 
     def healthy(self) -> bool:
         try:
-            r = httpx.get(f"http://{self.ip}:{self.client}/health", timeout=1.0)
+            if self.tls is None:
+                r = httpx.get(f"http://{self.ip}:{self.client}/health", timeout=1.0)
+            else:
+                url = f"https://{self.ip}:{self.client}/health"
+                t = self.tls
+                ctx = ssl.create_default_context(cafile=str(t.ca))
+                ctx.load_cert_chain(str(t.client_cert), str(t.client_key))
+                r = httpx.get(url, timeout=1.0, verify=ctx)
             return r.status_code == 200 and r.json().get("health") == "true"
         except (httpx.HTTPError, ValueError):
             return False
@@ -106,7 +142,8 @@ class Cluster:
 
     def url(self, prefix: str = "") -> str:
         hosts = ",".join(f"{m.ip}:{m.client}" for m in self.members)
-        return f"etcd://{hosts}{prefix}"
+        scheme = "etcds" if self.members[0].tls is not None else "etcd"
+        return f"{scheme}://{hosts}{prefix}"
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -38,7 +38,7 @@ def test_the_prefix_defaults_to_one_per_job():
 @pytest.mark.parametrize(
     ("url", "why"),
     [
-        ("redis://x:1", "which is neither sqlite nor an etcd:// URL"),
+        ("redis://x:1", "which is neither sqlite nor an etcd:// or etcds:// URL"),
         ("etcd://", "which names no host:port"),
         ("etcd://host", "whose endpoint 'host' is not host:port"),
         ("etcd://host:0", "whose endpoint 'host:0' is not host:port"),
@@ -54,3 +54,44 @@ def test_a_bad_journal_is_refused_in_one_line(url, why):
     assert re.search(r'controller\.journal must be "sqlite" or "etcd://', msg), msg
     assert f"got {url!r}, {why}" in msg, msg
     assert msg.count("\n") <= 1, msg
+
+
+def test_etcds_is_an_etcd_over_tls_with_the_controllers_files():
+    from phalanx.config.journal import target_of
+
+    cfg = load_config(
+        overrides=[
+            *("--controller.journal", "etcds://h:2379/p"),
+            *("--controller.etcd_ca_file", "/ca.pem"),
+            *("--controller.etcd_cert_file", "/c.pem", "--controller.etcd_key_file", "/c.key"),
+        ]
+    ).controller
+    t = target_of(cfg)
+    assert t.tls and t.scheme == "https" and t.url() == "etcds://h:2379/p"
+    assert t.verify() == "/ca.pem" and t.client_cert() == ("/c.pem", "/c.key")
+    plain = parse_etcd("etcd://h:1")
+    assert not plain.tls and plain.verify() is True and plain.client_cert() is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (
+            ["--controller.journal", "etcd://h:1", "--controller.etcd_ca_file", "/ca.pem"],
+            "controller.etcd_ca_file applies to an etcd journal over TLS: got "
+            "controller.journal = 'etcd://h:1'. Write the journal as etcds://host:port",
+        ),
+        (
+            ["--controller.journal", "etcds://h:1", "--controller.etcd_key_file", "/k"],
+            "controller.etcd_key_file needs controller.etcd_cert_file too",
+        ),
+        (
+            ["--controller.journal", "etcdx://h:1"],
+            "which is neither sqlite nor an etcd:// or etcds:// URL",
+        ),
+    ],
+)
+def test_etcd_tls_mistakes_are_one_line(overrides, why):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert why in str(e.value) and "Traceback" not in str(e.value)

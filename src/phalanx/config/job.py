@@ -169,6 +169,14 @@ class ControllerSection(_Section):
     embedded default, ``journal.sqlite`` in the state dir) or an existing etcd cluster,
     ``etcd://host:port[,host:port...][/prefix]`` (prefix default ``/phalanx/<job.id>``;
     docs/operations.md, "An etcd journal")."""
+    etcd_ca_file: str | None = None
+    """An ``etcds://`` journal: the CA file that signed etcd's certificates (default:
+    the trust store of ``requests``: certifi's, or ``$REQUESTS_CA_BUNDLE``)."""
+    etcd_cert_file: str | None = None
+    """An ``etcds://`` journal: this controller's client certificate (PEM), for an etcd
+    run with ``--client-cert-auth``; with ``etcd_key_file``."""
+    etcd_key_file: str | None = None
+    """The key of ``etcd_cert_file`` (PEM, unencrypted)."""
     journal_sync: Literal["normal", "full"] = "normal"
     """SQLite synchronous mode. `normal` survives a killed controller; `full` also a power loss."""
     tick_s: float = Field(0.02, gt=0, le=1)
@@ -180,6 +188,32 @@ class ControllerSection(_Section):
     @classmethod
     def _journal(cls, v: str) -> str:
         return check_journal(v)
+
+    @model_validator(mode="after")
+    def _etcd_tls(self) -> ControllerSection:
+        files = {
+            "etcd_ca_file": self.etcd_ca_file,
+            "etcd_cert_file": self.etcd_cert_file,
+            "etcd_key_file": self.etcd_key_file,
+        }
+        named = [k for k, v in files.items() if v]
+        if named and not self.journal.startswith("etcds://"):
+            raise ValueError(
+                f"controller.{named[0]} applies to an etcd journal over TLS: got "
+                f"controller.journal = {self.journal!r}. Write the journal as etcds://host:port "
+                f"(or drop controller.{named[0]})."
+            )
+        if bool(self.etcd_cert_file) != bool(self.etcd_key_file):
+            given, missing = (
+                ("etcd_cert_file", "etcd_key_file")
+                if self.etcd_cert_file
+                else ("etcd_key_file", "etcd_cert_file")
+            )
+            raise ValueError(
+                f"controller.{given} needs controller.{missing} too: a client certificate "
+                f"and its key go together. Set both, or neither."
+            )
+        return self
 
 
 class CheckpointSection(_Section):

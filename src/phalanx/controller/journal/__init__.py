@@ -32,7 +32,7 @@ def open_journal(cfg: JobConfig, path: Path, leader_url: str) -> Journal:
     ctl = cfg.controller
     if ctl.journal == "sqlite":
         return SqliteJournal(path, ctl.journal_sync)
-    from phalanx.config.journal import parse_etcd
+    from phalanx.config.journal import target_of
     from phalanx.controller.journal.etcd import EtcdJournal
 
-    return EtcdJournal(parse_etcd(ctl.journal), cfg.job.id, leader_url)
+    return EtcdJournal(target_of(ctl), cfg.job.id, leader_url)

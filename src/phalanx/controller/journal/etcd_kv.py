@@ -19,9 +19,11 @@ writer)."""
 from __future__ import annotations
 
 import base64
+import os
 import threading
 from typing import Any
 
+import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import (
     ConnectionFailedError,
@@ -98,6 +100,15 @@ class EtcdKV:
     """One etcd cluster, reached through any of its endpoints."""
 
     def __init__(self, target: EtcdTarget, timeout_s: float):
+        """Raises :class:`JournalUnavailable` when a TLS file it is given cannot be read."""
+        for what, path in (
+            ("etcd_ca_file", target.ca_file),
+            ("etcd_cert_file", target.cert_file),
+            ("etcd_key_file", target.key_file),
+        ):
+            if path and not os.access(path, os.R_OK):
+                why = "no such file" if not os.path.exists(path) else "not readable by this user"
+                raise JournalUnavailable(f"controller.{what} {path} cannot be read ({why})")
         self.target = target
         self.timeout_s = timeout_s
         self._current = 0
@@ -110,7 +121,21 @@ class EtcdKV:
         if i not in clients:
             host, port = self.target.endpoints[i]
             # api_path given: no /version round trip before the first call.
-            clients[i] = Etcd3Client(host, port, timeout=self.timeout_s, api_path="/v3/")
+            t = self.target
+            session = requests.Session()
+            # A CA file given is the one to trust: requests would put $REQUESTS_CA_BUNDLE
+            # before a session's own (its environment wins over session settings).
+            session.trust_env = t.ca_file is None
+            session.verify = t.verify()
+            session.cert = t.client_cert()
+            clients[i] = Etcd3Client(
+                host,
+                port,
+                protocol=t.scheme,
+                timeout=self.timeout_s,
+                api_path="/v3/",
+                session=session,
+            )
         return clients[i]
 
     def endpoint(self) -> tuple[str, int]:
@@ -195,11 +220,41 @@ class EtcdKV:
         self.call("kv/lease/revoke", {"ID": str(lease)})
 
 
+TLS_REASONS = (
+    (
+        "CERTIFICATE_VERIFY_FAILED",
+        "its TLS certificate is not trusted here: set controller.etcd_ca_file to the CA "
+        "that signed it",
+    ),
+    (
+        "WRONG_VERSION_NUMBER",
+        "it does not speak TLS on that port: write the journal as etcd:// (or serve etcd "
+        "over TLS there)",
+    ),
+    (
+        "EOF occurred in violation of protocol",
+        "it closed the TLS handshake: it wants a client certificate signed by a CA it "
+        "trusts (controller.etcd_cert_file and controller.etcd_key_file)",
+    ),
+    (
+        "alert",
+        "it refused this controller's TLS client certificate: give one signed by a CA it "
+        "trusts (controller.etcd_cert_file and controller.etcd_key_file)",
+    ),
+)
+"""What a TLS failure means, by a mark in the SSL error's text (requests words them as a
+chain of pool errors)."""
+
+
 def _reason(e: Etcd3Exception) -> str:
-    """etcd's one-line reason (its JSON ``error``), else the exception's text."""
+    """etcd's one-line reason (its JSON ``error``), a TLS failure in words, else the
+    exception's text."""
     import json
 
     text = e.detail_text or ""
+    if "SSLError" in (text or str(e)):
+        whole = text or str(e)
+        return next((why for mark, why in TLS_REASONS if mark in whole), whole[:300])
     try:
         text = str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):

@@ -32,7 +32,7 @@ def etcd_app(run: Run) -> Switch:
     # The leader's modules, imported now: a takeover must not wait for them.
     import phalanx.controller.http
     import phalanx.controller.service  # noqa: F401
-    from phalanx.config.journal import parse_etcd
+    from phalanx.config.journal import target_of
     from phalanx.controller.journal.base import JournalUnavailable
     from phalanx.controller.journal.etcd import TIMEOUT_S, EtcdJournal
     from phalanx.controller.journal.etcd_kv import EtcdKV
@@ -41,9 +41,12 @@ def etcd_app(run: Run) -> Switch:
     from phalanx.controller.standby.token import shared_token
 
     cfg = run.cfg
-    target = parse_etcd(cfg.controller.journal)
+    target = target_of(cfg.controller)
     prefix = target.prefix_for(cfg.job.id)
-    kv = EtcdKV(target, TIMEOUT_S)
+    try:
+        kv = EtcdKV(target, TIMEOUT_S)
+    except JournalUnavailable as e:
+        raise CannotStart(f"{e}. Name a file this user can read.") from None
 
     def build(leader: Leadership, tables: Any) -> tuple[Any, Any]:
         journal = EtcdJournal(target, cfg.job.id, run.url, leader=leader, tables=tables)

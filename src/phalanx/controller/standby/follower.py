@@ -123,8 +123,14 @@ class Follower:
                 "start_revision": str(self.revision + 1),
             }
         }
+        t = self.kv.target
         resp = requests.post(
-            f"http://{host}:{port}/v3/watch", json=body, stream=True, timeout=(2.0, READ_TIMEOUT_S)
+            f"{t.scheme}://{host}:{port}/v3/watch",
+            json=body,
+            stream=True,
+            timeout=(2.0, READ_TIMEOUT_S),
+            verify=t.verify(),
+            cert=t.client_cert(),
         )
         try:
             # chunk_size None: each line as it arrives (512, the default, waits for more).
