@@ -5,6 +5,7 @@ in the status, and the job carries on when etcd runs again."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 import uuid
@@ -202,3 +203,63 @@ def test_a_leader_woken_from_sigstop_after_a_takeover_stops_and_exits_in_one_lin
     assert new.post("/v1/commands", order).status_code == 200
     j = new.status()["journal"]
     assert j["healthy"] and j["term"] == 2
+
+
+def test_a_job_moved_from_sqlite_to_etcd_keeps_its_state(
+    etcd,  # noqa: F811
+    procs,
+    start_replica,
+    tmp_path: Path,
+):
+    """A job run on the SQLite journal, its controller then started on the same state
+    dir with an etcd journal: the SQLite journal is carried over into the empty prefix
+    (and set aside), and the job goes on from where it was. Started again with a stray
+    ``journal.sqlite`` there, the etcd journal is the job's: the file is not read."""
+    job_id = f"moved-{uuid.uuid4().hex[:8]}"
+
+    def config(journal: str, name: str) -> Path:
+        return write_job_toml(
+            tmp_path / name,
+            {
+                "job": {"id": job_id},
+                "timeouts": {**FAST_TIMEOUTS, "heartbeat_s": 10.0},
+                "controller": {"tick_s": 0.02, "journal": journal},
+                "roles.policy": {"min_replicas": 1, "n_init_replicas": 2},
+            },
+        )
+
+    state = tmp_path / "host1"
+    lite = Controller(procs, state, config("sqlite", "lite.toml")).start(timeout=START_S)
+    reps = {n: start_replica(lite, n) for n in "ab"}
+    for r in reps.values():
+        r.wait_line(lambda x: x["step"] >= 5, 240, "a few steps on SQLite")
+    ids = sorted(r.replica_id() or "" for r in reps.values())
+    lite.kill(signal.SIGTERM)
+    before_step = max(r.last()["step"] for r in reps.values())  # type: ignore[index]
+    port = urlsplit(lite.url).port
+    etcd_config = config(etcd.url(f"/{job_id}"), "etcd.toml")
+    ctl = Controller(procs, state, etcd_config, args=["--port", str(port)]).start(timeout=START_S)
+    assert ctl.err is not None
+    err = ctl.err.read_text()
+    assert "carried the SQLite journal" in err and "journal.sqlite.moved-to-etcd" in err, err
+    assert (state / "journal.sqlite.moved-to-etcd").exists()
+    assert not (state / "journal.sqlite").exists()
+    after = ctl.status()
+    assert after["journal"]["kind"] == "etcd" and after["epoch"] == 2, after["journal"]
+    policy = after["roles"]["policy"]
+    assert sorted(m["replica_id"] for m in policy["replicas"]) == ids
+    assert policy["step"] >= before_step - 1  # (a step may have committed after the last line)
+    for r in reps.values():
+        first = r.wait_line(lambda x: x["epoch"] == 2, 120, "a quorum under the etcd journal")
+        r.wait_line(lambda x, s=first["step"]: x["step"] >= s + 3, 60, "steps on etcd")
+    check_rounds([r.lines() for r in reps.values()])
+
+    ctl.kill(signal.SIGKILL)
+    shutil.copy(state / "journal.sqlite.moved-to-etcd", state / "journal.sqlite")
+    again = Controller(procs, state, etcd_config, args=["--port", str(port)])
+    again.start(timeout=START_S)
+    wait_for(lambda: again.get("/healthz").json()["role"] == "leader", START_S, "it to lead")
+    assert again.err is not None
+    assert "which was not read: etcd journal" in again.err.read_text()
+    assert (state / "journal.sqlite").exists()
+    assert again.status()["epoch"] == 3

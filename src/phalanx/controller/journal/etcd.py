@@ -63,7 +63,15 @@ from phalanx.controller.journal.base import (
     decode,
     last_wins,
 )
-from phalanx.controller.journal.etcd_kv import EtcdKV, Op, delete, delete_prefix, put
+from phalanx.controller.journal.etcd_kv import (
+    EtcdKV,
+    Op,
+    after_prefix,
+    b64,
+    delete,
+    delete_prefix,
+    put,
+)
 from phalanx.controller.journal.leader import LEASE_TTL_S, Leadership
 from phalanx.controller.statedir import CannotStart
 from phalanx.protocol.status import Controllers, StandbyInfo
@@ -156,6 +164,16 @@ class EtcdJournal(Journal):
         )
 
     # -- load ---------------------------------------------------------------
+
+    def empty(self) -> bool:
+        """Whether the prefix holds no row yet (this job's first controller on etcd).
+        Raises :class:`~phalanx.controller.statedir.CannotStart` when etcd cannot say."""
+        body = {"key": b64(self.rec_prefix), "range_end": after_prefix(self.rec_prefix)}
+        try:
+            reply = self.kv.call("kv/range", {**body, "count_only": True})
+            return int(reply.get("count", 0)) == 0 and self.kv.get(self.commit_key) is None
+        except JournalUnavailable as e:
+            raise CannotStart(f"etcd journal {self.where} cannot be read: {e}.") from None
 
     def load(self) -> Tables:
         try:

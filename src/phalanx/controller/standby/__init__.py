@@ -37,8 +37,10 @@ def etcd_app(run: Run) -> Switch:
     from phalanx.controller.journal.etcd import TIMEOUT_S, EtcdJournal
     from phalanx.controller.journal.etcd_kv import EtcdKV
     from phalanx.controller.journal.leader import LEASE_TTL_S, Leadership
+    from phalanx.controller.journal.migrate import carry_over
     from phalanx.controller.standby.member import Member
     from phalanx.controller.standby.token import shared_token
+    from phalanx.controller.statedir import JOURNAL
 
     cfg = run.cfg
     target = target_of(cfg.controller)
@@ -50,6 +52,18 @@ def etcd_app(run: Run) -> Switch:
 
     def build(leader: Leadership, tables: Any) -> tuple[Any, Any]:
         journal = EtcdJournal(target, cfg.job.id, run.url, leader=leader, tables=tables)
+        if (run.state_dir / JOURNAL).exists():  # a job moved from SQLite keeps its state
+            try:
+                carry_over(run.state_dir / JOURNAL, journal)
+            except JournalUnavailable as e:
+                journal.close()
+                raise CannotStart(
+                    f"the SQLite journal in {run.state_dir} could not be carried over to etcd "
+                    f"journal {journal.where}: {e}. Start the controller again once etcd answers."
+                ) from None
+            except BaseException:
+                journal.close()
+                raise
         return run.build(journal)
 
     def failed(e: BaseException) -> None:
