@@ -6,8 +6,10 @@ Bad options end in one line (``SystemExit``) before anything starts.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -53,10 +55,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise SystemExit(f"phalanx run: {e}") from None
     local_etcd, journal = controllers_of(args, cfg.controller.journal)
     extra += journal
+    run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    extra += standby_rollouts(args, cfg, run_dir)
     if extra:
         overrides = [*overrides, *extra]
         cfg = load_config(args.config, overrides)
-    run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
     tls = tls_files(args, "run")
     host = run_controller_host(args, tls is not None)
     common = dict(
@@ -102,3 +105,28 @@ def controllers_of(args: argparse.Namespace, configured: str) -> tuple[bool, lis
             f"etcd://HOST:2379, or set controller.journal in the job config."
         )
     return local, override
+
+
+def standby_rollouts(args: argparse.Namespace, cfg: Any, run_dir: Path) -> list[str]:
+    """An RL job run with standby controllers keeps its rollouts outside the controller
+    (a standby refuses to start otherwise: the leader's payload log would not survive
+    a takeover). On this machine, where ``rl.transport.rollouts`` is the controller, they
+    go to ``RUN_DIR/rollouts`` (a storage store every replica here reaches), said in a
+    line; on Ray, whose actors may run on other nodes, that is refused in one line."""
+    if args.controllers == 1 or cfg.rl is None or cfg.rl.transport.rollouts != "controller":
+        return []
+    if args.launcher == "ray":
+        raise SystemExit(
+            f"phalanx run: --controllers {args.controllers} with an RL job needs "
+            f"rl.transport.rollouts outside the controller (a standby cannot take over the "
+            f"leader's payload log): set it to a redis:// URL or a storage URL every node "
+            f"reaches (s3://..., a shared file://)."
+        )
+    store = f"file://{(run_dir / 'rollouts').resolve()}"
+    print(
+        f"phalanx run: rollouts go to {store} (rl.transport.rollouts): standby "
+        f"controllers cannot take over the leader's own store",
+        file=sys.stderr,
+        flush=True,
+    )
+    return [f"--rl.transport.rollouts={store}"]

@@ -89,3 +89,47 @@ def test_controllers_without_a_journal_to_share_are_refused_in_one_line(tmp_path
         main(["run", str(EXAMPLE), "--run-dir", str(tmp_path / "run"), *extra])
     assert str(e.value).startswith(f"phalanx run: {says}") and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make install)")
+def test_an_rl_job_with_standbys_keeps_its_rollouts_outside_and_survives_its_leader(
+    tmp_path: Path, monkeypatch
+):
+    """``phalanx run`` of the RL example with two controllers: its rollouts go to the
+    run dir's store (said in a line), the leader SIGKILLed mid-job, the standby takes
+    over, and the job trains every batch with the ledger balanced."""
+    from test_dashboard_browser import EXAMPLE as RL_EXAMPLE
+    from test_dashboard_browser import SHRINK
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(RL_EXAMPLE), "--plain", "--json"]
+    args += ["--run-dir", str(run), "--controllers", "2", "--journal", "etcd", *SHRINK]
+    args += ["--rl.grpo.steps", "30"]
+    env = {k: v for k, v in child_env().items() if k != "PHALANX_TOKEN"}
+    p = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (run / "controller-1" / "url").exists(), 120, "the standby")
+        monkeypatch.setenv("PHALANX_TOKEN", (run / "controller" / "token").read_text().strip())
+        wait_for(lambda: step_of(run) >= 4, 180, "a few batches under the first leader")
+        leader = controller_pid(run / "controller")
+        assert leader is not None
+        os.kill(leader, signal.SIGKILL)
+        out, err = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.communicate(timeout=30)
+    assert p.returncode == 0, f"{err[-3000:]}\n{out[-3000:]}"
+    store = f"file://{(run / 'rollouts').resolve()}"
+    assert f"phalanx run: rollouts go to {store}" in err, err[-2000:]
+    dashboard = next(x for x in out.splitlines() if "dashboard: " in x)
+    assert "," not in dashboard.split("dashboard: ")[1], dashboard  # one page's URL
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"] and summary["ledger_ok"] is True, summary
+    assert summary["controller_restarts"] == 1, summary
+    assert summary["steps"] == 30 and summary["trained"] > 0, summary
+    # Nothing lost with the leader: no rollout's payload went missing.
+    assert "payload_missing" not in summary["discarded"], summary["discarded"]

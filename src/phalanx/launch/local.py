@@ -265,7 +265,9 @@ class LocalJob(ReplicaOps):
         # The token goes in the fragment, which browsers never send to the server (nor
         # put in a Referer); the page moves it to the tab's sessionStorage at once.
         token = quote(find_token(self.run_dir / "controller"), safe="")
-        self.dashboard = f"{url}/#token={token}"
+        # One controller's page (the first of several: a standby's sends the browser on
+        # to the leader's, and the page follows the leader from then on).
+        self.dashboard = f"{url.split(',')[0]}/#token={token}"
         self.note(f"dashboard: {self.dashboard}")
         loop = self.cfg.rl.loop if self.cfg.rl is not None else None
         self.poller = StatusPoller(
@@ -303,7 +305,7 @@ class LocalJob(ReplicaOps):
                 return True
             if news is not None:
                 self.note(news)
-                url = self.controller.url
+                url = self.controller.url.split(",")[0]
                 if url and self.dashboard and not self.dashboard.startswith(f"{url}/"):
                     # Its port was taken meanwhile: the dashboard moved with it.
                     self.dashboard = f"{url}/#{self.dashboard.split('#', 1)[1]}"
