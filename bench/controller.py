@@ -690,8 +690,7 @@ def controller(
 ) -> Iterator[Controller]:
     """A real controller subprocess on port 0, stopped by its pid on exit. ``journal``:
     ``sqlite``, or an etcd URL (a fresh prefix under it per controller)."""
-    state = tmp / name
-    state.mkdir()
+    state = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))  # (one per run of a name)
     cfg = state / "job.toml"
     if journal != "sqlite":
         journal = f"{journal.rstrip('/')}/{name}-{os.getpid()}-{time.time_ns()}"
