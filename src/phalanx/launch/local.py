@@ -305,7 +305,7 @@ class LocalJob(ReplicaOps):
                 return True
             if news is not None:
                 self.note(news)
-                url = self.controller.url.split(",")[0]
+                url = (self.controller.url or "").split(",")[0]
                 if url and self.dashboard and not self.dashboard.startswith(f"{url}/"):
                     # Its port was taken meanwhile: the dashboard moved with it.
                     self.dashboard = f"{url}/#{self.dashboard.split('#', 1)[1]}"
