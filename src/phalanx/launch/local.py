@@ -168,15 +168,19 @@ class LocalJob(ReplicaOps):
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()
 
     def _read(self, r: Replica, proc: Proc) -> None:
+        """Copy ``proc``'s output to the replica's log, to its end, and take its lines in
+        while it is the replica's current process. A process killed (chaos, a scale-down)
+        may leave lines in the pipe that it wrote before it died: they go to the log too
+        (a step it committed is in the log), though the replica, restarted, no longer
+        heeds them."""
         assert proc.stdout is not None
         with (self.run_dir / f"{r.name}.log").open("ab") as log:
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
                 with self.lock:
-                    if r.proc is not proc:
-                        return
-                    self._take(r, line)
+                    if r.proc is proc:
+                        self._take(r, line)
 
     def _take(self, r: Replica, line: bytes | str) -> None:
         """One output line of replica ``r``'s current process (lock held)."""
