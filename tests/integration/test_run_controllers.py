@@ -9,12 +9,10 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from procs import child_env, wait_for
+from procs import start_run, wait_for
 from test_controller_supervised import controller_pid
 
 from phalanx.cli import main
@@ -38,18 +36,10 @@ def step_of(run: Path) -> int:
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make install)")
 def test_run_with_standbys_survives_its_leader_sigkilled(tmp_path: Path, monkeypatch):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "phalanx.cli", "run", str(EXAMPLE), "--plain", "--json"]
+    args = [str(EXAMPLE), "--plain", "--json"]
     args += ["--run-dir", str(run), "--controllers", "3", "--journal", "etcd"]
     args += ["--replicas", "2", f"--train.steps={STEPS}", "--train.step_delay_s=0.05"]
-    env = {k: v for k, v in child_env().items() if k != "PHALANX_TOKEN"}
-    p = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    p = start_run(args)  # (without $PHALANX_TOKEN: the launcher makes the group's)
     try:
         wait_for(lambda: (run / "controller-2" / "url").exists(), 120, "the third controller")
         monkeypatch.setenv("PHALANX_TOKEN", (run / "controller" / "token").read_text().strip())
@@ -62,7 +52,7 @@ def test_run_with_standbys_survives_its_leader_sigkilled(tmp_path: Path, monkeyp
         out, err = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGTERM)  # the launcher stops what it started
             p.communicate(timeout=30)
     assert p.returncode == 0, f"{err[-3000:]}\n{out[-3000:]}"
     summary = json.loads(out.strip().splitlines()[-1])
@@ -102,14 +92,9 @@ def test_an_rl_job_with_standbys_keeps_its_rollouts_outside_and_survives_its_lea
     from test_dashboard_browser import SHRINK
 
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "phalanx.cli", "run", str(RL_EXAMPLE), "--plain", "--json"]
-    args += ["--run-dir", str(run), "--controllers", "2", "--journal", "etcd", *SHRINK]
-    args += ["--rl.grpo.steps", "30"]
-    env = {k: v for k, v in child_env().items() if k != "PHALANX_TOKEN"}
-    p = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
+    args = [str(RL_EXAMPLE), "--plain", "--json", "--run-dir", str(run)]
+    args += ["--controllers", "2", "--journal", "etcd", *SHRINK, "--rl.grpo.steps", "30"]
+    p = start_run(args)
     try:
         wait_for(lambda: (run / "controller-1" / "url").exists(), 120, "the standby")
         monkeypatch.setenv("PHALANX_TOKEN", (run / "controller" / "token").read_text().strip())
@@ -120,7 +105,7 @@ def test_an_rl_job_with_standbys_keeps_its_rollouts_outside_and_survives_its_lea
         out, err = p.communicate(timeout=400)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGTERM)  # the launcher stops what it started
             p.communicate(timeout=30)
     assert p.returncode == 0, f"{err[-3000:]}\n{out[-3000:]}"
     store = f"file://{(run / 'rollouts').resolve()}"

@@ -97,13 +97,6 @@ def parse_etcd(value: str) -> EtcdTarget:
     return EtcdTarget(tuple(endpoints), prefix or None, tls=scheme == "etcds")
 
 
-def with_tls(
-    target: EtcdTarget, ca_file: str | None, cert_file: str | None, key_file: str | None
-) -> EtcdTarget:
-    """``target`` with the controller's etcd TLS files (``controller.etcd_*_file``)."""
-    return dataclasses.replace(target, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
-
-
 def check_journal(value: str) -> str:
     """``value`` if it names a journal the controller can open, else a ValueError."""
     if value != "sqlite":
@@ -112,7 +105,11 @@ def check_journal(value: str) -> str:
 
 
 def target_of(ctl: Any) -> EtcdTarget:
-    """The etcd journal of a ``[controller]`` section: its URL and TLS files."""
-    return with_tls(
-        parse_etcd(ctl.journal), ctl.etcd_ca_file, ctl.etcd_cert_file, ctl.etcd_key_file
+    """The etcd journal of a ``[controller]`` section: its URL and TLS files
+    (``controller.etcd_*_file``)."""
+    return dataclasses.replace(
+        parse_etcd(ctl.journal),
+        ca_file=ctl.etcd_ca_file,
+        cert_file=ctl.etcd_cert_file,
+        key_file=ctl.etcd_key_file,
     )

@@ -121,22 +121,26 @@ class EtcdKV:
         if i not in clients:
             host, port = self.target.endpoints[i]
             # api_path given: no /version round trip before the first call.
-            t = self.target
-            session = requests.Session()
-            # A CA file given is the one to trust: requests would put $REQUESTS_CA_BUNDLE
-            # before a session's own (its environment wins over session settings).
-            session.trust_env = t.ca_file is None
-            session.verify = t.verify()
-            session.cert = t.client_cert()
             clients[i] = Etcd3Client(
                 host,
                 port,
-                protocol=t.scheme,
+                protocol=self.target.scheme,
                 timeout=self.timeout_s,
                 api_path="/v3/",
-                session=session,
+                session=self.session(),
             )
         return clients[i]
+
+    def session(self) -> requests.Session:
+        """A new HTTP session for this cluster: its TLS CA and client certificate. A CA
+        file given is the one to trust: requests would put $REQUESTS_CA_BUNDLE before a
+        session's own (its environment wins over session settings)."""
+        t = self.target
+        session = requests.Session()
+        session.trust_env = t.ca_file is None
+        session.verify = t.verify()
+        session.cert = t.client_cert()
+        return session
 
     def endpoint(self) -> tuple[str, int]:
         """The endpoint calls go to now (host, port)."""

@@ -123,38 +123,36 @@ class Follower:
                 "start_revision": str(self.revision + 1),
             }
         }
-        t = self.kv.target
-        resp = requests.post(
-            f"{t.scheme}://{host}:{port}/v3/watch",
-            json=body,
-            stream=True,
-            timeout=(2.0, READ_TIMEOUT_S),
-            verify=t.verify(),
-            cert=t.client_cert(),
-        )
-        try:
-            # chunk_size None: each line as it arrives (512, the default, waits for more).
-            for line in resp.iter_lines(chunk_size=None):  # type: ignore[call-overload]
-                if self._stop.is_set():
-                    return False
-                if not line.strip():
-                    continue
-                result = json.loads(line).get("result", {})
-                if result.get("canceled"):
-                    return bool(result.get("compact_revision"))
-                events = result.get("events", [])
-                if not events:
-                    continue
-                with self._cond:
+        with self.kv.session() as http:  # (the cluster's TLS, as the journal's calls)
+            resp = http.post(
+                f"{self.kv.target.scheme}://{host}:{port}/v3/watch",
+                json=body,
+                stream=True,
+                timeout=(2.0, READ_TIMEOUT_S),
+            )
+            try:
+                # chunk_size None: each line as it arrives (512, the default, waits for more).
+                for line in resp.iter_lines(chunk_size=None):  # type: ignore[call-overload]
                     if self._stop.is_set():
                         return False
-                    for ev in events:
-                        kv = decode_kv(ev["kv"])
-                        self._apply(kv, deleted=ev.get("type") == "DELETE")
-                        self.revision = max(self.revision, kv["mod_revision"])
-                    self._cond.notify_all()
-        finally:
-            resp.close()
+                    if not line.strip():
+                        continue
+                    result = json.loads(line).get("result", {})
+                    if result.get("canceled"):
+                        return bool(result.get("compact_revision"))
+                    events = result.get("events", [])
+                    if not events:
+                        continue
+                    with self._cond:
+                        if self._stop.is_set():
+                            return False
+                        for ev in events:
+                            kv = decode_kv(ev["kv"])
+                            self._apply(kv, deleted=ev.get("type") == "DELETE")
+                            self.revision = max(self.revision, kv["mod_revision"])
+                        self._cond.notify_all()
+            finally:
+                resp.close()
         return False
 
     def handover(self, revision: int, timeout_s: float) -> Tables | None:
