@@ -248,6 +248,26 @@ class ReplicaSection(_Section):
     tolerance across replicas, sharding inside). Every replica of a job has the same.
     In an RL job it applies to the policy replicas; a rollout replica is one process
     (its engine's own parallelism is ``rl.engine``'s)."""
+    tp: int = Field(1, ge=1, le=1024)
+    """Tensor-parallel degree inside a replica (:mod:`phalanx.train.tp_hf`): its
+    ranks form a (ranks / tp) x tp mesh, FSDP2 over the first dimension and the
+    model's own TP plan (transformers') over the second. Needs a model that has a
+    plan (``model.arch = "llama"``, or a Llama/Qwen/Mistral directory)."""
+
+    @model_validator(mode="after")
+    def _tp_divides(self) -> ReplicaSection:
+        if self.ranks % self.tp:
+            raise ValueError(
+                f"replica.tp must divide replica.ranks: got tp={self.tp}, ranks={self.ranks}. "
+                f"Pick tp among the divisors of {self.ranks} (FSDP runs over ranks / tp)."
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks inside a replica (FSDP's): the ranks of a TP group
+        compute the same samples."""
+        return self.ranks // self.tp
 
 
 def _default_roles() -> dict[str, RoleSection]:
@@ -347,12 +367,13 @@ class JobConfig(_Section):
         if self.train.micro_batch_size:
             return self.train.micro_batch_size
         n = self.roles["policy"].n_init_replicas if "policy" in self.roles else 1
-        return max(1, -(-self.train.global_batch_size // (n * self.replica.ranks)))
+        return max(1, -(-self.train.global_batch_size // (n * self.replica.dp)))
 
     @property
     def exact_unit(self) -> int:
-        """Samples of the global batch in one exact unit (every rank's micro-batch)."""
-        return self.exact_micro_batch_size * self.replica.ranks
+        """Samples of the global batch in one exact unit (every data-parallel rank's
+        micro-batch)."""
+        return self.exact_micro_batch_size * self.replica.dp
 
     @property
     def job_steps(self) -> int:

@@ -57,6 +57,7 @@ from phalanx.train.hsdp import (
 )
 from phalanx.train.orders import Orders
 from phalanx.train.shards import shard_model
+from phalanx.train.tp_hf import TPError, parallelize
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
@@ -78,6 +79,18 @@ def gathered_state(manager: HSDPManager) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor):
                 out[f"optim.{pid}.{k}"] = full(v)
     return out
+
+
+def wrap(model: torch.nn.Module, ranks: ReplicaRanks) -> torch.nn.Module:
+    """The replica's model sharded over its ranks: FSDP2, or the model's own TP plan
+    then FSDP2 over the rest (``[replica] tp``). JobError in one line for a model that
+    cannot be tensor-parallel at this degree."""
+    if ranks.tp_mesh is None:
+        return shard_model(model, ranks.mesh)
+    try:
+        return parallelize(model, ranks.tp_mesh, ranks.mesh)
+    except TPError as e:
+        raise JobError(str(e)) from None
 
 
 def run(args: ReplicaArgs) -> int:
@@ -116,9 +129,7 @@ def run(args: ReplicaArgs) -> int:
         client.start_heartbeat()
     if backend == "nccl":
         nccl_env(t.quorum_s)
-    job = task.build(
-        tc, cfg.job.seed, device, always_forward=True, wrap=lambda m: shard_model(m, ranks.mesh)
-    )
+    job = task.build(tc, cfg.job.seed, device, always_forward=True, wrap=lambda m: wrap(m, ranks))
     model = job.model
     manager = HSDPManager(
         client,
@@ -148,6 +159,7 @@ def run(args: ReplicaArgs) -> int:
                 "replica": client.replica_id,
                 "params": params,
                 "ranks": ranks.size,
+                "tp": ranks.tp,
                 "resumed_from": resumed,
             }
         )

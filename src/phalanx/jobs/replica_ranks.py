@@ -56,7 +56,9 @@ def replica_ranks(cfg: JobConfig, device: torch.device | None = None) -> OneRank
             f"GPUs: got {here}"
         )
     t = cfg.timeouts
-    return ReplicaRanks(t.quorum_s + t.heartbeat_s + 4 * t.collective_s + 10.0, device)
+    return ReplicaRanks(
+        t.quorum_s + t.heartbeat_s + 4 * t.collective_s + 10.0, device, tp=cfg.replica.tp
+    )
 
 
 def register_ranks(

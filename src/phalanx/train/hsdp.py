@@ -33,122 +33,34 @@ peers, and the step is retried with the next quorum.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from phalanx.log import Who
-from phalanx.net import pin_gloo_interface
 from phalanx.protocol.quorum import QuorumView
 from phalanx.train.batch import split
 from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
 from phalanx.train.manager import Compute, Manager
+from phalanx.train.ranks import CONTROL_BYTES, ReplicaBroken, ReplicaRanks, env_ranks
 from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
 
-CONTROL_BYTES = 16 << 10
-"""The first broadcast of a quorum carries this many bytes; a longer one costs a second."""
-
-
-class ReplicaBroken(RuntimeError):
-    """A rank of this replica failed (a collective inside the replica raised): the
-    replica must be restarted as a whole."""
+__all__ = [
+    "CONTROL_BYTES",
+    "HSDPManager",
+    "LayoutMismatch",
+    "RankClient",
+    "ReplicaBroken",
+    "ReplicaRanks",
+    "env_ranks",
+    "local",
+]
 
 
 class LayoutMismatch(RuntimeError):
     """The quorum holds replicas with another number of ranks than this one's."""
-
-
-def env_ranks() -> tuple[int, int]:
-    """(rank, ranks) of this process in its replica, from torchrun's environment."""
-    try:
-        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ValueError(f"RANK and WORLD_SIZE must be integers: {e}") from e
-    if not 0 <= rank < size:
-        raise ValueError(f"RANK must be in [0, WORLD_SIZE): got RANK={rank}, WORLD_SIZE={size}")
-    return rank, size
-
-
-class ReplicaRanks:
-    """This process's place in its replica, and the replica's own groups: the
-    default group (FSDP's mesh) and a gloo group for control messages.
-
-    ``timeout_s`` bounds every control message; it must outlast the leader's
-    longest wait for a quorum, which the other ranks wait through."""
-
-    def __init__(self, timeout_s: float, device: torch.device | None = None):
-        self.rank, self.size = env_ranks()
-        self.device = device or torch.device("cpu")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if self.device.type == "cuda":
-            # NCCL's watchdog must give up on a hung collective before the control
-            # plane's own timeouts do (the torchft seed's advice).
-            os.environ.setdefault(
-                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, int(timeout_s / 2)))
-            )
-        if not dist.is_initialized():
-            pin_gloo_interface()  # ranks on several hosts: gloo on the advertised address
-            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timeout)
-        self.control: Any = dist.new_group(backend="gloo", timeout=timeout)
-        self.mesh: DeviceMesh = init_device_mesh(self.device.type, (self.size,))
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-    def broadcast_json(self, value: Any = None) -> Any:
-        """Rank 0's ``value`` (JSON-able) on every rank."""
-        head = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
-        data = b""
-        if self.leader:
-            data = json.dumps(value, separators=(",", ":")).encode()
-            head[:8].view(torch.int64)[0] = len(data)
-            inline = data[: CONTROL_BYTES - 8]
-            head[8 : 8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
-        self._run(lambda: dist.broadcast(head, 0, group=self.control), "broadcast")
-        n = int(head[:8].view(torch.int64)[0])
-        if n > CONTROL_BYTES - 8:
-            rest = torch.zeros(n - (CONTROL_BYTES - 8), dtype=torch.uint8)
-            if self.leader:
-                rest.copy_(
-                    torch.frombuffer(bytearray(data[CONTROL_BYTES - 8 :]), dtype=torch.uint8)
-                )
-            self._run(lambda: dist.broadcast(rest, 0, group=self.control), "broadcast")
-            raw = head[8:].numpy().tobytes() + rest.numpy().tobytes()
-        else:
-            raw = head[8 : 8 + n].numpy().tobytes()
-        return json.loads(raw)
-
-    def sum(self, values: list[float]) -> list[float]:
-        """The element-wise sum of ``values`` over the replica's ranks."""
-        return self._reduce(values, dist.ReduceOp.SUM)
-
-    def max(self, values: list[float]) -> list[float]:
-        """The element-wise maximum of ``values`` over the replica's ranks."""
-        return self._reduce(values, dist.ReduceOp.MAX)
-
-    def _reduce(self, values: list[float], op: Any) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        self._run(lambda: dist.all_reduce(t, op=op, group=self.control), "all-reduce")
-        return [float(v) for v in t.tolist()]
-
-    def _run(self, fn: Any, what: str) -> None:
-        try:
-            fn()
-        except Exception as e:
-            raise ReplicaBroken(f"a {what} inside the replica failed (a rank is gone): {e}") from e
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class RankClient:
@@ -197,8 +109,9 @@ class HSDPManager(Manager):
     def _unit_size(self) -> int:
         """An exact unit: a micro-batch on each rank of the replica (:meth:`_run`
         splits it over them), so that FSDP's reduce-scatter sums the same samples
-        in the same order whichever replica computes it."""
-        return self.micro_batch_size * self.ranks.size
+        in the same order whichever replica computes it. The ranks of a TP group
+        compute the same micro-batch."""
+        return self.micro_batch_size * self.ranks.dp_size
 
     # -- state: this rank's shards ----------------------------------------
 
@@ -209,7 +122,7 @@ class HSDPManager(Manager):
         return Manager.state_dict(self)
 
     def checkpoint_layout(self) -> dict[str, Any]:
-        return {**super().checkpoint_layout(), "ranks": self.ranks.size}
+        return {**super().checkpoint_layout(), "ranks": self.ranks.size, "tp": self.ranks.tp}
 
     def load_checkpoint(self, sd: dict[str, Any]) -> None:
         """A checkpoint saved by a replica of any size: the model's DTensors were
@@ -303,7 +216,8 @@ class HSDPManager(Manager):
         return q.replica_ids.index(me), len(q.members)
 
     def _group_prefix(self, q: QuorumView) -> str:
-        return f"{super()._group_prefix(q)}/n{self.ranks.size}/s{self.ranks.rank}"
+        tp = f"/t{self.ranks.tp}" if self.ranks.tp > 1 else ""  # (names of tp = 1 as before)
+        return f"{super()._group_prefix(q)}/n{self.ranks.size}{tp}/s{self.ranks.rank}"
 
     def _identity(self) -> tuple[str | None, int]:
         """What rank 0 took the quorum as, alike on every rank (its broadcast)."""
@@ -389,17 +303,22 @@ class HSDPManager(Manager):
     def _run(self, fn: Compute, indices: list[int]) -> float:
         """This rank's part of ``indices`` (some of the replica's share), in as many
         micro-batches as every other rank of the replica runs (FSDP's collectives
-        pair up); ranks with fewer samples run empty ones. Returns the summed loss."""
+        pair up); ranks with fewer samples run empty ones. Returns the summed loss.
+
+        The share is split over the replica's data-parallel ranks: the ranks of one
+        TP group run the same micro-batches, and only the group's first counts
+        their loss (the replica's loss is a sum over its ranks)."""
         if not indices:
             return 0.0
-        sub_off, sub_count = split(len(indices), self.ranks.size, self.ranks.rank)
+        n, me = self.ranks.dp_size, self.ranks.dp_rank
+        sub_off, sub_count = split(len(indices), n, me)
         mine = indices[sub_off : sub_off + sub_count]
-        most = -(-len(indices) // self.ranks.size)
+        most = -(-len(indices) // n)
         total = 0.0
         for i in range(-(-most // self.micro_batch_size)):
             mb = mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
             total += float(fn(mb, 1.0 / self.global_batch_size))
-        return total
+        return total if self.ranks.rank % self.ranks.tp == 0 else 0.0
 
     # -- gradients and the replica-wide vote -------------------------------
 
