@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from procs import PROGRESS_S, Controller, Procs, child_env, wait_for, write_job_toml
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import SPARE, RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
 
 from phalanx.config.rl import RLConfig
 from phalanx.rl.engine.factory import rollout_engine
@@ -53,15 +53,23 @@ def events(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in out.read_text().split("\n")[:-1] if x.startswith("{")]
 
 
-def stateless_policy(procs: Procs, ctl: Controller, config: Path, name: str) -> Any:
-    """A policy replica without ``--state``: a restart can only heal from a peer."""
-    args = [sys.executable, "-m", "phalanx.cli", "replica", "--role", "policy"]
-    args += ["--name", name, "--controller", str(ctl.state_dir), "--config", str(config)]
-    return procs.spawn(args, f"policy-{name}")
+def stateless_policy(
+    procs: Procs, ctl: Controller, config: Path, name: str, spare: bool = False
+) -> Any:
+    """A policy replica without ``--state``: a restart can only heal from a peer. A
+    ``spare`` waits, imports done, for a line on stdin (test_rl's SPARE)."""
+    head = ["-c", SPARE] if spare else ["-m", "phalanx.cli"]
+    args = [sys.executable, *head, "replica", "--role", "policy", "--name", name]
+    args += ["--controller", str(ctl.state_dir), "--config", str(config)]
+    stdin = subprocess.PIPE if spare else subprocess.DEVNULL
+    return procs.spawn(args, f"policy-{name}", stdin=stdin)
 
 
 def test_lora_sync_carries_the_adapter_and_a_killed_policy_heals_it(tmp_path, procs: Procs):
-    sections = lora_sections(policy_init=2, steps=16, target_reward=0.99)
+    # A fixed 40 batches (the reward target is out of reach), paced, so that the job
+    # still runs when the restarted replica joins.
+    sections = lora_sections(policy_init=2, steps=40, target_reward=0.99)
+    sections["rl.loop"].update(gen_delay_s=0.02)
     config = write_job_toml(tmp_path / "rl.toml", sections)
     ctl = Controller(procs, tmp_path / "state", config).start()
     adapter, whole = sizes(sections)
@@ -70,14 +78,17 @@ def test_lora_sync_carries_the_adapter_and_a_killed_policy_heals_it(tmp_path, pr
     p1 = stateless_policy(procs, ctl, config, "policy-1")
     roll = RLReplica(procs, ctl, config, "rollout", "rollout-0")
     wait_for(lambda: rl_status(ctl)["policy_step"] >= 4, PROGRESS_S, "policy step 4")
+    p1b = stateless_policy(procs, ctl, config, "policy-1", spare=True)
     p1[0].kill()  # SIGKILL, the replica is one process
     p1[0].wait(10)
     at_kill = rl_status(ctl)["policy_step"]
-    p1b = stateless_policy(procs, ctl, config, "policy-1")
+    assert p1b[0].stdin is not None
+    p1b[0].stdin.write(b"go\n")
+    p1b[0].stdin.close()
 
     def healed() -> re.Match[str] | None:
         if p0[0].poll() is not None:
-            raise AssertionError(f"policy-0 exited:\n{p0[2].read_text()[-3000:]}")
+            raise AssertionError(f"policy-0 exited ({p0[0].returncode}) before the heal")
         return re.search(r"healed from \S+ to step (\d+) in \S+ s \((\d+) bytes", p1b[2].read_text())
 
     got = wait_for(healed, PROGRESS_S, "the restarted policy-1 to heal from policy-0")

@@ -133,7 +133,7 @@ class MergedAdapter:
 
     @torch.no_grad()
     def load(self, adapter: Mapping[str, torch.Tensor]) -> None:
-        """Merge ``adapter``, :meth:`check`\ ed first; a failure after that leaves the
+        """Merge ``adapter``, checked first (:meth:`check`); a failure after that leaves the
         model's weights mixed (the caller's version says so)."""
         from peft import set_peft_model_state_dict
 
