@@ -76,7 +76,9 @@ def lora_sync(
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
 
-    spec = LoraSection(r=rank, alpha=2.0 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    spec = LoraSection(
+        r=rank, alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
     policy = apply_lora(build(), spec, 0)
     with torch.no_grad():  # a trained adapter: B != 0
         for p in policy.parameters():
@@ -94,7 +96,10 @@ def lora_sync(
             "full": StorageWeightStore(f"file://{d}/full", keep=1),
             "lora": StorageWeightStore(f"file://{d}/lora", keep=1),
         }
-        engines, tensors = {"full": full_engine, "lora": lora_engine}, {"full": full, "lora": adapter}
+        engines, tensors = (
+            {"full": full_engine, "lora": lora_engine},
+            {"full": full, "lora": adapter},
+        )
         for i in range(repeats + 1):
             for arm in ("full", "lora"):
                 dt = _sync(stores[arm], engines[arm], i + 1, tensors[arm])

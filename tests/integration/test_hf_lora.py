@@ -8,12 +8,14 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import test_hf_jobs
 from ftjob import FTJob, assert_same_files, check_steps, step_lines
-from test_hf_jobs import BATCH, HF, hf, jobs, sections, start_job  # noqa: F401 (fixtures)
+from test_hf_jobs import BATCH, HF, sections, start_job
 
 from phalanx.rl.lora import nbytes
 from phalanx.rl.model import load_model
 
+hf, jobs = test_hf_jobs.hf, test_hf_jobs.jobs  # its fixtures
 STEPS = 60
 """Paced at 0.1 s a micro-batch (3 a step): the restart rejoins well before the end."""
 
@@ -21,7 +23,7 @@ STEPS = 60
 def test_a_killed_lora_replica_heals_only_the_adapter(hf: HF, tmp_path: Path, jobs: list[FTJob]):
     secs = sections(hf, steps=STEPS, step_delay_s=0.1)
     secs["roles.policy"]["n_init_replicas"] = 2
-    secs["train.lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    secs["train.lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     job = start_job(tmp_path, jobs, "lora", secs)
     a, b = job.start_replica("a"), job.start_replica("b")
     back = job.start_replica("b", spare=True)

@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 from procs import PROGRESS_S, Controller, Procs, child_env, wait_for, write_job_toml
-from test_rl import SPARE, RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import (
+    SPARE,
+    RLReplica,
+    check_ledger,
+    job_sections,
+    rl_status,
+    trained_prompts,
+    wait_finished,
+)
 
 from phalanx.config.rl import RLConfig
 from phalanx.rl.engine.factory import rollout_engine
@@ -30,7 +38,7 @@ from phalanx.rl.lora import adapter_state, apply_lora, nbytes
 from phalanx.rl.model import build_model, load_model
 from phalanx.rl.tokenizer import task_tokenizer
 
-LORA = {"r": 4, "alpha": 8.0, "target_modules": ["c_attn", "c_fc"]}
+LORA = {"r": 4, "alpha": 8, "target_modules": ["c_attn", "c_fc"]}
 
 
 def lora_sections(**kw: Any) -> dict[str, dict[str, Any]]:
@@ -89,7 +97,9 @@ def test_lora_sync_carries_the_adapter_and_a_killed_policy_heals_it(tmp_path, pr
     def healed() -> re.Match[str] | None:
         if p0[0].poll() is not None:
             raise AssertionError(f"policy-0 exited ({p0[0].returncode}) before the heal")
-        return re.search(r"healed from \S+ to step (\d+) in \S+ s \((\d+) bytes", p1b[2].read_text())
+        return re.search(
+            r"healed from \S+ to step (\d+) in \S+ s \((\d+) bytes", p1b[2].read_text()
+        )
 
     got = wait_for(healed, PROGRESS_S, "the restarted policy-1 to heal from policy-0")
     assert int(got.group(1)) > at_kill
@@ -102,10 +112,12 @@ def test_lora_sync_carries_the_adapter_and_a_killed_policy_heals_it(tmp_path, pr
     assert syncs and all(e["ok"] and e["bytes"] == adapter for e in syncs), syncs
 
 
+CLI = [sys.executable, "-m", "phalanx.cli"]
+
+
 def _export_hf(state: Path, config: Path, out: Path) -> str:
     p = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "ckpt", "export", str(state), str(out)]
-        + ["--format", "hf", "--config", str(config)],
+        [*CLI, "ckpt", "export", str(state), str(out), "--format", "hf", "--config", str(config)],
         capture_output=True,
         text=True,
         env=child_env(),

@@ -48,7 +48,9 @@ def test_target_modules_that_match_nothing_are_named_with_the_models_own(arch, n
         apply_lora(model, LoraSection(target_modules=["q_projx"]), 0)
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith(f'rl.lora.target_modules ["q_projx"] match no module of the model ({arch})')
+    assert msg.startswith(
+        f'rl.lora.target_modules ["q_projx"] match no module of the model ({arch})'
+    )
     assert names in msg
 
 

@@ -60,7 +60,7 @@ class LoraSection(_Section):
 
     r: int = Field(16, ge=1, le=4096)
     """Rank of each adapter: A is r x in, B is out x r."""
-    alpha: float = Field(32.0, gt=0, le=1e6)
+    alpha: int = Field(32, ge=1, le=1 << 20)
     """Scale numerator: the update is (alpha / r) B A."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input. Keep 0 for RL: the importance ratio compares the

@@ -41,9 +41,7 @@ def build_optimizer(tc: TrainSection, model: torch.nn.Module) -> torch.optim.Opt
     ``[train.lora]``: the adapter's; the frozen base has no optimizer state)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if tc.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay
-        )
+        return torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
 
 

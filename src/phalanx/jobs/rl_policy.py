@@ -68,8 +68,8 @@ from phalanx.protocol.rl import Batch
 from phalanx.rl.durable import DurableAcks, policy_checkpointer
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.idle import IdleClock
-from phalanx.rl.model import build_model, num_params
 from phalanx.rl.lora import policy_model
+from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, staleness_of

@@ -115,7 +115,7 @@ class MergedAdapter:
         from peft.tuners.lora import LoraLayer
 
         self.model = model.eval().requires_grad_(False)
-        self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        self.layers: list[Any] = [m for m in model.modules() if isinstance(m, LoraLayer)]
         self.base = [m.get_base_layer().weight.detach().clone() for m in self.layers]
         self.like = adapter_layout(model)
 
