@@ -323,7 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     ck_export = ck_sub.add_parser(
         "export", help="write a checkpoint's model weights as one safetensors file"
     )
-    ck_export.add_argument("--format", required=True, help="output format: safetensors")
+    ck_export.add_argument(
+        "--format", required=True, help="output format: safetensors, or hf (a directory)"
+    )
+    ck_export.add_argument(
+        "--config", help="(hf) the job's TOML: how to rebuild the model (and merge LoRA)"
+    )
     ck_export.add_argument(
         "--prefix", default="model", help="state subtree holding the weights (default model)"
     )
@@ -334,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
             c_.add_argument("--json", action="store_true", help="print JSON")
         if c_ is not ck_list:
             c_.add_argument("--step", type=int, help="this step (default: the latest)")
-    ck_export.add_argument("out", help="output file (e.g. model.safetensors)")
+    ck_export.add_argument("out", help="output file (model.safetensors), or directory (hf)")
     ck.set_defaults(fn=_ckpt)
     return p
 

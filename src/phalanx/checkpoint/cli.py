@@ -17,7 +17,7 @@ from typing import Any
 from phalanx.checkpoint.base import CheckpointError, Manifest
 from phalanx.checkpoint.store import CheckpointStore
 
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "hf")
 
 
 def human_bytes(n: int) -> str:
@@ -238,6 +238,8 @@ def ckpt_export(args: argparse.Namespace) -> int:
     _, tensors = flatten(res.state, keyed=True)
     weights = {names[k]: t.contiguous() for k, t in tensors.items() if k in names}
     out = Path(args.out)
+    if args.format == "hf":
+        return _export_hf(weights, args, out, step)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(weights, out, metadata={"phalanx_step": str(step), "source": res.url})
     total = sum(t.numel() * t.element_size() for t in weights.values())
@@ -245,6 +247,20 @@ def ckpt_export(args: argparse.Namespace) -> int:
         f"exported {len(weights)} tensors ({human_bytes(total)}) of step {step} from {res.url} "
         f"to {out}"
     )
+    return 0
+
+
+def _export_hf(weights: dict[str, Any], args: argparse.Namespace, out: Path, step: int) -> int:
+    """``--format hf``: a full HF directory of the job's model (:mod:`.hf_export`)."""
+    from phalanx.checkpoint.hf_export import export_hf
+
+    if not args.config:
+        raise _fail("export", "--format hf needs --config: the job file that names the model.")
+    try:
+        what = export_hf(weights, args.config, out)
+    except (OSError, ValueError) as e:
+        raise _fail("export", str(e)) from None
+    print(f"exported step {step} ({what}) as a Hugging Face model directory to {out}")
     return 0
 
 

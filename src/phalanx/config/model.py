@@ -49,3 +49,38 @@ class ModelSection(_Section):
                 f"divisors of hidden_size."
             )
         return self
+
+
+class LoraSection(_Section):
+    """LoRA (Hu et al. 2021, arXiv:2106.09685) on the model: ``[rl.lora]`` or
+    ``[train.lora]``. The base model is frozen and rebuilt from the model spec on
+    every process (the same seed or the same directory), so only the adapter (its A
+    and B matrices) is trained, all-reduced, healed, checkpointed and synced. Absent:
+    the whole model is trained."""
+
+    r: int = Field(16, ge=1, le=4096)
+    """Rank of each adapter: A is r x in, B is out x r."""
+    alpha: int = Field(32, ge=1, le=1 << 20)
+    """Scale numerator: the update is (alpha / r) B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input. Keep 0 for RL: the importance ratio compares the
+    trainer's forward with the engine's, which has none."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["c_attn", "q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        max_length=256,
+    )
+    """Module-name suffixes the adapters wrap (peft's meaning: ``q_proj`` wraps every
+    module whose name ends in ``.q_proj``). The default covers gpt2's and llama's
+    attention; a list none of whose names the model has is refused, naming its
+    linear modules."""
+
+    @model_validator(mode="after")
+    def _names(self) -> LoraSection:
+        bad = [m for m in self.target_modules if not m.strip() or m != m.strip()]
+        if bad:
+            raise ValueError(
+                f"lora.target_modules must be module names without spaces: got {bad!r}. "
+                f"Name modules as the model does, e.g. q_proj or c_attn."
+            )
+        return self

@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
-from phalanx.config.model import ModelSection
+from phalanx.config.model import LoraSection, ModelSection
 from phalanx.config.rl_loop import LoopSection, check_loop
 from phalanx.config.track import TrackSection
 from phalanx.config.urls import check_storage_url
@@ -341,6 +341,9 @@ class EngineSection(_Section):
 class RLConfig(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     model: ModelSection = Field(default_factory=ModelSection)
+    lora: LoraSection | None = None
+    """LoRA on the policy: only the adapter is trained and synced to the rollout
+    replicas (docs/architecture.md, "LoRA"). None: the whole model is trained."""
     task: TaskSection = Field(default_factory=TaskSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     loop: LoopSection = Field(default_factory=LoopSection)

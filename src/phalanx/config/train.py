@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.config.data import DataSection
-from phalanx.config.model import ModelSection
+from phalanx.config.model import LoraSection, ModelSection
 from phalanx.config.urls import check_storage_url
 
 
@@ -28,6 +28,9 @@ class TrainSection(_Section):
     MLP regressing a fixed random function (``in_dim``, ``hidden``, ``out_dim``), or
     ``transformer``, a small transformer learning counting sequences by next-token
     prediction (``vocab``, ``seq``, ``d_model``, ``n_heads``, ``n_layers``)."""
+    lora: LoraSection | None = None
+    """LoRA on your ``[train.model]``: only the adapter is trained, all-reduced, healed
+    and checkpointed (docs/architecture.md, "LoRA"). None: the whole model is trained."""
     script: str = ""
     """Your own training loop instead: a Python file that builds its model, optimizer
     and data and drives :class:`phalanx.Replica` (``examples/own_loop.py``). ``phalanx
@@ -127,6 +130,11 @@ class TrainSection(_Section):
                 f"[train.data] is for your model: got train.model = {self.model!r} (a built-in "
                 "task, whose data is synthetic). Add [train.model] path = DIR, or drop "
                 "[train.data]."
+            )
+        if self.lora is not None and not isinstance(self.model, ModelSection):
+            raise ValueError(
+                f"[train.lora] is for your model: got train.model = {self.model!r}. Add "
+                "[train.model] path = DIR (a local Hugging Face causal LM), or drop [train.lora]."
             )
         builtin = not isinstance(self.model, ModelSection) and not self.script
         if builtin and (self.precision != "fp32" or self.activation_checkpointing):

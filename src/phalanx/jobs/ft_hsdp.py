@@ -141,6 +141,7 @@ def run(args: ReplicaArgs) -> int:
         global_batch_size=tc.global_batch_size,
         bucket_bytes=int(tc.bucket_mb * (1 << 20)),
         quorum_timeout_s=t.quorum_s,
+        trainable_only=tc.lora is not None,  # LoRA: heal and save the adapter
         **exact_options(cfg),
     )
     manager.total_steps = total

@@ -154,6 +154,13 @@ def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
             checkpoint_activations(model, "train.activation_checkpointing")
         except ValueError as e:
             raise JobError(str(e)) from e
+    if tc.lora is not None:  # a peft model: the base frozen, the adapter trained
+        from phalanx.rl.lora import apply_lora
+
+        try:
+            model = apply_lora(model, tc.lora, spec.seed, key="train.lora")
+        except ValueError as e:
+            raise JobError(str(e)) from e
     model = model.to(device).train()
     context = getattr(model.config, "max_position_embeddings", None)
     try:

@@ -37,11 +37,12 @@ def build_data(tc: TrainSection, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def build_optimizer(tc: TrainSection, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of ``tc`` over ``model``'s trainable parameters (with
+    ``[train.lora]``: the adapter's; the frozen base has no optimizer state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if tc.optimizer == "sgd":
-        return torch.optim.SGD(
-            model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay
-        )
-    return torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        return torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
 
 
 def make_compute(

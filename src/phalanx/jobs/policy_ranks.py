@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from phalanx.jobs.common import emit
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import RolloutPayload, SyncOrder
+from phalanx.rl.lora import adapter_state, is_lora
 from phalanx.transport.collective import Packed
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def full_weights(model: torch.nn.Module, keep: bool) -> Packed | None:
     sorted by name (:func:`phalanx.transport.collective.pack`'s layout), and each
     gathered tensor is freed once copied: the buffer is the one whole copy this
     rank holds. The other ranks drop each tensor at once and get None."""
-    sd = model.state_dict()
+    sd = adapter_state(model) if is_lora(model) else model.state_dict()  # LoRA: the adapter
     names = sorted(sd)
     out: Packed | None = None
     if keep:

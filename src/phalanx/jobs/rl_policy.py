@@ -68,8 +68,9 @@ from phalanx.protocol.rl import Batch
 from phalanx.rl.durable import DurableAcks, policy_checkpointer
 from phalanx.rl.grpo import lr_lambda
 from phalanx.rl.idle import IdleClock
+from phalanx.rl.lora import policy_model
 from phalanx.rl.model import build_model, num_params
-from phalanx.rl.step import peak_memory_mb, prepare
+from phalanx.rl.step import peak_memory_mb
 from phalanx.rl.tokenizer import task_tokenizer
 from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, staleness_of
 from phalanx.train.base import JobFinished
@@ -184,7 +185,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     rlog = ReplicaLogger(log, client.who)
     try:
         tok = task_tokenizer(rl.task)
-        model = prepare(build_model(rl.model, tok, device).train(), g)
+        model = policy_model(rl, tok, device)  # with [rl.lora]: a peft model, base frozen
         ref = build_model(rl.model, tok, device).eval().requires_grad_(False) if g.kl_coef else None
     except (OSError, ValueError) as e:  # the job file's model or tokenizer
         if lead:
@@ -194,7 +195,8 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     if isinstance(ranks, ReplicaRanks):
         model = shard_model(model, ranks.mesh)
         ref = shard_model(ref, ranks.mesh) if ref is not None else None
-    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter's
+    opt = torch.optim.AdamW(trained, lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))
     # Liveness patience for single-process replicas: a sharded replica's cross-replica
     # groups are per rank, and a rank's store (and pings) are its replica's rank 0's.
@@ -202,7 +204,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     comm = TorchCommunicator(cfg.timeouts.collective_s, device, patience)
     batch_size, quorum_s = g.prompts_per_step * g.group_size, cfg.timeouts.quorum_s
     kw: dict[str, Any] = {"global_batch_size": batch_size, "quorum_timeout_s": quorum_s}
-    kw["exact_reduction"] = g.exact_reduction
+    kw["exact_reduction"], kw["trainable_only"] = g.exact_reduction, rl.lora is not None
     if isinstance(ranks, ReplicaRanks):
         manager: Manager = HSDPManager(client, ranks, comm, model, opt, None, **kw)
     else:
@@ -316,7 +318,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     )
                 continue
             if g.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
+                torch.nn.utils.clip_grad_norm_(trained, g.grad_clip)
             opt.step()
             sched.step()
             step_idle = idle.lap("step")

@@ -127,6 +127,7 @@ def attach_replica(
         global_batch_size=global_batch_size,
         bucket_bytes=int(cfg.train.bucket_mb * (1 << 20)),
         quorum_timeout_s=t.quorum_s,
+        trainable_only=cfg.train.lora is not None,  # LoRA: heal and save the adapter
         **options,
     )
     manager.total_steps = steps

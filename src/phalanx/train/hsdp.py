@@ -46,6 +46,7 @@ from phalanx.train.heal import prefault_if_joining
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.ranks import CONTROL_BYTES, ReplicaBroken, ReplicaRanks, env_ranks
 from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
+from phalanx.train.trainable import model_state
 
 __all__ = [
     "CONTROL_BYTES",
@@ -147,7 +148,7 @@ class HSDPManager(Manager):
 
     def _load_model(self, sd: dict[str, Any]) -> None:
         with torch.no_grad():
-            for k, v in self.model.state_dict().items():
+            for k, v in model_state(self.model, self.trainable_only).items():
                 local(v).copy_(sd["model"][k])
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         osd = sd["optimizer"]

@@ -45,6 +45,7 @@ from phalanx.train.heal import PrefaultedBuffer, heal_in_quorum, prefault_if_joi
 from phalanx.train.lineage import abandoned, check_quorum
 from phalanx.train.rng import rng_state, set_rng_state
 from phalanx.train.share import Accumulator
+from phalanx.train.trainable import load_model_state, model_state
 
 
 class Manager:
@@ -61,6 +62,7 @@ class Manager:
         bucket_bytes: int = 25 << 20,
         quorum_timeout_s: float | None = None,
         exact_reduction: bool = False,
+        trainable_only: bool = False,
     ):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1: got {global_batch_size}.")
@@ -74,6 +76,9 @@ class Manager:
         self.quorum_timeout_s = quorum_timeout_s
         self.exact = exact_reduction
         """Sum the gradients exactly, over fixed units (:mod:`phalanx.train.exact_grads`)."""
+        self.trainable_only = trainable_only
+        """Heal and checkpoint only the trainable parameters (LoRA: the frozen base is
+        rebuilt from the model spec on every replica, :mod:`phalanx.train.trainable`)."""
         self.grads = self._make_grads(model, bucket_bytes)
         self.accumulator = Accumulator(
             self.grads, sampler, global_batch_size, self._unit_size() if self.exact else None
@@ -118,7 +123,7 @@ class Manager:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            "model": model_state(self.model, self.trainable_only),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "lineage": self.lineage,
@@ -158,7 +163,7 @@ class Manager:
 
     def _load_model(self, sd: dict[str, Any]) -> None:
         """Model and optimizer of a state from :meth:`state_dict` (a heal's or a checkpoint's)."""
-        self.model.load_state_dict(sd["model"])
+        load_model_state(self.model, sd["model"], self.trainable_only)
         self.optimizer.load_state_dict(sd["optimizer"])
 
     # -- quorum ----------------------------------------------------------

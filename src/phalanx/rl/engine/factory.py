@@ -51,6 +51,19 @@ def _build(
     rl: RLConfig, tok: Tokenizer, model: Any, device: torch.device, name: str
 ) -> GenerationEngine:
     g = rl.grpo
+    if rl.engine.kind == "hf" and rl.lora is not None:
+        from phalanx.rl.engine.lora import MergedLoraEngine
+        from phalanx.rl.lora import apply_lora
+
+        return MergedLoraEngine(
+            apply_lora(model, rl.lora, rl.model.seed),
+            tok.eos_id,
+            tok.pad_id,
+            seed=g.seed,
+            version=-1,
+            chunk=rl.engine.chunk,
+            recompute_kv_on_update=rl.engine.recompute_kv_on_update,
+        )
     if rl.engine.kind == "hf":
         return HFEngine(
             model,
