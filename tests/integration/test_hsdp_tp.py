@@ -161,3 +161,34 @@ def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
     print(f"largest difference from the unsharded failure-free run: {worst:.3g}")
     start = a.wait_event(lambda e: e["event"] == "start", "start")
     assert start["tp"] == 2 and start["ranks"] == 2
+
+
+# Slow (8 ranks and a reference on 2 cores): the default run keeps TP 2 with the kill
+# above; this one adds FSDP over 2 ranks to each TP group.
+@pytest.mark.slow
+def test_tp_times_fsdp_replicas_match_one_unsharded_replica(
+    llama: tuple[Path, Path], tmp_path: Path, jobs: list[FTJob]
+) -> None:
+    """2 replicas of 4 ranks, TP 2 x FSDP 2 each: the same final state as one
+    unsharded replica (run beside them) to 1e-9."""
+    steps = 4
+    ref = make(tmp_path, "ref4", jobs, sections(llama, "ref4", train={"steps": steps}))
+    secs = sections(
+        llama,
+        "tp4",
+        replica={"ranks": 4, "tp": 2},
+        train={"steps": steps},
+        policy={"n_init_replicas": 2},
+        timeouts={"quorum_s": 120.0},
+    )
+    job = make(tmp_path, "tp4", jobs, secs)
+    r0 = ref.start_replica("r0")
+    a, b = job.start_replica("a", ranks=4), job.start_replica("b", ranks=4)
+    finals = [a.finish(), b.finish()]
+    lines = step_lines([a, b])
+    check_steps(lines, steps, BATCH)
+    check_samples(lines, dataset_size(llama), SEED, BATCH)
+    assert_identical(finals)
+    worst = assert_close(finals[0], r0.finish(), ATOL)
+    print(f"largest difference from the unsharded run: {worst:.3g}")
+    assert {e["ranks"] for e in a.steps()} == {4}
