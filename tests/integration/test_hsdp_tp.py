@@ -40,7 +40,7 @@ BATCH = 8
 SEQ = 16
 STEPS = 12
 ATOL = 1e-9
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("llama")
     rng = random.Random(0)
     corpus = d / "corpus.jsonl"
-    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))}]
-    rows += [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))}
-             for _ in range(150)]  # fmt: skip
+    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))}
+            for _ in range(151)]  # fmt: skip
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [sys.executable, str(ROOT / "examples" / "make_model.py"), str(d / "model")]
     args += ["--arch", "llama", "--data", str(corpus), "--vocab", "128", "--hidden", "32"]

@@ -23,8 +23,10 @@ from phalanx.config import ConfigError, load_config
             "got train.script 'x.py'",
         ),
         (
-            ["replica.ranks=2", "replica.tp=2", "rl.grpo.steps=2"]
-            + ["roles.policy.min_replicas=1", "roles.rollout.min_replicas=1"],
+            [
+                *("replica.ranks=2", "replica.tp=2", "rl.grpo.steps=2"),
+                *("roles.policy.min_replicas=1", "roles.rollout.min_replicas=1"),
+            ],
             "replica.tp must be 1 in an RL job",
         ),
     ],
