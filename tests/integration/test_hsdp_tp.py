@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from ftjob import (
     HELD_POLICY,
     HELD_TIMEOUTS,
@@ -136,6 +137,7 @@ def reference(
 def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
     llama: tuple[Path, Path], tmp_path: Path, jobs: list[FTJob], reference: dict[str, Any]
 ) -> None:
+    url = f"file://{tmp_path / 'ckpt'}"
     secs = sections(
         llama,
         "tp",
@@ -144,6 +146,7 @@ def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
         policy=HELD_POLICY,
         timeouts=HELD_TIMEOUTS,
     )
+    secs["checkpoint"] = {"url": url, "every_steps": 4, "async_save": False}
     job = make(tmp_path, "tp", jobs, secs)
     a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
     b2 = job.start_replica("b", ranks=2, spare=True)
@@ -160,6 +163,13 @@ def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
     print(f"largest difference from the unsharded failure-free run: {worst:.3g}")
     start = a.wait_event(lambda e: e["event"] == "start", "start")
     assert start["tp"] == 2 and start["ranks"] == 2
+    # Another layout goes through the checkpoint: one unsharded replica loads the
+    # TP replicas' last save (resharded by DCP) bit for bit.
+    secs = sections(llama, "load")
+    secs["checkpoint"] = {"url": url, "every_steps": 4, "async_save": False}
+    loaded = make(tmp_path, "load", jobs, secs).start_replica("c").finish()
+    for k, v in finals[0].items():
+        assert k == "__meta__" or torch.equal(loaded[k], v), k
 
 
 # Slow (8 ranks and a reference on 2 cores): the default run keeps TP 2 with the kill
