@@ -48,6 +48,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             cfg = load_config(args.config, overrides)
         run_dir = Path(args.run_dir or f"runs/{cfg.job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
         return DecoupledJob(args.config, cfg, run_dir, overrides).run(as_json=args.json)
+    check_model(cfg)
     try:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
         counts, extra = launch_counts(cfg, args.replicas)
@@ -75,6 +76,24 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         zygote = not args.no_zygote
         job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos, zygote, **common)
     return job.run(live=not args.plain, as_json=args.json)
+
+
+def check_model(cfg: Any) -> None:
+    """What the job's model must fit that only its directory says (``[replica] tp``:
+    a tensor-parallel plan, heads and vocabulary that the degree divides), refused in
+    one line before any replica starts: each rank would say it, in a log, after
+    loading the model."""
+    from phalanx.config.model import ModelSection
+
+    model = cfg.train.model
+    if cfg.replica.tp == 1 or not isinstance(model, ModelSection) or model.path is None:
+        return
+    from phalanx.train.tp_hf import TPError, check_dir
+
+    try:
+        check_dir(model.path, cfg.replica.tp)
+    except TPError as e:
+        raise SystemExit(f"phalanx run: {e}") from None
 
 
 def controllers_of(args: argparse.Namespace, configured: str) -> tuple[bool, list[str]]:

@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.journal import check_journal
+from phalanx.config.model import ModelSection
 from phalanx.config.rl import RLConfig
 from phalanx.config.rl_diloco import check_rl_diloco
 from phalanx.config.track import TrackSection, merge_rl_track
@@ -317,6 +318,7 @@ class JobConfig(_Section):
                 "Replicas of several ranks run the FT data-parallel job and the RL policy "
                 "only, for now; set [replica] ranks = 1."
             )
+        self._check_tp()
         self._check_exact()
         if self.diloco is not None and self.rl is not None:
             check_rl_diloco(self.rl, self.diloco, self.roles["policy"])
@@ -327,6 +329,36 @@ class JobConfig(_Section):
                 f"sync_every={self.diloco.sync_every}."
             )
         return self
+
+    def _check_tp(self) -> None:
+        """``[replica] tp`` applies to the FT data-parallel job on your Hugging Face
+        model (:mod:`phalanx.train.tp_hf`); the model's own fit (plan, heads,
+        vocabulary) is checked by ``phalanx run`` and by each rank, which read it."""
+        tp = self.replica.tp
+        if tp == 1:
+            return
+        if self.rl is not None:
+            raise ValueError(
+                f"replica.tp must be 1 in an RL job: got {tp}. The RL policy shards its "
+                "replicas with FSDP alone for now; set [replica] tp = 1 and keep "
+                "[replica] ranks."
+            )
+        if not isinstance(self.train.model, ModelSection):
+            what = (
+                f"train.script {self.train.script!r}"
+                if self.train.script
+                else (f"train.model = {self.train.model!r} (a built-in task)")
+            )
+            raise ValueError(
+                f"replica.tp applies to your Hugging Face model ([train.model] path): got "
+                f"{what}. Set [train.model] path = DIR, or [replica] tp = 1."
+            )
+        if self.train.lora is not None:
+            raise ValueError(
+                f"replica.tp must be 1 with [train.lora]: got {tp}. The adapter wraps the "
+                "projections the TP plan splits; train the adapter with FSDP alone "
+                "([replica] ranks) and tp = 1."
+            )
 
     def _check_exact(self) -> None:
         """An exact reduction refuses what it cannot honour (module doc of

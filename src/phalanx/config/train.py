@@ -73,6 +73,8 @@ class TrainSection(_Section):
     momentum: float = Field(0.0, ge=0, lt=1)
     """SGD momentum (sgd only)."""
     dtype: Literal["float32", "float64"] = "float32"
+    """The weights' dtype (the master weights of your model too: ``float64`` for runs
+    compared to 1e-9, as the tests do)."""
     threads: int = Field(1, ge=1, le=256)
     """torch intra-op threads per replica process."""
     in_dim: int = Field(32, ge=1, le=1 << 16)

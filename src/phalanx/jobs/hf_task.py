@@ -56,8 +56,10 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 def sample_losses(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each sample's mean next-token cross-entropy over the tokens that have a label
-    ([batch], float32). The logits are taken in float32 whatever the autocast."""
-    logits = model(input_ids=ids).logits[:, :-1].float()
+    ([batch]). The logits are taken in float32 at least, whatever the autocast (a
+    float64 model keeps them in float64)."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     target = labels[:, 1:]
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
@@ -136,7 +138,7 @@ class HFTask:
 
 def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
     """The HF task of ``tc`` on ``device``: the model loaded from ``tc.model.path``
-    (fp32 master weights; checkpointing as asked) and its data. JobError in one line
+    (master weights in ``train.dtype``, fp32 by default; checkpointing as asked) and its data. JobError in one line
     for a bad model or data."""
     from phalanx.config.model import ModelSection
     from phalanx.data.text import DataError, load_text_data
@@ -161,7 +163,7 @@ def build(tc: TrainSection, seed: int, device: torch.device) -> HFTask:
             model = apply_lora(model, tc.lora, spec.seed, key="train.lora")
         except ValueError as e:
             raise JobError(str(e)) from e
-    model = model.to(device).train()
+    model = model.to(device=device, dtype=getattr(torch, tc.dtype)).train()
     context = getattr(model.config, "max_position_embeddings", None)
     try:
         data = load_text_data(tc.data, spec.path, split="train", seed=seed, max_positions=context)

@@ -69,16 +69,9 @@ def check(model: torch.nn.Module, tp: int, what: str = "replica.tp") -> dict[str
     :class:`TPError` when the architecture has none or ``tp`` does not divide
     its heads, its key/value heads, its MLP or (for an untied head) its
     vocabulary."""
-    cfg = getattr(model, "config", None)
     arch = type(model).__name__
     plan = plan_of(model)
-    if not plan:
-        raise TPError(
-            f"{what} = {tp}: {arch} has no tensor-parallel plan in transformers (its config "
-            f"names no base_model_tp_plan). Use an architecture that has one (Llama, Qwen2, "
-            f'Qwen3, Mistral, ...; model.arch = "llama" for a model built from config), or '
-            f"set {what} = 1 and shard with FSDP alone."
-        )
+    check_config(getattr(model, "config", None), tp, what, arch, has_plan=bool(plan))
     if _tied(model):  # both tied uses stay replicated (module doc)
         tied = {_module_name(model, model.get_input_embeddings), _module_name(model, None)}  # type: ignore[arg-type]
         plan = {k: v for k, v in plan.items() if not any(_matches(k, n) for n in tied)}
@@ -87,6 +80,27 @@ def check(model: torch.nn.Module, tp: int, what: str = "replica.tp") -> dict[str
         raise TPError(
             f"{what} = {tp}: {arch}'s tensor-parallel plan uses style(s) {odd}, which phalanx "
             f"does not apply (it applies {list(STYLES)}). Set {what} = 1 for this model."
+        )
+    return plan
+
+
+def check_config(
+    cfg: Any, tp: int, what: str = "replica.tp", arch: str = "", has_plan: bool | None = None
+) -> None:
+    """:func:`check`'s tests that a model's config answers (``cfg``, a transformers
+    ``PretrainedConfig``): a plan (``has_plan``, or the config's
+    ``base_model_tp_plan``), and ``tp`` dividing the heads, key/value heads, MLP and,
+    for an untied head, the vocabulary. Lets ``phalanx run`` refuse a model before
+    it starts any rank (:func:`check_dir`)."""
+    arch = arch or ",".join(getattr(cfg, "architectures", None) or []) or "the model"
+    if has_plan is None:
+        has_plan = bool(getattr(cfg, "base_model_tp_plan", None))
+    if not has_plan:
+        raise TPError(
+            f"{what} = {tp}: {arch} has no tensor-parallel plan in transformers (its config "
+            f"names no base_model_tp_plan). Use an architecture that has one (Llama, Qwen2, "
+            f'Qwen3, Mistral, ...; model.arch = "llama" for a model built from config), or '
+            f"set {what} = 1 and shard with FSDP alone."
         )
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -97,15 +111,25 @@ def check(model: torch.nn.Module, tp: int, what: str = "replica.tp") -> dict[str
                 f"{what} = {tp} must divide the model's {name} ({n}): each TP rank owns "
                 f"an equal part. Pick {what} among the divisors of {n}."
             )
-    if not _tied(model):
-        vocab = getattr(cfg, "vocab_size", None)
-        if vocab is not None and vocab % tp:
-            raise TPError(
-                f"{what} = {tp} must divide the model's vocabulary ({vocab}): the output head "
-                f"is split by vocabulary over the TP ranks. Pick {what} among the divisors of "
-                f"{vocab}, or pad the vocabulary."
-            )
-    return plan
+    vocab = getattr(cfg, "vocab_size", None)
+    if not getattr(cfg, "tie_word_embeddings", False) and vocab is not None and vocab % tp:
+        raise TPError(
+            f"{what} = {tp} must divide the model's vocabulary ({vocab}): the embedding and "
+            f"the output head are split by vocabulary over the TP ranks. Pick {what} among "
+            f"the divisors of {vocab}, or pad the vocabulary."
+        )
+
+
+def check_dir(path: str, tp: int, what: str = "replica.tp") -> None:
+    """:func:`check_config` on the model saved in directory ``path`` (its
+    ``config.json``; no weights are read). TPError in one line."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return  # (the replica's load says what is wrong with the directory, in one line)
+    check_config(cfg, tp, what)
 
 
 def parallelize(
