@@ -13,11 +13,12 @@ an all-reduce after them), then FSDP2 shards every decoder layer and the root
 over the ``"dp"`` dimension, as :func:`~phalanx.train.shards.shard_model`
 does for a replica without TP (torchtitan's 2-D order: TP first, then FSDP).
 
-Embeddings and norms stay replicated over the TP ranks: their inputs are
-replicated there, so each TP rank computes the same gradient for them. The
-output head is column-parallel with its logits gathered, unless it is tied
-to the input embedding (``tie_word_embeddings``): sharding one of two tied
-uses would untie them, so a tied head stays replicated too.
+Norms stay replicated over the TP ranks: their inputs are replicated there,
+so each TP rank computes the same gradient for them. The output head is
+column-parallel with its logits gathered, and an untied input embedding is
+split by vocabulary (``embedding_rowwise``), unless the two are tied
+(``tie_word_embeddings``): sharding one of two tied uses would untie them,
+so both stay replicated then.
 
 The ranks of one TP group compute the same micro-batches (their activations
 are one computation): the replica's share of the global batch is split over
