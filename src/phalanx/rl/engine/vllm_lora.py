@@ -50,8 +50,8 @@ import torch
 
 from phalanx.config.model import LoraSection
 from phalanx.config.rl import EngineSection
-from phalanx.rl.engine.base import EngineError, Weights, check_names
-from phalanx.rl.engine.vllm import VLLMEngine, _one_line
+from phalanx.rl.engine.base import EngineError, Weights, check_names, one_line
+from phalanx.rl.engine.vllm import VLLMEngine
 from phalanx.rl.lora import write_adapter
 
 log = logging.getLogger("phalanx.rl.engine.vllm_lora")
@@ -157,7 +157,7 @@ class VLLMLoraEngine(VLLMEngine):
         except Exception as e:
             shutil.rmtree(path, ignore_errors=True)
             raise EngineError(
-                f"vLLM refused adapter version {version}: {_one_line(e)}. The engine "
+                f"vLLM refused adapter version {version}: {one_line(e)}. The engine "
                 f"still serves version {self.version}."
             ) from e
         held = self.version
@@ -167,7 +167,7 @@ class VLLMLoraEngine(VLLMEngine):
         except Exception as e:
             log.error("resetting vLLM's cache after adapter %d failed: %s", version, e)
             raise EngineError(
-                f"loading adapter version {version} into vLLM failed: {_one_line(e)} (the "
+                f"loading adapter version {version} into vLLM failed: {one_line(e)} (the "
                 f"engine held {held})"
             ) from e
         # Later requests name the new version; the running ones keep the id, whose
