@@ -37,6 +37,19 @@ def test_bad_lora_values_are_refused_in_one_line(override, says):
     assert says in str(e.value)
 
 
+def test_a_vllm_engine_with_lora_on_a_config_built_gpt2_is_refused_in_one_line():
+    # vLLM has no LoRA layers for gpt2: refused at config load, naming both ways out.
+    with pytest.raises(ConfigError) as e:
+        load_rl_config(overrides=["--engine.kind", "vllm", "--lora.r", "4"])
+    said = str(e.value).splitlines()[-1].strip()
+    assert said.startswith('(top level): rl.lora with rl.engine.kind = "vllm" needs a model')
+    assert 'rl.model.arch = "llama"' in said and 'rl.engine.kind = "hf"' in said
+    # Either way out is accepted, and so is a saved model (vLLM judges it at start).
+    for fix in (["--model.arch", "llama"], ["--engine.kind", "hf"], ["--model.path", "/m"]):
+        over = ["--engine.kind", "vllm", "--lora.r", "4", *fix]
+        assert load_rl_config(overrides=over).lora is not None
+
+
 @pytest.mark.parametrize(
     ("arch", "names"),
     [("gpt2", "c_attn, c_proj, c_fc, lm_head"), ("llama", "q_proj, k_proj, v_proj, o_proj")],

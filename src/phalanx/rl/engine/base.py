@@ -75,6 +75,13 @@ class EngineError(RuntimeError):
     """An engine cannot serve this model or these options, or failed (a one-line reason)."""
 
 
+def one_line(e: BaseException) -> str:
+    """``e`` as one line of at most ~300 characters, its type first: for an EngineError
+    that quotes an engine's own error."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
 def sample_seed(key: int, sample: int) -> int:
     """The seed of sample ``sample`` of the prompt keyed ``key`` (63 bits): engines that
     seed each sample on its own (vLLM) draw it from this."""

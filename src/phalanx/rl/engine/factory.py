@@ -79,31 +79,34 @@ def _build(
             'rl.engine.kind = "vllm" needs vLLM, which is not installed. Install it with '
             'make install (or python scripts/install_vllm.py), or use kind = "hf".'
         )
-    from phalanx.rl.engine.vllm import VLLMEngine
-
     if rl.model.path is not None:
-        return VLLMEngine(
-            rl.model.path,
-            tok.eos_id,
-            model.state_dict(),
-            rl.engine,
-            seed=g.seed,
-            device=device.type,
-        )
+        return _vllm(rl, tok, model, device, rl.model.path)
     # A model built from config: written to a directory of its own for vLLM to load,
     # which is removed once the engine holds the weights (or failed to start).
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     made = Path(tempfile.mkdtemp(prefix=f"phalanx-vllm-{safe}-"))
     try:
         model.save_pretrained(made)
-        return VLLMEngine(
-            made,
-            tok.eos_id,
-            model.state_dict(),
-            rl.engine,
-            seed=g.seed,
-            device=device.type,
-            max_model_len=rl.model.max_positions,
-        )
+        return _vllm(rl, tok, model, device, made, max_model_len=rl.model.max_positions)
     finally:
         shutil.rmtree(made, ignore_errors=True)
+
+
+def _vllm(
+    rl: RLConfig, tok: Tokenizer, model: Any, device: torch.device, model_dir: Any, **kw: Any
+) -> GenerationEngine:
+    """A vLLM engine over the model saved in ``model_dir`` (``model``'s weights); with
+    ``[rl.lora]``, one that serves the policy's adapter on that base."""
+    from phalanx.rl.engine.vllm import VLLMEngine
+
+    opts: dict[str, Any] = {"seed": rl.grpo.seed, "device": device.type, **kw}
+    if rl.lora is None:
+        return VLLMEngine(model_dir, tok.eos_id, model.state_dict(), rl.engine, **opts)
+    from phalanx.rl.engine.vllm_lora import VLLMLoraEngine
+    from phalanx.rl.lora import adapter_layout, apply_lora
+
+    # Syncs carry the adapter: its names and shapes are the policy's, which wraps the
+    # same model with the same spec (after the base was saved: this wraps ``model``).
+    like = adapter_layout(apply_lora(model, rl.lora, rl.model.seed))
+    arch = str(getattr(model.config, "model_type", ""))
+    return VLLMLoraEngine(model_dir, tok.eos_id, like, rl.lora, arch, rl.engine, **opts)

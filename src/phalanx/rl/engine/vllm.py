@@ -180,7 +180,7 @@ class VLLMEngine(GenerationEngine):
 
     ``like`` maps every HF parameter name of the model to a tensor of its shape:
     weight updates are checked against it (the sender's names are HF names, as in
-    the policy's ``state_dict``). ``options.chunk`` is how many engine steps (one
+    the policy's ``state_dict``). ``extra`` adds to ``vllm.LLM``'s arguments. ``options.chunk`` is how many engine steps (one
     token of every running request each) run between two calls of a ``between`` hook
     (see "In-flight weight updates").
     """
@@ -198,6 +198,7 @@ class VLLMEngine(GenerationEngine):
         version: int = -1,
         device: str = "cpu",
         max_model_len: int | None = None,
+        extra: Mapping[str, Any] | None = None,
     ):
         if not options.recompute_kv_on_update:
             raise EngineError(
@@ -223,6 +224,7 @@ class VLLMEngine(GenerationEngine):
             # A weight update between two steps must not race a batch still in flight.
             "async_scheduling": False,
         }
+        kwargs.update(extra or {})  # a subclass's own options (LoRA: vllm_lora.py)
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(options.cpu_kv_cache_gib * (1 << 30))
         else:
@@ -308,7 +310,7 @@ class VLLMEngine(GenerationEngine):
         still in the engine, so that the next ``generate`` starts from an empty one."""
         engine = self.llm.llm_engine
         engine.set_weight_version(str(self.version))
-        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        ids = self.llm.enqueue(prompts, params, self.adapter_request(), use_tqdm=False)
         done: dict[str, Any] = {}
         steps = 0
         try:
@@ -324,6 +326,11 @@ class VLLMEngine(GenerationEngine):
             raise
         # As LLM.generate: outputs carry the request's external id, a counter.
         return [done[k] for k in sorted(done, key=int)]
+
+    def adapter_request(self) -> Any:
+        """The ``LoRARequest`` a generation's requests are served with; None: the model's
+        own weights (an engine serving a LoRA adapter: vllm_lora.py)."""
+        return None
 
     def layout(self) -> Mapping[str, torch.Tensor]:
         return {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.like.items()}
