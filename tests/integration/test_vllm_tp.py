@@ -19,10 +19,10 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (make install installs it)")
 
 from phalanx.comm.base import CommError
+from phalanx.config.rl import load_rl_config
 from phalanx.rl.engine.base import EngineError
 from phalanx.rl.engine.factory import rollout_engine
 from phalanx.rl.engine.vllm import VLLMEngine, check_model_dir
-from phalanx.config.rl import load_rl_config
 from phalanx.rl.model import build_model
 from phalanx.rl.tasks import build_task
 from phalanx.rl.tokenizer import load_tokenizer
@@ -96,8 +96,11 @@ def test_a_failed_update_leaves_both_workers_at_the_old_version(setup: Setup):
     new = _weights(6, old)
     # Worker 1 fails part-way, worker 0 takes the whole update: both go back.
     engine.llm.collective_rpc("phalanx_fail_reload", args=(1, 4))
-    with pytest.raises(EngineError, match=r"reloading weights 4 into vLLM failed: rank 1: .*"
-                       r"declared fault.*back at version 3") as e:
+    with pytest.raises(
+        EngineError,
+        match=r"reloading weights 4 into vLLM failed: rank 1: .*"
+        r"declared fault.*back at version 3",
+    ) as e:
         engine.load_weights(new, 4)
     assert "\n" not in str(e.value)
     assert engine.version == 3 and engine.digests() == setup.at_start
@@ -130,12 +133,21 @@ def _saved(tmp_path: Path, **cfg: int) -> Path:
 @pytest.mark.parametrize(
     ("cfg", "tp", "message"),
     [
-        (dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=1000), 4,
-         "does not divide the attention heads 2 of the model"),
-        (dict(num_attention_heads=4, num_key_value_heads=4, vocab_size=1001), 2,
-         "does not divide the vocabulary 1001 of the model"),
-        (dict(num_attention_heads=6, num_key_value_heads=3, vocab_size=1002), 2,
-         "does not divide the KV heads 3 of the model"),
+        (
+            dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=1000),
+            4,
+            "does not divide the attention heads 2 of the model",
+        ),
+        (
+            dict(num_attention_heads=4, num_key_value_heads=4, vocab_size=1001),
+            2,
+            "does not divide the vocabulary 1001 of the model",
+        ),
+        (
+            dict(num_attention_heads=6, num_key_value_heads=3, vocab_size=1002),
+            2,
+            "does not divide the KV heads 3 of the model",
+        ),
     ],
     ids=["heads", "vocab", "kv-heads"],
 )

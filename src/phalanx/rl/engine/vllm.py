@@ -81,7 +81,6 @@ from typing import Any
 import torch
 
 from phalanx.config.rl import EngineSection
-from phalanx.rl.engine.vllm_update import UpdateFailed, WeightUpdater
 from phalanx.rl.engine.base import (
     Completion,
     EngineError,
@@ -92,6 +91,7 @@ from phalanx.rl.engine.base import (
     check_names,
     sample_seed,
 )
+from phalanx.rl.engine.vllm_update import UpdateFailed, WeightUpdater
 
 log = logging.getLogger("phalanx.rl.engine.vllm")
 
@@ -388,14 +388,16 @@ class VLLMEngine(GenerationEngine):
         except UpdateFailed as e:
             if e.restored:
                 self.version = held
+            # A bad pair in the stream is the caller's error, as it is for a mapping.
             if isinstance(e.cause, ValueError):
-                raise e.cause  # a bad pair in the stream: the caller's error, as for a mapping
-            now = f"it is back at version {held}" if e.restored else "it holds no usable version"
+                raise e.cause from None
+            now = (
+                f"it is back at version {held}"
+                if e.restored
+                else "it holds no usable version until a sync succeeds"
+            )
             log.error("reloading weights %d into vLLM failed (%s): %s", version, e, now)
-            raise EngineError(
-                f"reloading weights {version} into vLLM failed: {e}; {now} until a sync "
-                f"succeeds"
-            ) from e
+            raise EngineError(f"reloading weights {version} into vLLM failed: {e}; {now}") from e
         # Also preempts the running requests of a generation this update lands in
         # (a ``between`` hook): their keys and values are recomputed under the new
         # weights at the next step, none is computed from the old ones again.
