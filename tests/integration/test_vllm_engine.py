@@ -182,7 +182,7 @@ def test_a_reload_that_fails_part_way_goes_back_to_the_old_version(setup: Setup)
     pairs: list[tuple[str, Any]] = [(k, sd[k] * 1.5) for k in names[:-1]]
     pairs.append((names[-1], torch.empty(sd[names[-1]].shape, device="meta")))
     with pytest.raises(
-        EngineError, match="reloading weights 11 into vLLM failed.*back at version 10"
+        EngineError, match=r"reloading weights 11 into vLLM failed.*back at version 10"
     ):
         engine.load_weights(iter(pairs), 11)
     assert engine.version == 10 and engine.digest() == before
