@@ -57,13 +57,17 @@ def receive_stream(
 
     thread = threading.Thread(target=receive, name="phalanx-weights-rx", daemon=True)
     thread.start()
-    end = 0
+    end = [0]
+
+    def ready() -> bool:
+        return arrived[0] >= end[0] or bool(failed)
+
     try:
         for name, view in unpack(flat, like).items():
-            end += view.numel() * view.element_size()
+            end[0] += view.numel() * view.element_size()
             with cond:
-                cond.wait_for(lambda end=end: arrived[0] >= end or bool(failed))
-                if arrived[0] < end:
+                cond.wait_for(ready)
+                if arrived[0] < end[0]:
                     raise failed[0]
             yield name, view
     finally:
