@@ -3,6 +3,7 @@ against the gloo broadcast that brings it, each against its baseline in the same
 
     python bench/engines.py [--json] [--sizes small,large] [--prompts 8] [--n 16]
                             [--prompt-len 16] [--new-tokens 32] [--threads 2] [--repeats 3]
+                            [--bucket-mb 16] [--parts tokens,update,joiners]
 
 **Tokens per second.** For each model size, a Qwen2 causal LM built from config
 (random init, float32, seed 0) and written with ``save_pretrained``:
@@ -17,13 +18,23 @@ sampling, on ``--threads`` torch threads. One untimed call first (warm-up), then
 ``vllm_over_hf`` = the ratio (goal at ``large``: >= 2).
 
 **Weight update.** At the largest size: a sender process (this script with
-``--sender``, rank 0) and this process (rank 1) form a gloo group over a
-``TCPStore``, as a weight sync does (``transport/collective.py``'s header and
-flat buffer). ``broadcast_s``: the median time of a broadcast of all the model's
-bytes. ``weight_update_s``: from those bytes received to the engine generating
-with them: split the buffer into tensors, ``VLLMEngine.load_weights`` (checks,
-in-place reload, prefix cache dropped), and one 1-token generation.
-``weight_update_ratio`` = ``weight_update_s / broadcast_s`` (goal <= 1.5).
+``--sender``, rank 0, which loads the saved model and packs its state) and this
+process (rank 1) form a gloo group over a ``TCPStore``, as a weight sync does
+(``transport/collective.py``'s flat buffer). ``broadcast_s``: the median time of
+a broadcast of all the model's bytes. Two ways of loading them, both in the run:
+
+- sequential (``weight_update_s_sequential``, ``weight_update_ratio_sequential``:
+  the figure before the overlap): from the bytes received to the engine
+  generating with them: split the buffer into tensors, ``VLLMEngine.load_weights``
+  (checks, staging copy, in-place reload, prefix cache dropped), and one 1-token
+  generation, over ``broadcast_s``;
+- overlapped (``weight_update_s``, ``weight_update_ratio``, goal <= 1.5): the
+  bytes come in ``--bucket-mb`` buckets (``transport/streamed.py``) on a receiver
+  thread while ``load_weights`` reloads each tensor whose bytes are in.
+  ``overlapped_total_s`` is the median of receive + reload + 1-token generation;
+  ``weight_update_s`` = ``overlapped_total_s - broadcast_s``, the time the update
+  costs beyond the transfer (the same quantity as the sequential figure), and
+  ``weight_update_ratio`` = ``weight_update_s / broadcast_s``.
 
 **Joiner from a rollout peer or the policy leader** (``joiner_from_rollout_s``,
 ``joiner_from_policy_s``, ``joiner_policy_over_rollout``): at the largest size, the
@@ -33,7 +44,8 @@ boundary (``bench/weight_joiners.py`` says how).
 
 ``--json`` prints one JSON object per line: per size ``params``,
 ``hf_tokens_per_s``, ``vllm_tokens_per_s``, ``vllm_over_hf``; once
-``weight_update_s``, ``broadcast_s``, ``weight_update_ratio``,
+``weight_update_s``, ``broadcast_s``, ``weight_update_ratio`` and the
+fields above,
 ``joiner_from_rollout_s``, ``joiner_from_policy_s``, ``joiner_policy_over_rollout``.
 """
 
@@ -103,15 +115,23 @@ def timed(fn: Any, repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def sender(store: str, nbytes: int, repeats: int) -> int:
-    """Rank 0 of the broadcast baseline: send ``nbytes`` ``repeats + 1`` times."""
-    from phalanx.comm.torch_pg import TorchCommunicator
+def sender(store: str, model_dir: str, repeats: int, bucket: int) -> int:
+    """Rank 0 of the weight-update runs: the saved model's bytes, ``repeats + 1`` times
+    whole (the baseline, then the sequential reload), then ``repeats + 1`` times in
+    buckets (the overlapped reload)."""
+    from transformers import AutoModelForCausalLM
 
+    from phalanx.comm.torch_pg import TorchCommunicator
+    from phalanx.transport.collective import pack
+    from phalanx.transport.streamed import send_buckets
+
+    flat = pack(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
     comm = TorchCommunicator(120.0)
     comm.configure(store, "bench/engines", 0, 2)
-    flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     for _ in range(repeats + 1):
         comm.broadcast(flat, 0)
+    for _ in range(repeats + 1):
+        send_buckets(comm, flat, bucket)
     comm.abort()
     return 0
 
@@ -126,10 +146,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sender", nargs=3, metavar=("STORE", "NBYTES", "REPEATS"))
+    ap.add_argument("--bucket-mb", type=float, default=16.0)
+    ap.add_argument("--parts", default="tokens,update,joiners", help="what to measure")
+    ap.add_argument("--sender", nargs=3, metavar=("STORE", "MODEL_DIR", "REPEATS"))
     a = ap.parse_args()
+    bucket = max(1, int(a.bucket_mb * (1 << 20)))
     if a.sender:
-        return sender(a.sender[0], int(a.sender[1]), int(a.sender[2]))
+        return sender(a.sender[0], a.sender[1], int(a.sender[2]), bucket)
     sizes = [s for s in a.sizes.split(",") if s]
     bad = [s for s in sizes if s not in SIZES]
     if bad or not sizes:
@@ -164,13 +187,15 @@ def main() -> int:
                 comps = eng.generate(prompts, a.n, a.new_tokens, 1.0, keys)
                 return sum(len(c.token_ids) for c in comps)
 
-            hf = HFEngine(model, EOS, PAD)
-            hf_s, hf_tokens = timed(lambda hf=hf: run(hf), a.repeats)
             options = EngineSection(kind="vllm", dtype="float32", cpu_kv_cache_gib=2.0)
             if engine is not None:
                 engine.close()
             engine = VLLMEngine(d, EOS, model.state_dict(), options, max_model_len=max_len)
             engine.version = 0
+            if "tokens" not in a.parts:
+                continue
+            hf = HFEngine(model, EOS, PAD)
+            hf_s, hf_tokens = timed(lambda hf=hf: run(hf), a.repeats)
             v_s, v_tokens = timed(lambda engine=engine: run(engine), a.repeats)
             params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             say(
@@ -184,11 +209,15 @@ def main() -> int:
                 }
             )
         assert engine is not None and model is not None
-        rec = weight_update(engine, model, prompts[0], a.repeats)
+        rec: dict[str, Any] = {}
+        if "update" in a.parts:
+            rec = weight_update(engine, work / sizes[-1], prompts[0], a.repeats, bucket)
         engine.close()
         engine = None  # its memory and threads: the joiner sources train and send next
-        rec |= joiner_times(work / sizes[-1], model.state_dict(), a.repeats)
-        say(rec)
+        if "joiners" in a.parts:
+            rec |= joiner_times(work / sizes[-1], model.state_dict(), a.repeats)
+        if rec:
+            say(rec)
     finally:
         if engine is not None:
             engine.close()
@@ -196,15 +225,18 @@ def main() -> int:
     return 0
 
 
-def weight_update(engine: Any, model: Any, prompt: list[int], repeats: int) -> dict[str, Any]:
+def weight_update(
+    engine: Any, model_dir: Path, prompt: list[int], repeats: int, bucket: int
+) -> dict[str, Any]:
     from phalanx.comm.torch_pg import TorchCommunicator, serve_store
-    from phalanx.transport.collective import pack, unpack
+    from phalanx.transport.collective import unpack
+    from phalanx.transport.streamed import receive_stream
 
-    state = model.state_dict()
-    nbytes = pack(state).numel()
+    like = engine.layout()
+    nbytes = sum(t.numel() * t.element_size() for t in like.values())
     store, addr = serve_store()
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--sender", addr, str(nbytes), str(repeats)],
+        [sys.executable, __file__, "--sender", addr, str(model_dir), str(repeats)],
         start_new_session=True,
     )
     comm = TorchCommunicator(120.0)
@@ -212,29 +244,39 @@ def weight_update(engine: Any, model: Any, prompt: list[int], repeats: int) -> d
         comm.configure(addr, "bench/engines", 1, 2)
         flat = torch.empty(nbytes, dtype=torch.uint8)
         comm.broadcast(flat, 0)  # warm-up
-        bcast, update = [], []
+        bcast, sequential = [], []
         for i in range(repeats):
             t0 = time.perf_counter()
             comm.broadcast(flat, 0)
             bcast.append(time.perf_counter() - t0)
-            # The bytes received are random: load the model's own (same layout and size).
-            got = pack(state)
             t0 = time.perf_counter()
-            engine.load_weights(unpack(got, engine.layout()), i + 1)
+            engine.load_weights(unpack(flat, like), i + 1)
             engine.generate([prompt], 1, 1, 1.0)
-            update.append(time.perf_counter() - t0)
+            sequential.append(time.perf_counter() - t0)
+        overlapped = []
+        for i in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            engine.load_weights(receive_stream(comm, flat, like, bucket), repeats + i + 1)
+            engine.generate([prompt], 1, 1, 1.0)
+            overlapped.append(time.perf_counter() - t0)
         proc.wait(timeout=120)
     finally:
         comm.abort()
         if proc.poll() is None:
             proc.kill()
         del store
-    b, u = statistics.median(bcast), statistics.median(update)
+    b, u = statistics.median(bcast), statistics.median(sequential)
+    whole = statistics.median(overlapped[1:])
     return {
         "bytes": nbytes,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "bucket_bytes": bucket,
         "broadcast_s": round(b, 4),
-        "weight_update_s": round(u, 4),
-        "weight_update_ratio": round(u / b, 2),
+        "weight_update_s": round(whole - b, 4),
+        "weight_update_ratio": round((whole - b) / b, 2),
+        "overlapped_total_s": round(whole, 4),
+        "weight_update_s_sequential": round(u, 4),
+        "weight_update_ratio_sequential": round(u / b, 2),
     }
 
 

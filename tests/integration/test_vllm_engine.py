@@ -170,17 +170,22 @@ def test_weights_reload_in_place_and_a_bad_update_changes_nothing(setup: Setup):
     ]
 
 
-def test_a_reload_that_fails_part_way_leaves_no_usable_version(setup: Setup):
+def test_a_reload_that_fails_part_way_goes_back_to_the_old_version(setup: Setup):
     engine = setup.engine
     sd = setup.model.state_dict()
+    engine.load_weights(sd, 10)
+    before = engine.digest()
     names = sorted(sd)
     # Right names and shapes (the checks pass), but the last tensor cannot be read:
-    # vLLM has copied the others when it fails, so the engine holds mixed weights.
+    # vLLM has reloaded the others when it fails, and the engine reloads its held
+    # copy of version 10, so it holds that version whole again.
     pairs: list[tuple[str, Any]] = [(k, sd[k] * 1.5) for k in names[:-1]]
     pairs.append((names[-1], torch.empty(sd[names[-1]].shape, device="meta")))
-    with pytest.raises(EngineError, match="reloading weights 11 into vLLM failed"):
+    with pytest.raises(
+        EngineError, match=r"reloading weights 11 into vLLM failed.*back at version 10"
+    ):
         engine.load_weights(iter(pairs), 11)
-    assert engine.version == -1  # gets no prompts until a sync succeeds
+    assert engine.version == 10 and engine.digest() == before
     engine.load_weights(sd, 12)  # the retry
     assert engine.version == 12
     setup.hf.load_weights(sd, 12)
@@ -258,7 +263,7 @@ def test_a_reload_that_fails_during_generation_abandons_the_batch(setup: Setup):
 
     with pytest.raises(EngineError, match="reloading weights 41 into vLLM failed"):
         engine.generate(setup.prompts(80, 4), 2, 24, 1.0, keys(80, 4), between=hook)
-    assert engine.version == -1
+    assert engine.version == 40  # the held copy was reloaded: never mixed weights
     # Its requests were aborted: after the retry, the engine serves a fresh batch alone.
     engine.load_weights(sd, 42)
     setup.hf.load_weights(sd, 42)
@@ -313,7 +318,11 @@ def test_a_model_vllm_cannot_serve_is_one_line(tmp_path: Path, config, message):
         ),
         ('kind = "vllm"\nswap_space = 4', "engine.swap_space: unknown key"),
         ('kind = "sglang"', "engine.kind: Input should be 'hf' or 'vllm'"),
-        ('kind = "vllm"\ntensor_parallel_size = 2', "tensor_parallel_size must be 1"),
+        (
+            'kind = "vllm"\ntensor_parallel_size = 3',
+            "tensor_parallel_size must divide model.num_heads: got tensor_parallel_size=3, "
+            "num_heads=4",
+        ),
     ],
     ids=["type-bool", "type-int", "unknown", "kind", "tp"],
 )

@@ -322,20 +322,11 @@ class EngineSection(_Section):
     ``gpu_memory_utilization`` as a share of the host's memory, which replicas sharing
     a host cannot each take."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
-    """Ranks one engine spans. 1 only, for now: the engine runs in the replica's process,
-    which is what lets a weight update reach it without a copy through another process."""
+    """Ranks one vLLM engine spans (its own worker processes, vLLM's ``mp`` executor; CPU
+    and GPU). A weight update reaches every rank, each taking its shard, or none of them.
+    Must divide the model's attention heads, KV heads and vocabulary; ``hf`` ignores it."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile: quicker start, a little slower decode."""
-
-    @model_validator(mode="after")
-    def _one_rank(self) -> EngineSection:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"rl.engine.tensor_parallel_size must be 1: got {self.tensor_parallel_size}. "
-                f"A vLLM engine spanning several ranks is not supported yet; run more rollout "
-                f"replicas instead."
-            )
-        return self
 
 
 class RLConfig(_Section):
@@ -371,6 +362,19 @@ class RLConfig(_Section):
                 'rl.lora with rl.engine.kind = "vllm" needs a model vLLM serves LoRA for: '
                 'got rl.model.arch = "gpt2", which vLLM has no LoRA support for. Use '
                 'rl.model.arch = "llama", or rl.engine.kind = "hf".'
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tp_splits_heads(self) -> RLConfig:
+        # A model from a path is checked when the engine reads its config (the
+        # vocabulary, from the tokenizer, is checked then too).
+        tp = self.engine.tensor_parallel_size
+        if self.engine.kind == "vllm" and self.model.path is None and self.model.num_heads % tp:
+            raise ValueError(
+                f"rl.engine.tensor_parallel_size must divide model.num_heads: got "
+                f"tensor_parallel_size={tp}, num_heads={self.model.num_heads}. Pick a "
+                f"divisor of num_heads."
             )
         return self
 

@@ -91,6 +91,7 @@ from phalanx.rl.engine.base import (
     check_names,
     sample_seed,
 )
+from phalanx.rl.engine.vllm_update import UpdateFailed, WeightUpdater
 
 log = logging.getLogger("phalanx.rl.engine.vllm")
 
@@ -112,10 +113,11 @@ def _prepare_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
-def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
+def check_model_dir(path: str | Path, device: str, tp: int = 1) -> dict[str, Any]:
     """The HF config of the causal LM saved in ``path``, or EngineError saying why vLLM
     cannot serve it (not a model directory, not a causal LM, an architecture vLLM lacks,
-    a head size vLLM's CPU attention lacks)."""
+    a head size vLLM's CPU attention lacks, a tensor-parallel degree ``tp`` that does
+    not split its heads or vocabulary)."""
     p = Path(path)
     cfg_file = p / "config.json"
     try:
@@ -143,6 +145,7 @@ def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
             f"vLLM does not support the architecture of the model in {p}: {archs!r}. Use "
             f'rl.engine.kind = "hf", or a model vLLM lists (Llama, Qwen2, GPT2, ...).'
         )
+    check_tp_split(cfg, tp, p)
     if device == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -157,6 +160,35 @@ def check_model_dir(path: str | Path, device: str) -> dict[str, Any]:
                 f'model.num_heads or model.hidden_size, or use rl.engine.kind = "hf".'
             )
     return cfg
+
+
+def check_tp_split(cfg: Mapping[str, Any], tp: int, where: Path) -> None:
+    """EngineError unless ``tp`` ranks split the model of HF config ``cfg`` evenly: each
+    rank takes heads / tp attention heads, kv_heads / tp KV heads (or one KV head
+    replicated, when tp is a multiple of kv_heads, as vLLM does) and vocab / tp rows of
+    the embedding and the LM head."""
+    if tp == 1:
+        return
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 0)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    vocab = int(cfg.get("vocab_size") or 0)
+    bad = [
+        f"{what} {n}"
+        for what, n, ok in (
+            ("attention heads", heads, heads % tp == 0),
+            ("KV heads", kv, kv % tp == 0 or tp % kv == 0),
+            ("vocabulary", vocab, vocab % tp == 0),
+        )
+        if not ok
+    ]
+    if bad:
+        raise EngineError(
+            f"rl.engine.tensor_parallel_size must divide the model's attention heads, KV "
+            f"heads and vocabulary: got {tp}, which does not divide the {', '.join(bad)} of "
+            f"the model in {where}. Pick a tensor_parallel_size that divides "
+            f"{heads} heads, {kv} KV heads (or is a multiple of them) and a vocabulary of "
+            f"{vocab}."
+        )
 
 
 def _token_versions(spans: Any, count: int) -> list[int]:
@@ -206,7 +238,8 @@ class VLLMEngine(GenerationEngine):
                 "recomputes the running requests' KV cache after every in-flight update. "
                 'Remove the setting, or use rl.engine.kind = "hf".'
             )
-        check_model_dir(model_dir, device)
+        tp = options.tensor_parallel_size
+        check_model_dir(model_dir, device, tp)
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
@@ -218,7 +251,8 @@ class VLLMEngine(GenerationEngine):
             "enforce_eager": options.enforce_eager,
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
-            "distributed_executor_backend": "uni",
+            # T > 1: vLLM's worker processes; the engine core stays in this process.
+            "distributed_executor_backend": "uni" if tp == 1 else "mp",
             "worker_extension_cls": EXTENSION,
             "disable_log_stats": True,
             # A weight update between two steps must not race a batch still in flight.
@@ -238,6 +272,8 @@ class VLLMEngine(GenerationEngine):
             ) from e
         self.eos_id = int(eos_id)
         self.like = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
+        self.updater = WeightUpdater(self.llm, like, tp)
+        self.tensor_parallel_size = tp
         self.seed = int(seed)
         self.version = version
         self.chunk = options.chunk
@@ -336,10 +372,15 @@ class VLLMEngine(GenerationEngine):
         return {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.like.items()}
 
     def load_weights(self, weights: Weights, version: int) -> None:
+        """See :meth:`GenerationEngine.load_weights`: every worker takes the update, or
+        none does. A stream of pairs is consumed as it arrives, each pair reloaded while
+        the next one comes (``vllm_update.py``). A failure part-way (a bad pair, the
+        channel broke, a worker failed) reloads every worker from the held copy of the
+        previous version, which the engine then still holds; only when that is not
+        possible is it left at version -1, which gets no prompts until a sync succeeds."""
         like = self.layout()
-        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        check_names(like, pairs)  # every name and shape, before anything is copied
         if isinstance(weights, Mapping):
+            check_names(like, weights.items())  # every name and shape, before any copy
             missing = sorted(set(like) - set(weights))
             if missing:
                 raise ValueError(
@@ -350,30 +391,40 @@ class VLLMEngine(GenerationEngine):
         held = self.version
         self.version = -1  # until the reload is whole: a failure leaves no usable version
         try:
-            self.llm.collective_rpc("phalanx_reload", args=(pairs,))
-            # Also preempts the running requests of a generation this update lands in
-            # (a ``between`` hook): their keys and values are recomputed under the new
-            # weights at the next step, none is computed from the old ones again.
-            self.llm.reset_prefix_cache(reset_running_requests=True)
-        except Exception as e:
-            log.error(
-                "reloading weights %d into vLLM failed (%s): the engine held %d and now holds "
-                "no usable version until a sync succeeds",
-                version,
-                _one_line(e),
-                held,
+            self.updater.apply(weights.items() if isinstance(weights, Mapping) else weights)
+        except UpdateFailed as e:
+            if e.restored:
+                self.version = held
+            # A bad pair in the stream is the caller's error, as it is for a mapping.
+            if isinstance(e.cause, ValueError):
+                raise e.cause from None
+            now = (
+                f"it is back at version {held}"
+                if e.restored
+                else "it holds no usable version until a sync succeeds"
             )
-            raise EngineError(
-                f"reloading weights {version} into vLLM failed: {_one_line(e)}"
-            ) from e
+            log.error("reloading weights %d into vLLM failed (%s): %s", version, e, now)
+            raise EngineError(f"reloading weights {version} into vLLM failed: {e}; {now}") from e
+        # Also preempts the running requests of a generation this update lands in
+        # (a ``between`` hook): their keys and values are recomputed under the new
+        # weights at the next step, none is computed from the old ones again.
+        self.llm.reset_prefix_cache(reset_running_requests=True)
         self.version = int(version)
+
+    def digests(self) -> list[float]:
+        """A digest of each worker's parameters, its tensor-parallel shard, in rank order."""
+        return [float(d) for d in self.llm.collective_rpc("phalanx_digest")]
 
     def digest(self) -> float:
         """A digest of vLLM's parameters (equal weights, equal digests)."""
-        return float(self.llm.collective_rpc("phalanx_digest")[0])
+        return sum(self.digests())
 
     def close(self) -> None:
-        """Free the engine (its worker and KV cache)."""
+        """Free the engine (its workers, KV cache and staging buffers)."""
+        updater = self.__dict__.pop("updater", None)
+        if updater is not None:
+            updater.close()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # its worker processes, when T > 1
             del llm

@@ -5,7 +5,10 @@ calls its methods there.
 :class:`~phalanx.rl.engine.vllm.VLLMEngine` runs vLLM in its own process (one
 worker, no engine-core subprocess), so the arguments of a call are the
 caller's objects: the tensors of a weight update are copied from the
-receiver's buffers into vLLM's parameters, never serialized.
+receiver's buffers into vLLM's parameters, never serialized. With several
+workers (``tensor_parallel_size > 1``, vLLM's ``mp`` executor) each worker is a
+process of its own and reads the update from a shared staging buffer
+(``vllm_staging.py``): only the buffer's JSON spec travels in the RPC.
 
 Kept apart from ``vllm.py`` and free of vLLM imports at module level: vLLM
 imports this module by name inside the worker.
@@ -13,31 +16,62 @@ imports this module by name inside the worker.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from phalanx.rl.engine.vllm_staging import StagingSpec, read_stream
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 class WorkerExtension:
     """Methods added to vLLM's worker (``self`` is the worker: ``self.model_runner``)."""
 
     model_runner: Any
+    rank: int
+    _phalanx_fault: tuple[int, int] | None = None
 
-    def phalanx_reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Reload weights in place from ``(hf_name, tensor)`` pairs; returns how many.
+    def phalanx_reload(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Reload weights in place; "" when done, else why it failed (one line).
+
+        ``source``: ``(hf_name, full tensor)`` pairs (the engine's own process), or
+        the JSON :class:`~phalanx.rl.engine.vllm_staging.StagingSpec` of a staging
+        buffer that the engine fills while this runs (a worker process of its own).
+        Called on every worker at once (``collective_rpc``); each takes its shard.
 
         ``reload_weights`` runs the model's own ``load_weights`` (which maps HF
-        names to vLLM's fused parameters) and then the post-load processing the
-        CPU backend needs (a plain ``load_weights`` skips it and leaves repacked
-        weights stale)."""
-        pairs = list(pairs)
+        names to vLLM's fused parameters and slices this rank's shard) and then the
+        post-load processing the CPU backend needs (a plain ``load_weights`` skips
+        it and leaves repacked weights stale). It consumes the pairs as they come,
+        so a layer is reloaded while the next tensors are still arriving. A failure
+        is returned, not raised, so the engine learns every worker's outcome and
+        can reload them all from its rollback copy (all-or-nothing)."""
+        pairs = read_stream(StagingSpec.from_json(source)) if isinstance(source, str) else source
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(pairs))
-        except BaseException:
+            self.model_runner.reload_weights(weights_iterator=self._phalanx_faulty(iter(pairs)))
+        except Exception as e:
             self._phalanx_abort_reload()
-            raise
-        return len(pairs)
+            return f"rank {getattr(self, 'rank', 0)}: {_one_line(e)}"
+        return ""
+
+    def phalanx_fail_reload(self, rank: int, after: int) -> None:
+        """A declared fault (tests): the next reload on worker ``rank`` fails after
+        ``after`` tensors, as a worker whose copy breaks part-way would."""
+        self._phalanx_fault = (rank, after) if getattr(self, "rank", 0) == rank else None
+
+    def _phalanx_faulty(
+        self, pairs: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        fault, self._phalanx_fault = self._phalanx_fault, None
+        for i, pair in enumerate(pairs):
+            if fault is not None and i == fault[1]:
+                raise RuntimeError(f"declared fault: worker {fault[0]} fails after {i} tensors")
+            yield pair
 
     def _phalanx_abort_reload(self) -> None:
         """Undo what a failed reload left behind, so that the next one can run.
@@ -66,7 +100,8 @@ class WorkerExtension:
             model._do_torchao_reload = model._original_do_torchao_reload
 
     def phalanx_digest(self) -> float:
-        """A float digest of every parameter (tests: equal weights, equal digests)."""
+        """A float digest of this worker's parameters, its tensor-parallel shard (tests:
+        equal weights, equal digests)."""
         model = self.model_runner.get_model()
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(model.parameters()):

@@ -1,0 +1,153 @@
+"""A versioned in-place weight update of every vLLM worker: overlapped, all-or-nothing.
+
+Order of one update (:meth:`WeightUpdater.apply`)
+------------------------------------------------
+1. Every worker starts ``phalanx_reload`` at once (``collective_rpc``): vLLM's
+   layer-wise reload, fed by an iterator that yields each tensor as soon as it
+   is in the engine's staging buffer (``vllm_staging.py``).
+2. Meanwhile the engine takes the update's pairs one at a time from the weight
+   channel (whose receiver thread is still bringing the next bytes), checks
+   each name and shape, and copies it into the staging buffer. So tensor k is
+   reloaded while tensor k + 1 arrives: the reload is no longer a second pass
+   after the whole transfer. With one worker (``uni``) the reload runs in this
+   thread and the overlap is with the channel's receiver thread; with T workers
+   they are T processes that reload while this thread receives.
+3. When every worker returned "" and the stream ended cleanly, the staging
+   buffer becomes the held copy (the next update's rollback copy).
+4. Otherwise (a bad pair, the channel failed part-way, any worker failed) every
+   worker reloads the held copy, so all of them are back at the previous
+   version's weights, whole (a layer-wise reload cannot be undone by copying
+   parameters back: the CPU backend's packed kernels are rebuilt from them).
+   The caller keeps its old version. Only when there is no held copy (the
+   engine was built from a layout without values), or the rollback itself
+   failed, is the engine left with no usable version.
+
+Costs: two host copies of the weights (held and staging, in ``/dev/shm`` when
+T > 1), and one host memcpy of each tensor per update, done while the next
+bytes arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from phalanx.rl.engine.base import check_names
+from phalanx.rl.engine.vllm_staging import ABORTED, DONE, Staging
+
+STALL_S = 600.0
+
+
+class UpdateFailed(Exception):
+    """An update did not land; ``restored``: every worker is back at the held version."""
+
+    def __init__(self, message: str, restored: bool, cause: BaseException | None):
+        super().__init__(message)
+        self.restored = restored
+        self.cause = cause
+
+
+class WeightUpdater:
+    """Moves weight updates into the workers of ``llm`` (``tp`` of them)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        like: Mapping[str, torch.Tensor],
+        tp: int,
+    ):
+        self.llm = llm
+        self.tp = tp
+        layout = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
+        self.meta = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in layout.items()}
+        shared = tp > 1
+        self.held: Staging | None = Staging(layout, shared, STALL_S)
+        self.stage = Staging(layout, shared, STALL_S)
+        if any(t.is_meta for t in like.values()):
+            self.held.close()
+            self.held = None  # no values to roll back to until an update lands whole
+        else:
+            for k, t in like.items():
+                self.held.views[k].copy_(t.detach())
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="phalanx-vllm-rpc") if shared else None
+
+    def apply(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``pairs`` into every worker, or none: UpdateFailed says which."""
+        failure: list[BaseException] = []
+        seen: set[str] = set()
+        stage = self.stage
+        stage.begin()
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            try:
+                for name, tensor in pairs:
+                    check_names(self.meta, [(name, tensor)])
+                    seen.add(name)
+                    yield name, stage.put(name, tensor)
+            except BaseException as e:
+                failure.append(e)
+                raise
+
+        if self._rpc is None:
+            errors = self.llm.collective_rpc("phalanx_reload", args=(feed(),))
+        else:
+            future = self._rpc.submit(
+                self.llm.collective_rpc, "phalanx_reload", args=(stage.spec.to_json(),)
+            )
+            try:
+                for _ in feed():
+                    pass
+                stage.end(DONE)
+            except BaseException:
+                stage.end(ABORTED)
+            errors = future.result()
+        errors = [e for e in errors if e]
+        if not failure and not errors:
+            self._commit(seen)
+            return
+        cause = failure[0] if failure else None
+        why = _why(cause) if cause is not None else "; ".join(errors)
+        raise UpdateFailed(why, self._restore(), cause)
+
+    def _commit(self, seen: set[str]) -> None:
+        if self.held is not None and len(seen) < len(self.stage.names):
+            for k in seen:  # a partial stream: the held copy takes what changed
+                self.held.views[k].copy_(self.stage.views[k])
+        elif self.held is None and len(seen) < len(self.stage.names):
+            return  # still no whole copy to roll back to
+        else:
+            self.held, self.stage = self.stage, self.held or _fresh(self.stage)
+
+    def _restore(self) -> bool:
+        """Reload every worker from the held copy; whether all of them took it."""
+        if self.held is None:
+            return False
+        try:
+            if self._rpc is None:
+                errors = self.llm.collective_rpc("phalanx_reload", args=(self.held.items(),))
+            else:
+                self.held.publish_all()
+                errors = self.llm.collective_rpc("phalanx_reload", args=(self.held.spec.to_json(),))
+        except Exception:
+            return False
+        return not any(errors)
+
+    def close(self) -> None:
+        if self._rpc is not None:
+            self._rpc.shutdown(wait=False, cancel_futures=True)
+        for s in (self.held, self.stage):
+            if s is not None:
+                s.close()
+
+
+def _fresh(like: Staging) -> Staging:
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in like.views.items()}
+    return Staging(layout, bool(like.paths), STALL_S)
+
+
+def _why(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
