@@ -1,5 +1,7 @@
-"""``phalanx ckpt list|inspect|export``: look into a checkpoint root from the
-shell, and turn a checkpoint's model weights into a plain safetensors file.
+"""``phalanx ckpt list|inspect|export|import``: look into a checkpoint root from
+the shell, turn a checkpoint's model weights into a plain safetensors file or
+a Hugging Face directory, and an HF directory into a checkpoint
+(:mod:`phalanx.checkpoint.hf_cli`).
 
 Each command reads only committed checkpoints (those with a manifest).
 ``export`` loads through :class:`Checkpointer`, so it verifies sizes and
@@ -17,7 +19,7 @@ from typing import Any
 from phalanx.checkpoint.base import CheckpointError, Manifest
 from phalanx.checkpoint.store import CheckpointStore
 
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "hf")
 
 
 def human_bytes(n: int) -> str:
@@ -209,6 +211,10 @@ def ckpt_export(args: argparse.Namespace) -> int:
         raise _fail("export", f"--format must be one of {list(FORMATS)}: got {args.format!r}.")
     store = _store("export", args)
     step, _ = _pick("export", store, args.step)
+    if args.format == "hf":
+        from phalanx.checkpoint.hf_cli import export_command
+
+        return export_command(args, store, step, _storage_options("export", args.storage_options))
     try:
         m = store.manifest(step)
     except CheckpointError as e:
@@ -248,7 +254,18 @@ def ckpt_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"list": ckpt_list, "inspect": ckpt_inspect, "export": ckpt_export}
+def ckpt_import(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.hf_cli import import_command
+
+    return import_command(args, _storage_options("import", args.storage_options))
+
+
+COMMANDS = {
+    "list": ckpt_list,
+    "inspect": ckpt_inspect,
+    "export": ckpt_export,
+    "import": ckpt_import,
+}
 
 
 def run(args: argparse.Namespace) -> int:

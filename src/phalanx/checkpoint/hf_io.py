@@ -130,14 +130,8 @@ def export_hf(
             "nbytes": nbytes, "out": str(out)}  # fmt: skip
 
 
-def import_hf(
-    hf_dir: str,
-    url: str,
-    *,
-    step: int = 0,
-    storage_options: dict[str, Any] | None = None,
-) -> Manifest:
-    """Save the causal LM in ``hf_dir`` as a model-only checkpoint of ``step`` under
+def import_hf(hf_dir: str, url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Save the causal LM in ``hf_dir`` as a model-only checkpoint of step 0 under
     ``url``. ValueError (from :func:`phalanx.rl.model.load_model`) for a directory that
     holds no causal LM."""
     from phalanx.checkpoint.checkpointer import Checkpointer
@@ -147,7 +141,7 @@ def import_hf(
     src = str(Path(hf_dir).resolve())
     ck = Checkpointer(url, storage_options=storage_options, layout={"kind": "hf-import"})
     try:
-        manifest = ck.save(step, {PREFIX: model.state_dict()}, {"imported_from": src})
+        manifest = ck.save(0, {PREFIX: model.state_dict()}, {"imported_from": src})
     finally:
         ck.close()
     assert manifest is not None  # a single-process checkpointer is its own coordinator
