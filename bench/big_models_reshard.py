@@ -247,7 +247,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
         out = [f"{path}/{k}: only on one side" for k in sorted(set(a) ^ set(b), key=str)]
         return out + [d for k in a if k in b for d in differences(a[k], b[k], f"{path}/{k}")]
     if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}/{i}")]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}/{i}")
+        ]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
@@ -271,9 +275,17 @@ def reshard(
         url = f"file://{w}/ckpt"
         size = ["--layers", str(layers), "--hidden", str(hidden)]
         t0 = time.perf_counter()
-        saved = launch(save, w, [*size, "--steps", str(steps), "--save-url", url, "--dump", str(w / "saved.st")])
+        saved = launch(
+            save,
+            w,
+            [*size, "--steps", str(steps), "--save-url", url, "--dump", str(w / "saved.st")],
+        )
         loaded = {
-            layout: launch(layout, w, [*size, "--steps", "0", "--load-url", url, "--dump", str(w / f"{layout}.st")])
+            layout: launch(
+                layout,
+                w,
+                [*size, "--steps", "0", "--load-url", url, "--dump", str(w / f"{layout}.st")],
+            )
             for layout in loads
         }
         total = time.perf_counter() - t0

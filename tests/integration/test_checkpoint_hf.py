@@ -16,13 +16,28 @@ from typing import Any
 
 import pytest
 import torch
-from ftjob import FTJob
+from ftjob import FTJob, assert_identical
 from procs import child_env, write_job_toml
 
 from phalanx.checkpoint import Checkpointer, CheckpointError, CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+]
 STEPS = 3
 
 
@@ -158,9 +173,7 @@ def test_export_to_hf_loads_in_transformers_and_vllm_and_import_resumes(
     )
     assert next(e for e in lines if e["event"] == "start")["resumed_from"] == 0
     fresh, _ = run_job(tmp_path, jobs, "fresh", out, hf["data"], {})
-    assert resumed.keys() == fresh.keys()
-    for k, v in resumed.items():
-        assert torch.equal(v, fresh[k]), k
+    assert_identical([resumed, fresh])
 
     # Bad input, one line each: a checkpoint that does not cover the model, at export
     # and at resume; an import into a root that holds checkpoints.

@@ -22,7 +22,9 @@ from phalanx.checkpoint import CheckpointStore
 from phalanx.train.snapshot import load_state
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("big_models_reshard", ROOT / "bench" / "big_models_reshard.py")
+_spec = importlib.util.spec_from_file_location(
+    "big_models_reshard", ROOT / "bench" / "big_models_reshard.py"
+)
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["big_models_reshard"] = bench

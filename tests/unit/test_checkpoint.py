@@ -529,7 +529,7 @@ def test_cli_errors(
         ),
         (
             ["export", root, "--format", "onnx", "x"],
-            "--format must be one of ['safetensors']: got 'onnx'",
+            "--format must be one of ['safetensors', 'hf']: got 'onnx'",
         ),
         (
             ["export", root, "--format", "safetensors", "x", "--prefix", "nope"],

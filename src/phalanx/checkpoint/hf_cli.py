@@ -15,10 +15,13 @@ def _fail(command: str, message: str) -> SystemExit:
     return SystemExit(f"phalanx ckpt {command}: {message}")
 
 
+def megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def export_command(
     args: argparse.Namespace, store: CheckpointStore, step: int, options: dict[str, Any]
 ) -> int:
-    from phalanx.checkpoint.cli import human_bytes
     from phalanx.checkpoint.hf_io import export_hf
 
     out = Path(args.out)
@@ -38,7 +41,7 @@ def export_command(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise _fail("export", f"cannot write the HF directory {str(out)!r}: {first}") from None
     print(
-        f"exported {got['tensors']} tensors ({human_bytes(got['nbytes'])}) of step {got['step']} "
+        f"exported {got['tensors']} tensors ({megabytes(got['nbytes'])}) of step {got['step']} "
         f"from {got['url']} to {out} as a Hugging Face model (config and tokenizer from "
         f"{got['source']})"
     )
@@ -46,7 +49,6 @@ def export_command(
 
 
 def import_command(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from phalanx.checkpoint.cli import human_bytes
     from phalanx.checkpoint.hf_io import import_hf
 
     try:
@@ -69,7 +71,7 @@ def import_command(args: argparse.Namespace, options: dict[str, Any]) -> int:
     except CheckpointError as e:
         raise _fail("import", str(e)) from None
     print(
-        f"imported {len(m.tensors)} tensors ({human_bytes(m.nbytes)}) from {args.hf_dir} as "
+        f"imported {len(m.tensors)} tensors ({megabytes(m.nbytes)}) from {args.hf_dir} as "
         f"checkpoint step {m.step} under {store.url}"
     )
     print(

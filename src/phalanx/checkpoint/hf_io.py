@@ -45,8 +45,7 @@ def source_dir(manifest: Manifest, model_dir: str | None) -> Path:
     else:
         cfg = manifest.extra.get("config") or {}
         paths = [
-            ((cfg.get(section) or {}).get("model") or {}).get("path")
-            for section in ("train", "rl")
+            ((cfg.get(section) or {}).get("model") or {}).get("path") for section in ("train", "rl")
         ]
         found = next((p for p in paths if p), None) or manifest.extra.get("imported_from")
     if not found:
@@ -62,6 +61,11 @@ def source_dir(manifest: Manifest, model_dir: str | None) -> Path:
             f"--model-dir with the job's model directory (the one it trained from)."
         )
     return p
+
+
+def hf_name(key: str) -> str:
+    """The HF name of the checkpoint key ``model/<name>`` (``flatten``'s escapes undone)."""
+    return key.removeprefix(f"{PREFIX}/").replace("%2F", "/").replace("%25", "%")
 
 
 def check_covers(keys: set[str], want: list[str], what: str) -> None:
@@ -90,7 +94,6 @@ def export_hf(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from phalanx.checkpoint.checkpointer import Checkpointer
-    from phalanx.checkpoint.cli import export_names
     from phalanx.comm.transfer import flatten
 
     ck = Checkpointer(url, storage_options=storage_options)
@@ -102,8 +105,7 @@ def export_hf(
         raise CheckpointError(f"{url} holds no committed checkpoint")
     src = source_dir(res.manifest, model_dir)
     _, tensors = flatten(res.state, keyed=True)
-    names = export_names(sorted(tensors), PREFIX)
-    weights = {names[k]: t for k, t in tensors.items() if k in names}
+    weights = {hf_name(k): t for k, t in tensors.items() if k.startswith(f"{PREFIX}/")}
     cfg = AutoConfig.from_pretrained(str(src), local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)

@@ -191,7 +191,9 @@ def checkpoint_to_local(
     return {**sd, "model": out_model, "optimizer": {**sd["optimizer"], "state": state}}
 
 
-def load_local(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+def load_local(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+) -> None:
     """Load a state of this rank's local shards (a heal's, or :func:`checkpoint_to_local`'s)
     into ``model`` and ``optimizer``: each shard is copied into its parameter's local
     tensor, and the optimizer's shards become DTensors laid out like their parameters."""
