@@ -116,6 +116,7 @@ def greedy(model: Any, prompt: list[int], n: int = 8) -> list[int]:
     return [int(x) for x in out[0, len(prompt) :]]
 
 
+@pytest.mark.slow  # two model directories, three jobs and a vLLM engine: minutes here
 def test_export_to_hf_loads_in_transformers_and_vllm_and_import_resumes(
     hf: dict[str, Path], tmp_path: Path, jobs: list[FTJob]
 ) -> None:

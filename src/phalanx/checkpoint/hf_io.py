@@ -75,7 +75,8 @@ def check_covers(keys: set[str], want: list[str], what: str) -> None:
     missing = [k for k in want if k not in keys]
     if missing:
         raise IncompatibleCheckpoint(
-            f"the checkpoint's tensors must cover {what}: {len(missing)} missing: {few(missing)}. "
+            f"the checkpoint's tensors must cover {what}: {len(missing)} tensor(s) missing: "
+            f"{few(missing)}. "
             f"Export with --model-dir of the architecture the job trained."
         )
 
@@ -124,9 +125,9 @@ def export_hf(
         if f.is_file() and not f.name.endswith(WEIGHTS) and f.name not in WRITTEN:
             shutil.copy2(f, out / f.name)
     model.save_pretrained(str(out), safe_serialization=True)
-    for f in ("generation_config.json",):  # the source's own, not one derived from config
-        if (src / f).is_file():
-            shutil.copy2(src / f, out / f)
+    gen = src / "generation_config.json"  # the source's own, not one derived from config
+    if gen.is_file():
+        shutil.copy2(gen, out / gen.name)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     return {"step": res.step, "url": res.url, "source": str(src), "tensors": len(weights),
             "nbytes": nbytes, "out": str(out)}  # fmt: skip
