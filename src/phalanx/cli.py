@@ -310,9 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     sy.set_defaults(fn=_syncer)
     ck = sub.add_parser(
         "ckpt",
-        help="list, inspect and export checkpoints under a storage root",
-        description="Look into a checkpoint root (a path or fsspec URL: file://, s3://, ...) "
-        "and export a checkpoint's model weights as plain safetensors.",
+        aliases=["checkpoint"],
+        help="list, inspect, export and import checkpoints under a storage root",
+        description="Look into a checkpoint root (a path or fsspec URL: file://, s3://, ...), "
+        "export a checkpoint's model weights as plain safetensors or a Hugging Face "
+        "directory, and import a Hugging Face directory as a checkpoint.",
     )
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
     ck_list = ck_sub.add_parser("list", help="committed checkpoints, oldest first")
@@ -324,10 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a checkpoint's model weights as one safetensors file"
     )
     ck_export.add_argument(
-        "--format", required=True, help="output format: safetensors, or hf (a directory)"
+        "--format",
+        required=True,
+        help="output format: safetensors (one file) or hf (a from_pretrained directory)",
     )
     ck_export.add_argument(
-        "--config", help="(hf) the job's TOML: how to rebuild the model (and merge LoRA)"
+        "--model-dir",
+        help="hf: the model directory whose config and tokenizer to use (default: the job's)",
+    )
+    ck_export.add_argument(
+        "--config",
+        help="hf: the job's TOML, to rebuild its model from the spec (and merge a LoRA adapter)",
     )
     ck_export.add_argument(
         "--prefix", default="model", help="state subtree holding the weights (default model)"
@@ -339,7 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
             c_.add_argument("--json", action="store_true", help="print JSON")
         if c_ is not ck_list:
             c_.add_argument("--step", type=int, help="this step (default: the latest)")
-    ck_export.add_argument("out", help="output file (model.safetensors), or directory (hf)")
+    ck_export.add_argument("out", help="output file (safetensors) or directory (hf)")
+    ck_import = ck_sub.add_parser(
+        "import", help="a Hugging Face model directory as a model-only checkpoint (step 0)"
+    )
+    ck_import.add_argument("hf_dir", help="a save_pretrained directory of a causal LM")
+    ck_import.add_argument("url", help="a new checkpoint root: a path or fsspec URL")
+    ck_import.add_argument("--storage-options", help="fsspec options as JSON")
     ck.set_defaults(fn=_ckpt)
     return p
 

@@ -441,8 +441,11 @@ def test_incompatible_model_is_reported_clearly(
         model = make_state(width=32)["model"]
         want = "of another shape or dtype (e.g. model/0.weight: saved [16, 8] float32, expected [32, 8] float32)"
     elif change == "missing keys":
-        model["3.weight"] = torch.zeros(4, 4)
-        want = "1 tensor(s) missing (e.g. 'model/3.weight')"
+        model.update({f"{i}.weight": torch.zeros(4, 4) for i in range(3, 9)})
+        want = (
+            "6 tensor(s) missing: 'model/3.weight', 'model/4.weight', 'model/5.weight', "
+            "'model/6.weight' and 2 more"
+        )
     else:
         model = {k: v.double() for k, v in model.items()}
         want = "saved [16, 8] float32, expected [16, 8] float64"
@@ -526,7 +529,7 @@ def test_cli_errors(
         ),
         (
             ["export", root, "--format", "onnx", "x"],
-            "--format must be one of ['safetensors']: got 'onnx'",
+            "--format must be one of ['safetensors', 'hf']: got 'onnx'",
         ),
         (
             ["export", root, "--format", "safetensors", "x", "--prefix", "nope"],

@@ -434,7 +434,13 @@ def check_fits(manifest: Manifest, mine: dict[str, torch.Tensor]) -> None:
     if missing or wrong:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} tensor(s) missing (e.g. {missing[0]!r})")
+            parts.append(f"{len(missing)} tensor(s) missing: {few(missing)}")
         if wrong:
             parts.append(f"{len(wrong)} of another shape or dtype (e.g. {wrong[0]})")
         raise IncompatibleCheckpoint("it does not fit this model: " + ", ".join(parts))
+
+
+def few(names: list[str], n: int = 4) -> str:
+    """The first ``n`` of ``names``, then how many more (for one-line errors)."""
+    head = ", ".join(repr(x) for x in names[:n])
+    return head + (f" and {len(names) - n} more" if len(names) > n else "")

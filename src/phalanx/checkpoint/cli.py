@@ -1,5 +1,7 @@
-"""``phalanx ckpt list|inspect|export``: look into a checkpoint root from the
-shell, and turn a checkpoint's model weights into a plain safetensors file.
+"""``phalanx ckpt list|inspect|export|import``: look into a checkpoint root from
+the shell, turn a checkpoint's model weights into a plain safetensors file or
+a Hugging Face directory, and an HF directory into a checkpoint
+(:mod:`phalanx.checkpoint.hf_cli`).
 
 Each command reads only committed checkpoints (those with a manifest).
 ``export`` loads through :class:`Checkpointer`, so it verifies sizes and
@@ -209,6 +211,12 @@ def ckpt_export(args: argparse.Namespace) -> int:
         raise _fail("export", f"--format must be one of {list(FORMATS)}: got {args.format!r}.")
     store = _store("export", args)
     step, _ = _pick("export", store, args.step)
+    if args.format == "hf" and not getattr(args, "config", None):
+        # From the model directory (the job's, or --model-dir). With --config the
+        # model is rebuilt from the job's spec and a LoRA adapter merged (below).
+        from phalanx.checkpoint.hf_cli import export_command
+
+        return export_command(args, store, step, _storage_options("export", args.storage_options))
     try:
         m = store.manifest(step)
     except CheckpointError as e:
@@ -264,7 +272,18 @@ def _export_hf(weights: dict[str, Any], args: argparse.Namespace, out: Path, ste
     return 0
 
 
-COMMANDS = {"list": ckpt_list, "inspect": ckpt_inspect, "export": ckpt_export}
+def ckpt_import(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.hf_cli import import_command
+
+    return import_command(args, _storage_options("import", args.storage_options))
+
+
+COMMANDS = {
+    "list": ckpt_list,
+    "inspect": ckpt_inspect,
+    "export": ckpt_export,
+    "import": ckpt_import,
+}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -162,6 +162,16 @@ def resume(ckpt: Checkpointer, manager: Manager) -> int | None:
     r = ckpt.load({"model": manager.model.state_dict()})
     if r is None:
         return None
+    if "optimizer" not in r.state:
+        # A model-only checkpoint (``phalanx ckpt import`` of an HF directory): the
+        # model was filled in place by the load; optimizer, sampler and RNG start fresh
+        # at step 0, the step an import is saved as.
+        log.warning(
+            "checkpoint step %d (%s) holds the model only: the optimizer starts fresh",
+            r.step,
+            r.url,
+        )
+        return r.step
     manager.load_checkpoint(r.state)
     log.info("resumed from checkpoint step %d (%s) in %.2f s", r.step, r.url, r.seconds)
     return r.step

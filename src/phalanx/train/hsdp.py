@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from phalanx.log import Who
 from phalanx.protocol.quorum import QuorumView
@@ -45,8 +44,13 @@ from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
 from phalanx.train.manager import Compute, Manager
 from phalanx.train.ranks import CONTROL_BYTES, ReplicaBroken, ReplicaRanks, env_ranks
-from phalanx.train.shards import ShardedGrads, local, local_tree, shard_like
-from phalanx.train.trainable import model_state
+from phalanx.train.shards import (
+    ShardedGrads,
+    checkpoint_to_local,
+    load_local,
+    local,
+    local_tree,
+)
 
 __all__ = [
     "CONTROL_BYTES",
@@ -126,44 +130,11 @@ class HSDPManager(Manager):
         return {**super().checkpoint_layout(), "ranks": self.ranks.size, "tp": self.ranks.tp}
 
     def load_checkpoint(self, sd: dict[str, Any]) -> None:
-        """A checkpoint saved by a replica of any size: the model's DTensors were
-        filled in place (resharded by DCP); the optimizer's state comes whole and
-        each rank keeps its shard."""
-        mine = self.model.state_dict()
-        model = {
-            k: local(v) if isinstance(v, DTensor) else shard_like(v, mine[k])
-            for k, v in sd["model"].items()
-        }
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = {
-            pid: {
-                k: shard_like(v, params[int(pid)]) if isinstance(v, torch.Tensor) and v.dim() else v
-                for k, v in st.items()
-            }
-            for pid, st in sd["optimizer"]["state"].items()
-        }
-        self.load_state_dict(
-            {**sd, "model": model, "optimizer": {**sd["optimizer"], "state": state}}
-        )
+        """A checkpoint saved by a replica of any size or layout (:func:`checkpoint_to_local`)."""
+        self.load_state_dict(checkpoint_to_local(self.model, self.optimizer, sd))
 
     def _load_model(self, sd: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for k, v in model_state(self.model, self.trainable_only).items():
-                local(v).copy_(sd["model"][k])
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        osd = sd["optimizer"]
-        state = {}
-        for pid, st in osd["state"].items():
-            p = params[int(pid)]
-            state[pid] = {
-                k: DTensor.from_local(
-                    v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                )
-                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim()
-                else v
-                for k, v in st.items()
-            }
-        self.optimizer.load_state_dict({**osd, "state": state})
+        load_local(self.model, self.optimizer, sd, self.trainable_only)
 
     # -- quorum: the leader's, on every rank ------------------------------
 

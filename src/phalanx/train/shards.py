@@ -164,3 +164,58 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
     )
     return part.to_local()
+
+
+def checkpoint_to_local(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+) -> dict[str, Any]:
+    """A loaded checkpoint's state (:meth:`~phalanx.checkpoint.Checkpointer.load` with
+    the model's ``state_dict()`` as template) as this rank's local shards, for
+    :func:`load_local`: the model's DTensors were filled in place by DCP (any saving
+    layout, any loading one: FSDP, TP or both on a 2-D mesh); the optimizer's state
+    came whole, and each rank cuts its shard like its parameter's. No communication."""
+    mine = model.state_dict()
+    out_model = {
+        k: local(v) if isinstance(v, DTensor) else shard_like(v, mine[k])
+        for k, v in sd["model"].items()
+        if k in mine
+    }
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {
+        pid: {
+            k: shard_like(v, params[int(pid)]) if isinstance(v, torch.Tensor) and v.dim() else v
+            for k, v in st.items()
+        }
+        for pid, st in sd["optimizer"]["state"].items()
+    }
+    return {**sd, "model": out_model, "optimizer": {**sd["optimizer"], "state": state}}
+
+
+def load_local(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sd: dict[str, Any],
+    trainable_only: bool = False,
+) -> None:
+    """Load a state of this rank's local shards (a heal's, or :func:`checkpoint_to_local`'s)
+    into ``model`` and ``optimizer``: each shard is copied into its parameter's local
+    tensor, and the optimizer's shards become DTensors laid out like their parameters.
+    With ``trainable_only`` the state's model holds the trainable tensors alone (a LoRA
+    adapter: :mod:`phalanx.train.trainable`)."""
+    from phalanx.train.trainable import model_state
+
+    with torch.no_grad():
+        for k, v in model_state(model, trainable_only).items():
+            local(v).copy_(sd["model"][k])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    osd = sd["optimizer"]
+    state = {}
+    for pid, st in osd["state"].items():
+        p = params[int(pid)]
+        state[pid] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim()
+            else v
+            for k, v in st.items()
+        }
+    optimizer.load_state_dict({**osd, "state": state})
