@@ -79,20 +79,49 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def check_model(cfg: Any) -> None:
-    """What the job's model must fit that only its directory says (``[replica] tp``:
-    a tensor-parallel plan, heads and vocabulary that the degree divides), refused in
-    one line before any replica starts: each rank would say it, in a log, after
-    loading the model."""
+    """What the job's model must fit that only the model says (``[replica] tp``: a
+    tensor-parallel plan, heads and vocabulary that the degree divides; ``[lora]``:
+    target modules that name some of its linear modules), refused in one line before
+    any replica starts: each rank would say it, in a log, after loading the model."""
     from phalanx.config.model import ModelSection
 
     model = cfg.train.model
-    if cfg.replica.tp == 1 or not isinstance(model, ModelSection) or model.path is None:
-        return
-    from phalanx.train.tp_hf import TPError, check_dir
+    if cfg.replica.tp > 1 and isinstance(model, ModelSection) and model.path is not None:
+        from phalanx.train.tp_hf import TPError, check_dir
+
+        try:
+            check_dir(model.path, cfg.replica.tp)
+        except TPError as e:
+            raise SystemExit(f"phalanx run: {e}") from None
+    if cfg.rl is not None and cfg.rl.lora is not None:
+        _check_lora(cfg.rl.model, cfg.rl.lora, "rl.lora", cfg.rl.task)
+    elif cfg.train.lora is not None and isinstance(model, ModelSection) and model.path:
+        _check_lora(model, cfg.train.lora, "train.lora")
+
+
+def _check_lora(spec: Any, lora: Any, key: str, task: Any = None) -> None:
+    """The LoRA targets against the model's modules, built on the meta device (its
+    config alone: no weights are read or allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from phalanx.rl.lora import check_targets
 
     try:
-        check_dir(model.path, cfg.replica.tp)
-    except TPError as e:
+        if spec.path is not None:
+            config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        else:
+            from phalanx.rl.model import model_config
+            from phalanx.rl.tokenizer import task_tokenizer
+
+            config = model_config(spec, task_tokenizer(task))
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError):
+        return  # (the replica's own load says what is wrong with the model, in one line)
+    try:
+        check_targets(built, lora, key)
+    except ValueError as e:
         raise SystemExit(f"phalanx run: {e}") from None
 
 

@@ -105,3 +105,27 @@ def test_a_merged_adapter_computes_the_adapted_model(arch):
         assert torch.allclose(want, got, atol=1e-5), (want - got).abs().max()
     with pytest.raises(ValueError, match="every adapter tensor"):
         served.load(dict(list(adapter_state(policy).items())[:1]))
+
+
+def test_phalanx_run_refuses_targets_that_match_nothing_before_anything_starts(tmp_path):
+    # The RL demo with a LoRA aimed at a module gpt2 does not have: one line from the
+    # launcher (the model is built on the meta device), and no run directory made.
+    from phalanx import cli
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        cli.main(
+            [
+                "run",
+                "examples/sort_grpo.toml",
+                "--plain",
+                "--run-dir",
+                str(run_dir),
+                "--rl.lora.r=4",
+                '--rl.lora.target_modules=["q_projx"]',
+            ]
+        )
+    msg = str(e.value.code)
+    assert msg.startswith('phalanx run: rl.lora.target_modules ["q_projx"] match no module')
+    assert "c_attn" in msg and "\n" not in msg, msg
+    assert not run_dir.exists()
