@@ -32,9 +32,12 @@ from phalanx.rl.step import backward_rows  # noqa: E402
 from phalanx.rl.tokenizer import task_tokenizer  # noqa: E402
 from phalanx.rl.trainer import PolicyTrainer, completions_of  # noqa: E402
 from phalanx.train.hsdp import HSDPManager, RankClient, ReplicaRanks  # noqa: E402
+from phalanx.train.shards import clip_grad_norm  # noqa: E402
 from phalanx.transport.collective import pack  # noqa: E402
 
 PROMPTS, GROUP = 3, 3
+CLIP = 0.01
+"""Below the batch's gradient norm: clipping scales every gradient."""
 
 
 def batch(vocab: int) -> list[tuple[int, RolloutPayload]]:
@@ -95,6 +98,8 @@ def main() -> None:
     stats = trainer.compute(rows)
     tokens = ranks.sum([stats["train_tokens"]])[0]
     grads = {n: _whole(p.grad) for n, p in model.named_parameters()}
+    total = clip_grad_norm(list(model.parameters()), CLIP)
+    clipped = {n: _whole(p.grad) for n, p in model.named_parameters()}
     snapshot = full_weights(model, keep=ranks.leader)
     if ranks.leader:
         torch.manual_seed(0)
@@ -107,12 +112,16 @@ def main() -> None:
             plain, comps, adv, keep, g=rl.grpo, pad_id=tok.pad_id, num_tokens=n_tokens
         )
         named = dict(plain.named_parameters())
+        plain_grads = {n: named[n].grad.clone() for n in grads}
+        plain_total = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP))
         assert snapshot is not None
         state = plain.state_dict()
         report = {
             "rows": len(keep),
-            "grad_diff": max((grads[n] - named[n].grad).abs().max().item() for n in grads),
-            "grad_norm": sum(float(named[n].grad.norm()) for n in grads),
+            "grad_diff": max((grads[n] - plain_grads[n]).abs().max().item() for n in grads),
+            "norm_diff": abs(total - plain_total),
+            "clipped_diff": max((clipped[n] - named[n].grad).abs().max().item() for n in grads),
+            "grad_norm": sum(float(plain_grads[n].norm()) for n in grads),
             "tokens": tokens,
             "tokens_plain": ref["train_tokens"],
             "weights_diff": max((snapshot[k] - state[k]).abs().max().item() for k in state),

@@ -79,6 +79,7 @@ from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
+from phalanx.train.shards import clip_grad_norm
 from phalanx.train.snapshot import save_state
 from phalanx.transport.base import RolloutStore
 from phalanx.transport.factory import rollout_store, weight_channel
@@ -319,7 +320,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     )
                 continue
             if g.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(trained, g.grad_clip)
+                clip_grad_norm(trained, g.grad_clip)  # (TP: gradients on several meshes)
             opt.step()
             sched.step()
             step_idle = idle.lap("step")
