@@ -100,7 +100,8 @@ def register_ranks(
         follower.who.replica_id = msg["replica_id"]
         return follower, None, msg["facts"]
     store, address = serve_store()
-    client = ControllerClient(controller, role, name, address=address, ranks=ranks.size)
+    tp = getattr(ranks, "tp", 1)  # (the layout: the controller refuses another one's)
+    client = ControllerClient(controller, role, name, address=address, ranks=ranks.size, tp=tp)
     try:
         if root is not None:
             root(client)

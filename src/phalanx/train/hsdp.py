@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from phalanx.log import Who
-from phalanx.protocol.quorum import QuorumView
+from phalanx.protocol.quorum import QuorumView, layout_of
 from phalanx.train.batch import split
 from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
@@ -61,7 +61,7 @@ __all__ = [
 
 
 class LayoutMismatch(RuntimeError):
-    """The quorum holds replicas with another number of ranks than this one's."""
+    """The quorum holds replicas of another layout (ranks, tp) than this one's."""
 
 
 class RankClient:
@@ -247,12 +247,13 @@ class HSDPManager(Manager):
             rec["replica"] = {"bytes": int(sum(got[:n])), "transfer_s": got[n + 1] + got[n]}
 
     def _check_layout(self, q: QuorumView) -> None:
-        other = {m.ranks for m in q.members} - {self.ranks.size}
+        mine = (self.ranks.size, self.ranks.tp)
+        other = sorted({(m.ranks, m.tp) for m in q.members} - {mine})
         if other:
+            theirs = ", ".join(layout_of(r, t) for r, t in other)
             raise LayoutMismatch(
-                f"this replica spans {self.ranks.size} ranks but the quorum's replicas span "
-                f"{sorted(other | {self.ranks.size})}: every replica of a job must have the "
-                "same [replica] ranks"
+                f"this replica spans {layout_of(*mine)} but the quorum's other replicas span "
+                f"{theirs}: every replica of a job must have the same [replica] ranks and tp"
             )
 
     def _agree(self, what: str) -> None:
