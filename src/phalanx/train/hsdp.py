@@ -55,6 +55,7 @@ __all__ = [
     "RankClient",
     "ReplicaBroken",
     "ReplicaRanks",
+    "check_layout",
     "env_ranks",
     "local",
 ]
@@ -62,6 +63,21 @@ __all__ = [
 
 class LayoutMismatch(RuntimeError):
     """The quorum holds replicas of another layout (ranks, tp) than this one's."""
+
+
+def check_layout(q: QuorumView, ranks: int, tp: int) -> None:
+    """:class:`LayoutMismatch`, naming both layouts in one line, when a member of
+    ``q`` has another layout than ``(ranks, tp)``: rank r of one layout holds other
+    shards than rank r of another, so their groups would never pair. (The controller
+    refuses such a registration; a quorum formed before, or by an older controller,
+    is caught here.)"""
+    other = sorted({(m.ranks, m.tp) for m in q.members} - {(ranks, tp)})
+    if other:
+        theirs = ", ".join(layout_of(r, t) for r, t in other)
+        raise LayoutMismatch(
+            f"this replica spans {layout_of(ranks, tp)} but the quorum's other replicas span "
+            f"{theirs}: every replica of a job must have the same [replica] ranks and tp"
+        )
 
 
 class RankClient:
@@ -247,14 +263,7 @@ class HSDPManager(Manager):
             rec["replica"] = {"bytes": int(sum(got[:n])), "transfer_s": got[n + 1] + got[n]}
 
     def _check_layout(self, q: QuorumView) -> None:
-        mine = (self.ranks.size, self.ranks.tp)
-        other = sorted({(m.ranks, m.tp) for m in q.members} - {mine})
-        if other:
-            theirs = ", ".join(layout_of(r, t) for r, t in other)
-            raise LayoutMismatch(
-                f"this replica spans {layout_of(*mine)} but the quorum's other replicas span "
-                f"{theirs}: every replica of a job must have the same [replica] ranks and tp"
-            )
+        check_layout(q, self.ranks.size, self.ranks.tp)
 
     def _agree(self, what: str) -> None:
         """Make this rank's outcome the replica's: if any rank failed (or the
