@@ -13,7 +13,6 @@ import pytest
 from phalanx import cli
 from phalanx.config import ConfigError, load_config
 
-
 RL = (
     "replica.ranks=2",
     "replica.tp=2",
