@@ -96,7 +96,7 @@ def _counted(stats: dict[str, float], manager: Manager) -> dict[str, float]:
     tokens (as :meth:`~phalanx.train.hsdp.HSDPManager._run` does); the others' are 0."""
     ranks = getattr(manager, "ranks", None)
     tp = getattr(ranks, "tp", 1)
-    if tp == 1 or ranks.rank % tp == 0:
+    if ranks is None or tp == 1 or ranks.rank % tp == 0:
         return stats
     return {**stats, "loss": 0.0, "train_tokens": 0.0}
 
