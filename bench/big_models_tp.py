@@ -1,7 +1,7 @@
 """Tensor parallelism inside a fault-tolerant replica (``[replica] tp``, issue 37)
 against plain DTensor TP over the same ranks, same model, same run.
 
-    python bench/big_models_tp.py [--json] [--steps 20] [--hidden 256] [--layers 4]
+    python bench/big_models_tp.py [--json] [--rounds 3] [--steps 12] [--hidden 256] [--layers 4]
 
 The model is a Llama built from config (``examples/make_model.py --arch llama``:
 ``--hidden`` wide, ``--layers`` blocks, 4 heads, MLP 4 x hidden, tied embeddings,
@@ -18,14 +18,21 @@ AdamW, global batch 16 in micro-batches of 4, one torch thread per process.
   controller, no quorum, no vote, no cross-replica exchange.
 - ``tp_step_ratio``: the first over the second (goal: at most 1.05).
 
-Both arms run in one invocation, one after the other, on the same machine.
+The arms alternate (plain, FT, plain, FT, ... for ``--rounds`` rounds of
+``--steps`` steps each), so that a change in the machine's load falls on both:
+``tp_step_s`` and ``plain_step_s`` are the medians of the per-round medians, and
+``*_spread`` the (min, max) of those; ``ratio_spread`` is the (min, max) of the
+per-round ratios. ``load_avg`` is the 1-minute load average before and after:
+on a shared machine, read the ratio with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,6 +145,7 @@ def plain_worker(config: str, steps: int) -> int:
 
 def plain_arm(work: Path, cfg: Path, ranks: int, steps: int, warmup: int) -> float:
     """Plain TP over ``ranks`` ranks: the median gap between its steps after ``warmup``."""
+    work.mkdir(parents=True, exist_ok=True)
     me = str(Path(__file__).resolve())
     base = Lines(ranks_cmd(ranks, me, "--plain-worker", str(cfg), str(steps)), work / "plain.err")
     base.wait(lambda e: e.get("step") == steps, "the plain TP baseline")
@@ -147,7 +155,8 @@ def plain_arm(work: Path, cfg: Path, ranks: int, steps: int, warmup: int) -> flo
 
 def ft_arm(work: Path, cfg: Path, ranks: int, steps: int, warmup: int) -> float:
     """A controller and one FT replica of ``ranks`` ranks: the median gap between its
-    commits after ``warmup``."""
+    commits after ``warmup``. (A fresh ``work`` each round: a fresh job.)"""
+    work.mkdir(parents=True, exist_ok=True)
     state = work / "state"
     ctl = Lines([PY, "-m", "phalanx.cli", "controller", "--config", str(cfg),
                  "--state-dir", str(state), "--port", "0"], work / "controller.err")  # fmt: skip
@@ -170,36 +179,48 @@ def ft_arm(work: Path, cfg: Path, ranks: int, steps: int, warmup: int) -> float:
 
 def tp_step(
     work: Path | None = None,
-    steps: int = 20,
-    warmup: int = 5,
+    steps: int = 12,
+    warmup: int = 3,
     hidden: int = 256,
     layers: int = 4,
     ranks: int = 2,
     tp: int = 2,
+    rounds: int = 3,
 ) -> dict[str, Any]:
-    """Both arms on the same model, batch and ranks; ``tp_step_ratio`` (module doc)."""
+    """Both arms on the same model, batch and ranks, alternated over ``rounds``;
+    ``tp_step_ratio`` (module doc)."""
     work = work or Path(tempfile.mkdtemp(prefix="bench-tp-"))
     model, corpus = make_model(work, hidden, layers)
     cfg = job_toml(work / "job.toml", model, corpus, steps, ranks, tp)
-    plain = plain_arm(work, cfg, ranks, steps, warmup)
-    ft = ft_arm(work, cfg, ranks, steps, warmup)
+    load_before = os.getloadavg()[0]
+    plain, ft = [], []
+    for i in range(rounds):  # A B A B ...: the machine's load falls on both arms
+        plain.append(plain_arm(work / f"plain-{i}", cfg, ranks, steps, warmup))
+        ft.append(ft_arm(work / f"ft-{i}", cfg, ranks, steps, warmup))
+    ratios = [f / b for f, b in zip(ft, plain, strict=True)]
     return {
         "hidden": hidden,
         "layers": layers,
         "ranks": ranks,
         "tp": tp,
         "steps": steps,
-        "tp_step_s": ft,
-        "plain_step_s": plain,
-        "tp_step_ratio": ft / plain,
+        "rounds": rounds,
+        "tp_step_s": statistics.median(ft),
+        "plain_step_s": statistics.median(plain),
+        "tp_step_ratio": statistics.median(ft) / statistics.median(plain),
+        "tp_step_spread": [min(ft), max(ft)],
+        "plain_step_spread": [min(plain), max(plain)],
+        "ratio_spread": [min(ratios), max(ratios)],
+        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=12, help="steps per round and arm")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of both arms, alternated")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
@@ -210,12 +231,16 @@ def main(argv: list[str] | None = None) -> int:
         return plain_worker(args.plain_worker[0], int(args.plain_worker[1]))
     if not 0 < args.warmup < args.steps - 2:
         p.error(f"--warmup must be in (0, steps - 2): got {args.warmup} with --steps {args.steps}")
-    out = tp_step(None, args.steps, args.warmup, args.hidden, args.layers, args.ranks, args.tp)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1: got {args.rounds}")
+    out = tp_step(
+        None, args.steps, args.warmup, args.hidden, args.layers, args.ranks, args.tp, args.rounds
+    )
     if args.json:
         print(json.dumps(out))
     else:
         for k, v in out.items():
-            print(f"{k:>14}  {v:.4g}" if isinstance(v, float) else f"{k:>14}  {v}")
+            print(f"{k:>17}  {v:.4g}" if isinstance(v, float) else f"{k:>17}  {v}")
     return 0
 
 

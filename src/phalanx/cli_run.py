@@ -85,7 +85,7 @@ def check_model(cfg: Any) -> None:
     any replica starts: each rank would say it, in a log, after loading the model."""
     from phalanx.config.model import ModelSection
 
-    model = cfg.train.model
+    model = cfg.rl.model if cfg.rl is not None else cfg.train.model  # (an RL job: the policy's)
     if cfg.replica.tp > 1 and isinstance(model, ModelSection) and model.path is not None:
         from phalanx.train.tp_hf import TPError, check_dir
 

@@ -1,8 +1,10 @@
 """One rank of a policy replica of 2 ranks, for the sharded-policy numerics test
-(started by ``python -m phalanx.launch.ranks --nproc 2 -- python THIS OUT``).
+(started by ``python -m phalanx.launch.ranks --nproc 2 -- python THIS OUT``), or
+of N ranks with tensor parallelism over T of them (``... THIS OUT T``: a llama
+policy, TP over T ranks, FSDP2 over N / T, as ``[replica] tp = T`` runs it).
 
-Every rank builds the job's policy model (float64), shards it with FSDP2 as a
-sharded policy replica does, and computes the GRPO gradients of one fixed batch
+Every rank builds the job's policy model (float64), shards it as a sharded
+policy replica does (:func:`phalanx.jobs.replica_ranks.wrap`), and computes the GRPO gradients of one fixed batch
 through :class:`phalanx.rl.trainer.PolicyTrainer` under a real
 :class:`phalanx.train.hsdp.HSDPManager`. Rank 0 also computes them on an
 unsharded copy of the same model, and writes what it found as JSON to OUT: the
@@ -22,6 +24,7 @@ torch.set_default_dtype(torch.float64)
 from phalanx.comm.torch_pg import TorchCommunicator  # noqa: E402
 from phalanx.config.rl import RLConfig  # noqa: E402
 from phalanx.jobs.policy_ranks import full_weights  # noqa: E402
+from phalanx.jobs.replica_ranks import wrap  # noqa: E402
 from phalanx.protocol.rl import Completion, RolloutPayload  # noqa: E402
 from phalanx.rl.grpo import group_advantages, rows_to_train  # noqa: E402
 from phalanx.rl.model import build_model  # noqa: E402
@@ -29,10 +32,12 @@ from phalanx.rl.step import backward_rows  # noqa: E402
 from phalanx.rl.tokenizer import task_tokenizer  # noqa: E402
 from phalanx.rl.trainer import PolicyTrainer, completions_of  # noqa: E402
 from phalanx.train.hsdp import HSDPManager, RankClient, ReplicaRanks  # noqa: E402
-from phalanx.train.shards import shard_model  # noqa: E402
+from phalanx.train.shards import clip_grad_norm  # noqa: E402
 from phalanx.transport.collective import pack  # noqa: E402
 
 PROMPTS, GROUP = 3, 3
+CLIP = 0.01
+"""Below the batch's gradient norm: clipping scales every gradient."""
 
 
 def batch(vocab: int) -> list[tuple[int, RolloutPayload]]:
@@ -57,12 +62,20 @@ def batch(vocab: int) -> list[tuple[int, RolloutPayload]]:
     return rows
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered (a collective), or a tensor every rank holds whole (a
+    TP-replicated norm when FSDP has one rank)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def main() -> None:
     out = sys.argv[1]
+    tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    arch = "llama" if tp > 1 else "gpt2"
     rl = RLConfig.model_validate(
         {
             "task": {"name": "sort4"},
-            "model": {"arch": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4},
+            "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4},
             "grpo": {
                 "prompts_per_step": PROMPTS,
                 "group_size": GROUP,
@@ -71,10 +84,10 @@ def main() -> None:
             },
         }
     )
-    ranks = ReplicaRanks(60.0)
+    ranks = ReplicaRanks(60.0, tp=tp)
     tok = task_tokenizer(rl.task)
     torch.manual_seed(0)
-    model = shard_model(build_model(rl.model, tok, torch.device("cpu")).double(), ranks.mesh)
+    model = wrap(build_model(rl.model, tok, torch.device("cpu")).double(), ranks)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     client = RankClient("policy", "numerics", ranks.rank)
     manager = HSDPManager(
@@ -84,7 +97,9 @@ def main() -> None:
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id)
     stats = trainer.compute(rows)
     tokens = ranks.sum([stats["train_tokens"]])[0]
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: _whole(p.grad) for n, p in model.named_parameters()}
+    total = clip_grad_norm(list(model.parameters()), CLIP)
+    clipped = {n: _whole(p.grad) for n, p in model.named_parameters()}
     snapshot = full_weights(model, keep=ranks.leader)
     if ranks.leader:
         torch.manual_seed(0)
@@ -97,16 +112,24 @@ def main() -> None:
             plain, comps, adv, keep, g=rl.grpo, pad_id=tok.pad_id, num_tokens=n_tokens
         )
         named = dict(plain.named_parameters())
+        plain_grads = {n: named[n].grad.clone() for n in grads}
+        plain_total = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP))
         assert snapshot is not None
         state = plain.state_dict()
         report = {
             "rows": len(keep),
-            "grad_diff": max((grads[n] - named[n].grad).abs().max().item() for n in grads),
-            "grad_norm": sum(float(named[n].grad.norm()) for n in grads),
+            "grad_diff": max((grads[n] - plain_grads[n]).abs().max().item() for n in grads),
+            "norm_diff": abs(total - plain_total),
+            "clipped_diff": max((clipped[n] - named[n].grad).abs().max().item() for n in grads),
+            "grad_norm": sum(float(plain_grads[n].norm()) for n in grads),
             "tokens": tokens,
             "tokens_plain": ref["train_tokens"],
             "weights_diff": max((snapshot[k] - state[k]).abs().max().item() for k in state),
             "names_equal": sorted(snapshot) == sorted(state),
+            "dtensor_dims": max(
+                (p.device_mesh.ndim for p in model.parameters() if hasattr(p, "device_mesh")),
+                default=0,
+            ),
             "packed_in_place": pack(snapshot).data_ptr() == snapshot.flat.data_ptr(),
         }
         with open(out, "w") as f:

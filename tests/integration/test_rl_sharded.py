@@ -65,6 +65,7 @@ def test_a_sharded_policy_step_equals_an_unsharded_one(tmp_path: Path):
     got = json.loads(out.read_text())
     assert got["rows"] == 9 and got["grad_norm"] > 0  # (rank 1: 2 micro-batches and a filler)
     assert got["grad_diff"] < 1e-12, got
+    assert got["norm_diff"] < 1e-12 and got["clipped_diff"] < 1e-12, got  # (clip_grad_norm)
     assert got["tokens"] == got["tokens_plain"]
     assert got["names_equal"] and got["weights_diff"] == 0.0, got
     assert got["packed_in_place"], "the leader's snapshot was copied again to be sent"

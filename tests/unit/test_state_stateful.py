@@ -384,7 +384,7 @@ class ControllerMachine(RuleBasedStateMachine):
                 by_step.setdefault(ms[rid].step, set()).add(rid)
             assert rs.by_step == by_step
             assert rs.pending_steps == Counter(p.step for p in rs.pending.values())
-            assert rs.ranks_count == Counter(ms[r].ranks for r in rs.member_ids)
+            assert rs.layouts == Counter((ms[r].ranks, ms[r].tp) for r in rs.member_ids)
             assert rs.roots == Counter((ms[r].state_root, ms[r].root_id) for r in rs.member_ids)
             assert all(rs.next_deadline <= p.deadline for p in rs.pending.values())
         seen = list(self.state.membership._by_seen)

@@ -1,7 +1,8 @@
 """``[replica] tp`` (:mod:`phalanx.train.tp_hf`): what it refuses, in one line, before
-any rank starts: in the config (a degree that does not divide the ranks, an RL job, a
-built-in task), and in ``phalanx run`` from the model's directory (no plan, heads, key/
-value heads or an untied vocabulary that the degree does not divide)."""
+any rank starts: in the config (a degree that does not divide the ranks, a
+built-in task, an RL policy of gpt2 or with LoRA), and in ``phalanx run`` from the
+model's directory (no plan, heads, key/value heads or an untied vocabulary that the
+degree does not divide)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ import pytest
 
 from phalanx import cli
 from phalanx.config import ConfigError, load_config
+
+RL = (
+    "replica.ranks=2",
+    "replica.tp=2",
+    "roles.policy.min_replicas=1",
+    "roles.rollout.min_replicas=1",
+)
+"""An RL job whose policy replicas are 2 ranks, TP over both."""
 
 
 @pytest.mark.parametrize(
@@ -22,12 +31,10 @@ from phalanx.config import ConfigError, load_config
             ["replica.ranks=2", "replica.tp=2", "train.script=x.py"],
             "got train.script 'x.py'",
         ),
+        ([*RL, "rl.grpo.steps=2"], "replica.tp must be 1 for a gpt2 policy built from config"),
         (
-            [
-                *("replica.ranks=2", "replica.tp=2", "rl.grpo.steps=2"),
-                *("roles.policy.min_replicas=1", "roles.rollout.min_replicas=1"),
-            ],
-            "replica.tp must be 1 in an RL job",
+            [*RL, "rl.model.arch=llama", "rl.lora.r=4"],
+            "replica.tp must be 1 with [rl.lora]: got 2",
         ),
     ],
 )
@@ -36,6 +43,11 @@ def test_the_config_refuses_a_tp_it_cannot_run(overrides: list[str], says: str) 
         load_config(overrides=overrides)
     # (ConfigError's form: a heading, then one line per refused key)
     assert [x for x in str(e.value).splitlines() if says in x], str(e.value)
+
+
+def test_an_rl_policy_of_llama_may_be_tensor_parallel() -> None:
+    cfg = load_config(overrides=[*RL, "rl.model.arch=llama"])
+    assert cfg.rl is not None and cfg.replica.tp == 2 and cfg.replica.dp == 1
 
 
 def _model_dir(root: Path, name: str, arch: str = "llama", **kw: int | bool) -> Path:

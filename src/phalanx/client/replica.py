@@ -75,6 +75,7 @@ class ControllerClient(LedgerCalls):
         name: str,
         *,
         ranks: int = 1,
+        tp: int = 1,
         address: str = "",
         capabilities: dict[str, Scalar] | None = None,
         token: str | None = None,
@@ -89,7 +90,7 @@ class ControllerClient(LedgerCalls):
             unreachable_timeout_s=unreachable_timeout_s,
             on_epoch=self._epoch_changed,
         )
-        self.role, self.name, self.ranks = role, name, ranks
+        self.role, self.name, self.ranks, self.tp = role, name, ranks, tp
         self.address = address
         self.capabilities = dict(capabilities or {})
         self.state_root = ""
@@ -163,6 +164,7 @@ class ControllerClient(LedgerCalls):
             role=self.role,
             name=self.name,
             ranks=self.ranks,
+            tp=self.tp,
             address=self.address,
             capabilities=self.capabilities,
             step=self.step if self.step is not None else self.resumable,

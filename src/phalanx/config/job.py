@@ -331,18 +331,28 @@ class JobConfig(_Section):
         return self
 
     def _check_tp(self) -> None:
-        """``[replica] tp`` applies to the FT data-parallel job on your Hugging Face
-        model (:mod:`phalanx.train.tp_hf`); the model's own fit (plan, heads,
-        vocabulary) is checked by ``phalanx run`` and by each rank, which read it."""
+        """``[replica] tp`` applies to a Hugging Face model with a TP plan: the FT
+        data-parallel job's (``[train.model]``) or the RL policy's (``[rl.model]``:
+        llama, or a directory; :mod:`phalanx.train.tp_hf`). The model's own fit (plan,
+        heads, vocabulary) is checked by ``phalanx run`` and by each rank, which read it."""
         tp = self.replica.tp
         if tp == 1:
             return
         if self.rl is not None:
-            raise ValueError(
-                f"replica.tp must be 1 in an RL job: got {tp}. The RL policy shards its "
-                "replicas with FSDP alone for now; set [replica] tp = 1 and keep "
-                "[replica] ranks."
-            )
+            m = self.rl.model
+            if m.path is None and m.arch == "gpt2":
+                raise ValueError(
+                    f"replica.tp must be 1 for a gpt2 policy built from config: got {tp}. "
+                    "GPT-2 has no tensor-parallel plan in transformers; set rl.model.arch = "
+                    '"llama", or [replica] tp = 1.'
+                )
+            if self.rl.lora is not None:
+                raise ValueError(
+                    f"replica.tp must be 1 with [rl.lora]: got {tp}. The adapter wraps the "
+                    "projections the TP plan splits; train the adapter with FSDP alone "
+                    "([replica] ranks) and tp = 1."
+                )
+            return
         if not isinstance(self.train.model, ModelSection):
             what = (
                 f"train.script {self.train.script!r}"

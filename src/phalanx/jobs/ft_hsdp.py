@@ -45,7 +45,7 @@ from phalanx.jobs.common import (
 )
 from phalanx.jobs.device import data_plane, nccl_env, resolve_device
 from phalanx.jobs.mlp import build_optimizer
-from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
+from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped, wrap
 from phalanx.jobs.training import exact_options
 from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import (
@@ -56,8 +56,6 @@ from phalanx.train.hsdp import (
     local,
 )
 from phalanx.train.orders import Orders
-from phalanx.train.shards import shard_model
-from phalanx.train.tp_hf import TPError, parallelize
 
 if TYPE_CHECKING:
     from phalanx.checkpoint import Checkpointer
@@ -79,18 +77,6 @@ def gathered_state(manager: HSDPManager) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor):
                 out[f"optim.{pid}.{k}"] = full(v)
     return out
-
-
-def wrap(model: torch.nn.Module, ranks: ReplicaRanks) -> torch.nn.Module:
-    """The replica's model sharded over its ranks: FSDP2, or the model's own TP plan
-    then FSDP2 over the rest (``[replica] tp``). JobError in one line for a model that
-    cannot be tensor-parallel at this degree."""
-    if ranks.tp_mesh is None:
-        return shard_model(model, ranks.mesh)
-    try:
-        return parallelize(model, ranks.tp_mesh, ranks.mesh)
-    except TPError as e:
-        raise JobError(str(e)) from None
 
 
 def run(args: ReplicaArgs) -> int:

@@ -17,6 +17,8 @@ from phalanx.config import JobConfig
 from phalanx.jobs.base import JobError
 from phalanx.jobs.common import register
 from phalanx.train.hsdp import RankClient, ReplicaRanks, env_ranks
+from phalanx.train.shards import shard_model
+from phalanx.train.tp_hf import TPError, parallelize
 
 log = logging.getLogger("phalanx.jobs")
 
@@ -61,6 +63,18 @@ def replica_ranks(cfg: JobConfig, device: torch.device | None = None) -> OneRank
     )
 
 
+def wrap(model: torch.nn.Module, ranks: ReplicaRanks) -> torch.nn.Module:
+    """The replica's model sharded over its ranks: FSDP2, or the model's own TP plan
+    then FSDP2 over the rest (``[replica] tp``). JobError in one line for a model that
+    cannot be tensor-parallel at this degree."""
+    if ranks.tp_mesh is None:
+        return shard_model(model, ranks.mesh)
+    try:
+        return parallelize(model, ranks.tp_mesh, ranks.mesh)
+    except TPError as e:
+        raise JobError(str(e)) from None
+
+
 def register_ranks(
     controller: str,
     role: str,
@@ -86,7 +100,8 @@ def register_ranks(
         follower.who.replica_id = msg["replica_id"]
         return follower, None, msg["facts"]
     store, address = serve_store()
-    client = ControllerClient(controller, role, name, address=address, ranks=ranks.size)
+    tp = getattr(ranks, "tp", 1)  # (the layout: the controller refuses another one's)
+    client = ControllerClient(controller, role, name, address=address, ranks=ranks.size, tp=tp)
     try:
         if root is not None:
             root(client)

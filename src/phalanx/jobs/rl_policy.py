@@ -31,8 +31,10 @@ it (any layout: the checkpoint reshards on load) or heals from a live peer. A
 lone policy replica that is killed loses no acknowledged step.
 
 A policy replica may span several ranks (``[replica] ranks = N``): the model
-is sharded over them with FSDP2, and the FT manager all-reduces each shard
-across replicas (:mod:`phalanx.train.hsdp`). Only its rank 0 talks to the
+is sharded over them with FSDP2, or tensor-parallel over groups of ``tp`` of
+them and FSDP2 over the rest (``[replica] tp``, :mod:`phalanx.train.tp_hf`; the
+reference model alike), and the FT manager all-reduces each shard across
+replicas (:mod:`phalanx.train.hsdp`). Only its rank 0 talks to the
 controller; what the others must do alike (the step's rows, a save of their
 shards, their part in gathering the weights a sync sends, leaving) reaches
 them through :mod:`phalanx.jobs.policy_ranks`. A failing rank fails the whole
@@ -62,7 +64,7 @@ from phalanx.jobs import policy_end
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, resume, use_root
 from phalanx.jobs.policy_ranks import Coordinator, Publisher, full_optimizer_state, full_weights
-from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped
+from phalanx.jobs.replica_ranks import register_ranks, replica_ranks, replica_stopped, wrap
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.rl import Batch
 from phalanx.rl.durable import DurableAcks, policy_checkpointer
@@ -77,7 +79,7 @@ from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
 from phalanx.train.orders import Orders
-from phalanx.train.shards import shard_model
+from phalanx.train.shards import clip_grad_norm
 from phalanx.train.snapshot import save_state
 from phalanx.transport.base import RolloutStore
 from phalanx.transport.factory import rollout_store, weight_channel
@@ -192,9 +194,9 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
             client.close("failed")
         raise JobError(str(e)) from e
     params = num_params(model)
-    if isinstance(ranks, ReplicaRanks):
-        model = shard_model(model, ranks.mesh)
-        ref = shard_model(ref, ranks.mesh) if ref is not None else None
+    if isinstance(ranks, ReplicaRanks):  # FSDP2, or TP then FSDP2 ([replica] tp)
+        model = wrap(model, ranks)
+        ref = wrap(ref, ranks) if ref is not None else None
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter's
     opt = torch.optim.AdamW(trained, lr=g.lr, betas=g.betas, weight_decay=g.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(g, g.steps * g.inner_epochs))
@@ -215,12 +217,12 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     acks = DurableAcks(client, ckpt, extra)
     if ckpt is not None:
         if ranks.size > 1:
-            ckpt.layout = {"kind": "rl-policy", "ranks": ranks.size}
+            ckpt.layout = {"kind": "rl-policy", "ranks": ranks.size, "tp": cfg.replica.tp}
         resumed = resume(ckpt, manager)  # NoUsableCheckpoint: the launcher stops the job
         if resumed is not None:
             acks.durable = resumed
             rlog.info("resumed from %s at step %d", state, resumed)
-    parts = cfg.roles["policy"].n_init_replicas * ranks.size
+    parts = cfg.roles["policy"].n_init_replicas * cfg.replica.dp  # (a TP group: one part)
     trainer = PolicyTrainer(rl, manager, model, tok.pad_id, ref, exact_parts=parts)
     weights = (
         weight_channel(rl.transport, cfg.job.id, rl.loop.sync_timeout_s, device) if lead else None
@@ -318,11 +320,11 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
                     )
                 continue
             if g.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(trained, g.grad_clip)
+                clip_grad_norm(trained, g.grad_clip)  # (TP: gradients on several meshes)
             opt.step()
             sched.step()
             step_idle = idle.lap("step")
-            # The replica's tokens: every rank read its part of the share.
+            # The replica's tokens: every TP group read its part of the share (PolicyTrainer).
             stats["train_tokens"] = ranks.sum([stats.get("train_tokens", 0.0)])[0]
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
             if acked:

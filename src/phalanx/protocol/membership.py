@@ -32,6 +32,9 @@ class RegisterReq(Wire):
     """Stable name of the replica; each registration is a new incarnation of it."""
     ranks: int = Field(1, ge=1, le=65536)
     """Processes (ranks) the replica spans."""
+    tp: int = Field(1, ge=1, le=65536)
+    """Its tensor-parallel degree (``[replica] tp``): with ``ranks``, its layout, which
+    every live replica of a role shares (an older client sends none: 1)."""
     address: Address = ""
     capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)] = {}
     step: Count = 0
@@ -110,6 +113,7 @@ class QuorumMember(Wire):
     name: Name
     address: Address
     ranks: int = Field(ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=65536)
     step: Count
     rank: int = Field(ge=0, le=1_000_000)
     """This replica's rank within the quorum (sorted by replica id)."""

@@ -57,6 +57,8 @@ class QuorumPeer(Wire):
     name: Name
     address: Address
     ranks: int = Field(ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=65536)
+    """Its tensor-parallel degree (with ``ranks``, its layout)."""
 
 
 class Peerlike(Protocol):
@@ -71,6 +73,13 @@ class Peerlike(Protocol):
     def address(self) -> str: ...
     @property
     def ranks(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+
+
+def layout_of(ranks: int, tp: int = 1) -> str:
+    """A replica's layout as errors name it: ``2 ranks``, or ``4 ranks (tp = 2)``."""
+    return f"{ranks} ranks" if tp == 1 else f"{ranks} ranks (tp = {tp})"
 
 
 def roster_digest(members: Iterable[Peerlike]) -> str:
@@ -78,7 +87,11 @@ def roster_digest(members: Iterable[Peerlike]) -> str:
     (16 bytes, hex) of its canonical JSON. Both sides compute it from the same
     values, so a replica can check the list it fetched against its brief."""
     canon = json.dumps(
-        [[m.replica_id, m.name, m.address, m.ranks] for m in members],
+        # (tp only where it is not 1: the digests of replicas without TP are as before)
+        [
+            [m.replica_id, m.name, m.address, m.ranks, *([m.tp] if m.tp != 1 else [])]
+            for m in members
+        ],
         separators=(",", ":"),
         ensure_ascii=True,
     )

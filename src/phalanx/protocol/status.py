@@ -56,6 +56,8 @@ class MemberStatus(Wire):
     role: RoleName
     name: Name
     ranks: int = Field(ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=65536)
+    """Its tensor-parallel degree (with ``ranks``, its layout)."""
     address: Address
     capabilities: Annotated[dict[Key, Scalar], Field(max_length=64)]
     registered_at: Wall

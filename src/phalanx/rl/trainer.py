@@ -90,6 +90,17 @@ def staleness_of(rows: Rows, step: int) -> dict[int, int]:
     return staleness_histogram(((p.version, c) for _, p in rows for c in p.completions), step)
 
 
+def _counted(stats: dict[str, float], manager: Manager) -> dict[str, float]:
+    """``stats`` as this rank adds them into its replica's sums: the ranks of one TP
+    group computed the same rows, so only the group's first counts their loss and
+    tokens (as :meth:`~phalanx.train.hsdp.HSDPManager._run` does); the others' are 0."""
+    ranks = getattr(manager, "ranks", None)
+    tp = getattr(ranks, "tp", 1)
+    if ranks is None or tp == 1 or ranks.rank % tp == 0:
+        return stats
+    return {**stats, "loss": 0.0, "train_tokens": 0.0}
+
+
 class PolicyTrainer:
     """The GRPO step of one policy replica over the manager's quorum."""
 
@@ -122,7 +133,7 @@ class PolicyTrainer:
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         keep = rows_to_train(adv, g.kl_coef)
         if m.exact:
-            return self._compute_units(comps, adv, keep)
+            return _counted(self._compute_units(comps, adv, keep), m)
         off, count = split(len(keep), m.world_size, m.rank)
         mine = keep[off : off + count]
         if not mine:
@@ -131,14 +142,15 @@ class PolicyTrainer:
         passes, filler = 0, None
         ranks = getattr(m, "ranks", None)
         if ranks is not None and ranks.size > 1:
-            # A sharded replica: its share again over its ranks, every rank running
-            # as many micro-batches as the rank with the most rows.
-            most = -(-len(mine) // ranks.size)
+            # A sharded replica: its share again over its data-parallel ranks (a TP
+            # group's ranks take the same rows), every rank running as many
+            # micro-batches as the rank with the most rows.
+            most = -(-len(mine) // ranks.dp_size)
             per = g.micro_batch_size if g.micro_batch_size > 0 else most
             passes, filler = -(-most // per), mine[0]
-            sub_off, sub_count = split(len(mine), ranks.size, ranks.rank)
+            sub_off, sub_count = split(len(mine), ranks.dp_size, ranks.dp_rank)
             mine = mine[sub_off : sub_off + sub_count]
-        return self._backward(comps, adv, mine, n_tokens, passes, filler)
+        return _counted(self._backward(comps, adv, mine, n_tokens, passes, filler), m)
 
     def _backward(
         self,
@@ -172,7 +184,7 @@ class PolicyTrainer:
         g, m = self.g, self.manager
         grads: Any = m.grads  # (an exact buffer: ExactGrads, or ExactShardedGrads)
         ranks = getattr(m, "ranks", None)
-        size, rank = (ranks.size, ranks.rank) if ranks is not None else (1, 0)
+        size, rank = (ranks.dp_size, ranks.dp_rank) if ranks is not None else (1, 0)
         per = g.micro_batch_size or max(1, -(-len(keep) // self.exact_parts))
         unit = per * size
         off, count = split(-(-len(keep) // unit), m.world_size, m.rank)
@@ -186,6 +198,7 @@ class PolicyTrainer:
             stats = self._backward(
                 comps, adv, rows[sub_off : sub_off + sub_count], n_tokens, passes, filler
             )
+            stats = _counted(stats, m)
             grads.end(j, stats["loss"])
             parts.append(stats)
         return merge_stats(parts, with_ref=self.ref is not None)

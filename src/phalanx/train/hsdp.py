@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from phalanx.log import Who
-from phalanx.protocol.quorum import QuorumView
+from phalanx.protocol.quorum import QuorumView, layout_of
 from phalanx.train.batch import split
 from phalanx.train.exact_grads import ExactShardedGrads
 from phalanx.train.heal import prefault_if_joining
@@ -59,13 +59,29 @@ __all__ = [
     "RankClient",
     "ReplicaBroken",
     "ReplicaRanks",
+    "check_layout",
     "env_ranks",
     "local",
 ]
 
 
 class LayoutMismatch(RuntimeError):
-    """The quorum holds replicas with another number of ranks than this one's."""
+    """The quorum holds replicas of another layout (ranks, tp) than this one's."""
+
+
+def check_layout(q: QuorumView, ranks: int, tp: int) -> None:
+    """:class:`LayoutMismatch`, naming both layouts in one line, when a member of
+    ``q`` has another layout than ``(ranks, tp)``: rank r of one layout holds other
+    shards than rank r of another, so their groups would never pair. (The controller
+    refuses such a registration; a quorum formed before, or by an older controller,
+    is caught here.)"""
+    other = sorted({(m.ranks, m.tp) for m in q.members} - {(ranks, tp)})
+    if other:
+        theirs = ", ".join(layout_of(r, t) for r, t in other)
+        raise LayoutMismatch(
+            f"this replica spans {layout_of(ranks, tp)} but the quorum's other replicas span "
+            f"{theirs}: every replica of a job must have the same [replica] ranks and tp"
+        )
 
 
 class RankClient:
@@ -218,13 +234,7 @@ class HSDPManager(Manager):
             rec["replica"] = {"bytes": int(sum(got[:n])), "transfer_s": got[n + 1] + got[n]}
 
     def _check_layout(self, q: QuorumView) -> None:
-        other = {m.ranks for m in q.members} - {self.ranks.size}
-        if other:
-            raise LayoutMismatch(
-                f"this replica spans {self.ranks.size} ranks but the quorum's replicas span "
-                f"{sorted(other | {self.ranks.size})}: every replica of a job must have the "
-                "same [replica] ranks"
-            )
+        check_layout(q, self.ranks.size, self.ranks.tp)
 
     def _agree(self, what: str) -> None:
         """Make this rank's outcome the replica's: if any rank failed (or the

@@ -219,3 +219,29 @@ def load_local(
             for k, v in st.items()
         }
     optimizer.load_state_dict({**osd, "state": state})
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` for a replica whose gradients live on
+    several meshes, or on none: a TP x FSDP model holds 2-D DTensors next to
+    1-D ones (norms, FSDP's alone) or plain tensors (norms when FSDP has one rank),
+    and torch's foreach norm refuses to mix them. The norm is taken per mesh (each
+    a collective over the replica's ranks when sharded: every rank calls this),
+    combined, and every gradient is scaled by one factor. Returns the total norm."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p.grad)
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        whole = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(whole) ** 2
+    total = squares**0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+    return total

@@ -20,6 +20,7 @@ from phalanx.config import JobConfig
 from phalanx.controller.core.base import ChangeLog, Conflict, StateError, UnknownReplica
 from phalanx.controller.core.overview import detector_of
 from phalanx.controller.core.records import Member, RoleState, save_role
+from phalanx.protocol.quorum import layout_of
 
 
 class Membership:
@@ -113,6 +114,7 @@ class Membership:
         step: int = 0,
         state_root: str = "",
         root_id: str = "",
+        tp: int = 1,
     ) -> tuple[Member, str | None]:
         """Add a replica; returns it and the live older incarnation of the same role
         and name, which the caller must evict. ``step``: what it holds or its root can
@@ -126,25 +128,27 @@ class Membership:
             raise Conflict(f"replica id {rid!r} is already registered; use a fresh incarnation.")
         old = self._by_name.get((role, name))
         old_m = self.members[old] if old is not None else None
+        mine = (ranks, tp)
         other = sorted(
             k
-            for k, n in rs.ranks_count.items()
-            if k != ranks and n > (old_m is not None and old_m.ranks == k)
+            for k, n in rs.layouts.items()
+            if k != mine and n > (old_m is not None and (old_m.ranks, old_m.tp) == k)
         )
         if other:
             # Shard r of a replica all-reduces with shard r of its peers: replicas of
-            # another size cannot share a step. The job changes its layout through a
-            # checkpoint: drain the live replicas (the last saves its step), then
-            # start the new ones, which load it resharded.
+            # another layout (size, or TP degree) cannot share a step. The job changes
+            # its layout through a checkpoint: drain the live replicas (the last saves
+            # its step), then start the new ones, which load it resharded.
+            r, t = other[0]
             raise Conflict(
-                f"this replica spans {ranks} ranks but role {role!r}'s live replicas span "
-                f"{other[0]}: start it with [replica] ranks = {other[0]}, or drain them "
-                "first (with checkpoint.url set, the new layout resumes from their last "
-                "checkpoint, resharded)",
-                field="ranks",
+                f"this replica spans {layout_of(ranks, tp)} but role {role!r}'s live "
+                f"replicas span {layout_of(r, t)}: start it with [replica] ranks = {r}, "
+                f"tp = {t}, or drain them first (with checkpoint.url set, the new layout "
+                "resumes from their last checkpoint, resharded)",
+                field="tp" if r == ranks else "ranks",
             )
         self._check_root(rs, name, old, state_root, root_id)
-        m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall, step=step)
+        m = Member(rid, rs.name, name, ranks, address, dict(capabilities), wall, step=step, tp=tp)
         m.state_root, m.root_id = state_root, root_id
         m.last_seen = now
         cut = self._cut_off.pop((role, name), None)

@@ -293,6 +293,7 @@ class Quorums:
                     name=members[rid].name,
                     address=members[rid].address,
                     ranks=members[rid].ranks,
+                    tp=members[rid].tp,
                     step=steps[rid],
                     rank=rank,
                     lineage=rs.pending[rid].lineage,

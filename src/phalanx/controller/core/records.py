@@ -34,6 +34,9 @@ class Member:
     """The checkpoint root it saves to and resumes from ('' for none)."""
     root_id: str = ""
     """The id in that root's marker file (:mod:`phalanx.checkpoint.root`)."""
+    tp: int = 1
+    """Its tensor-parallel degree: with ``ranks``, its layout (a journal written before
+    it was kept restores 1)."""
     last_request_id: str | None = None
     last_round: int | None = None
     active_at: float | None = None
@@ -97,8 +100,8 @@ class RoleState:
     """How many pending requests ask at each step (the round's newest step in O(1))."""
     next_deadline: float = math.inf
     """No pending request expires before this (the ticker skips the scan until then)."""
-    ranks_count: Counter[int] = field(default_factory=Counter)
-    """How many live members span each number of ranks."""
+    layouts: Counter[tuple[int, int]] = field(default_factory=Counter)
+    """How many live members have each layout, (ranks, tp)."""
     roots: Counter[tuple[str, str]] = field(default_factory=Counter)
     """How many live members name each (state root, root id)."""
     prev_ids: frozenset[str] = frozenset()
@@ -140,13 +143,13 @@ class RoleState:
     def join(self, m: Member) -> None:
         self.member_ids.add(m.replica_id)
         self.by_step.setdefault(m.step, set()).add(m.replica_id)
-        self.ranks_count[m.ranks] += 1
+        self.layouts[(m.ranks, m.tp)] += 1
         self.roots[(m.state_root, m.root_id)] += 1
 
     def leave(self, m: Member) -> None:
         self.member_ids.discard(m.replica_id)
         self._unstep(m)
-        _uncount(self.ranks_count, m.ranks)
+        _uncount(self.layouts, (m.ranks, m.tp))
         _uncount(self.roots, (m.state_root, m.root_id))
 
     def restep(self, m: Member, step: int) -> None:

@@ -60,6 +60,7 @@ async def register(api: Api, req: RegisterReq) -> RegisterReply:
         req.name,
         uuid.uuid4().hex[:8],
         ranks=req.ranks,
+        tp=req.tp,
         address=req.address,
         capabilities=dict(req.capabilities),
         step=req.step,

@@ -84,7 +84,7 @@ class Rosters:
         if r is None:
             peers = tuple(
                 QuorumPeer.model_construct(
-                    replica_id=m.replica_id, name=m.name, address=m.address, ranks=m.ranks
+                    replica_id=m.replica_id, name=m.name, address=m.address, ranks=m.ranks, tp=m.tp
                 )
                 for m in q.members
             )
