@@ -229,8 +229,7 @@ def weight_update(
     engine: Any, model_dir: Path, prompt: list[int], repeats: int, bucket: int
 ) -> dict[str, Any]:
     from phalanx.comm.torch_pg import TorchCommunicator, serve_store
-    from phalanx.transport.collective import unpack
-    from phalanx.transport.streamed import receive_stream
+    from phalanx.transport.streamed import receive_stream, unpack
 
     like = engine.layout()
     nbytes = sum(t.numel() * t.element_size() for t in like.values())

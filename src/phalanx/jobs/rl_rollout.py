@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,8 +128,7 @@ def take_sync(
         ok, err = res.ok, res.error
     else:
         try:
-            version, w = weights.fetch(order, engine.layout())
-            engine.load_weights(w, version)
+            fetch_into(engine, weights, order)
             ok, err = True, ""
         except (CommError, EngineError, ValueError) as e:
             # The engine holds its old version, or none (-1) after a reload that
@@ -155,6 +155,20 @@ def take_sync(
             "t": time.time(),
         }
     )
+
+
+def fetch_into(engine: GenerationEngine, weights: WeightChannel, order: SyncOrder) -> None:
+    """Fetch the order's weights into ``engine``: as a stream, each tensor loaded while
+    the next ones arrive, when the engine rolls back a stream cut off part-way
+    (``streamed_updates``: vLLM); else whole first, then loaded. Either way a broken
+    transfer leaves the engine on its version (CommError, EngineError)."""
+    if not engine.streamed_updates:
+        version, whole = weights.fetch(order, engine.layout())
+        engine.load_weights(whole, version)
+        return
+    version, stream = weights.fetch_stream(order, engine.layout())
+    with closing(stream):  # an engine that stopped early: the rest is still received
+        engine.load_weights(stream, version)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from phalanx.rl.engine.base import check_names
+from phalanx.rl.engine.base import check_names, one_line
 from phalanx.rl.engine.vllm_staging import ABORTED, DONE, Staging
 
 STALL_S = 600.0
@@ -109,7 +109,7 @@ class WeightUpdater:
             self._commit(seen)
             return
         cause = failure[0] if failure else None
-        why = _why(cause) if cause is not None else "; ".join(errors)
+        why = one_line(cause) if cause is not None else "; ".join(errors)
         raise UpdateFailed(why, self._restore(), cause)
 
     def _commit(self, seen: set[str]) -> None:
@@ -146,8 +146,3 @@ class WeightUpdater:
 def _fresh(like: Staging) -> Staging:
     layout = {k: (tuple(v.shape), v.dtype) for k, v in like.views.items()}
     return Staging(layout, bool(like.paths), STALL_S)
-
-
-def _why(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
