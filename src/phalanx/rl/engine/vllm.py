@@ -214,7 +214,6 @@ class VLLMEngine(GenerationEngine):
     """
 
     inflight_updates = True
-    streamed_updates = True  # a broken stream: every worker reloads the held copy
 
     def __init__(
         self,
@@ -269,7 +268,10 @@ class VLLMEngine(GenerationEngine):
             ) from e
         self.eos_id = int(eos_id)
         self.like = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
-        self.updater = WeightUpdater(self.llm, like, tp)
+        self.updater = WeightUpdater(self.llm, like, tp, options.rollback_copy)
+        # Without a rollback copy a stream cut off part-way would leave mixed weights:
+        # the replica then fetches each version whole before the reload.
+        self.streamed_updates = self.updater.held is not None
         self.tensor_parallel_size = tp
         self.seed = int(seed)
         self.version = version

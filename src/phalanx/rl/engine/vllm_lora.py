@@ -90,6 +90,8 @@ class VLLMLoraEngine(VLLMEngine):
     are checked against. ``arch`` is the model's ``model_type`` (peft's
     ``fan_in_fan_out`` follows it)."""
 
+    streamed_updates = True  # load_weights reads the whole stream before it writes
+
     def __init__(
         self,
         model_dir: str | Path,
