@@ -1,10 +1,13 @@
 """Rank 0 of ``test_streamed.py``'s group, as a process of its own (so that the test
 can SIGKILL it mid-stream): it broadcasts :func:`weights` in buckets.
 
-    python stream_sender.py STORE BUCKET [STALL_AFTER]
+    python stream_sender.py STORE BUCKET [STALL_AFTER [SAFETENSORS]]
 
-With ``STALL_AFTER`` it sends that many buckets, prints ``stalled`` and waits on
-its stdin (the test kills it there); without, it sends them all and exits 0.
+With ``STALL_AFTER`` (>= 0) it sends that many buckets, prints ``stalled`` and
+waits on its stdin (the test kills it there); without (or -1), it sends them all
+and exits 0. With ``SAFETENSORS`` it sends that file's tensors instead, as the
+policy leader of a sync order would (the collective channel's header first, on
+mesh 1's group, as version 21).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import torch
 
 from phalanx.comm.torch_pg import TorchCommunicator
-from phalanx.transport.collective import pack
+from phalanx.transport.collective import fingerprint, pack
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -31,10 +34,19 @@ def weights() -> dict[str, torch.Tensor]:
 
 def main() -> int:
     store, bucket = sys.argv[1], int(sys.argv[2])
-    stall = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    flat = pack(weights())
+    stall = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    w = weights()
     comm = TorchCommunicator(30.0)
-    comm.configure(store, "stream", 0, 2)
+    if len(sys.argv) > 4:
+        from safetensors.torch import load_file
+
+        w = load_file(sys.argv[4])
+        comm.configure(store, "weights/m1", 0, 2)
+        header = [21, fingerprint(w), sum(t.numel() * t.element_size() for t in w.values()), bucket]
+        comm.broadcast(torch.tensor(header, dtype=torch.int64), 0)
+    else:
+        comm.configure(store, "stream", 0, 2)
+    flat = pack(w)
     for i, off in enumerate(range(0, flat.numel(), bucket)):
         if i == stall:
             print("stalled", flush=True)

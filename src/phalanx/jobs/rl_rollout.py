@@ -6,7 +6,9 @@ The loop, between two generation batches:
    (long-poll; the reply may carry a weight-sync order instead of, or with,
    a lease);
 2. if a sync order names this replica, join it first and swap the weights
-   (:class:`WeightChannel`), then report the version now held; or, named the
+   (:class:`WeightChannel`; streamed into an engine that can roll back a cut
+   stream, each tensor loaded as it arrives: :func:`fetch_into`), then report
+   the version now held; or, named the
    order's source (rank 0: a later replica needs the version this one holds),
    relay the weights it fetched last to the order's other members;
 3. generate ``group_size`` completions per leased prompt with the engine

@@ -90,8 +90,6 @@ class VLLMLoraEngine(VLLMEngine):
     are checked against. ``arch`` is the model's ``model_type`` (peft's
     ``fan_in_fan_out`` follows it)."""
 
-    streamed_updates = True  # load_weights reads the whole stream before it writes
-
     def __init__(
         self,
         model_dir: str | Path,
@@ -115,6 +113,8 @@ class VLLMLoraEngine(VLLMEngine):
                 f'for (rl.model.arch = "llama", Qwen2, ...), or rl.engine.kind = "hf".'
             ) from e
         self.spec, self.arch = spec, arch
+        # load_weights reads the whole stream before it writes: a cut one changes nothing.
+        self.streamed_updates = True
         self.dir = Path(tempfile.mkdtemp(prefix="phalanx-vllm-lora-"))
         self._loads = 0
         self._request: Any = None
