@@ -34,7 +34,12 @@ a broadcast of all the model's bytes. Two ways of loading them, both in the run:
   ``overlapped_total_s`` is the median of receive + reload + 1-token generation;
   ``weight_update_s`` = ``overlapped_total_s - broadcast_s``, the time the update
   costs beyond the transfer (the same quantity as the sequential figure), and
-  ``weight_update_ratio`` = ``weight_update_s / broadcast_s``.
+  ``weight_update_ratio`` = ``weight_update_s / broadcast_s``;
+- without a rollback copy (``weight_update_s_no_rollback_copy``,
+  ``weight_update_ratio_no_rollback_copy``): a second engine with
+  ``rl.engine.rollback_copy = false``, fed as a replica then feeds it (whole
+  buffer first, then ``load_weights``: no staging memcpy, no overlap), timed as
+  the sequential arm.
 
 **Joiner from a rollout peer or the policy leader** (``joiner_from_rollout_s``,
 ``joiner_from_policy_s``, ``joiner_policy_over_rollout``): at the largest size, the
@@ -118,7 +123,8 @@ def timed(fn: Any, repeats: int) -> tuple[float, Any]:
 def sender(store: str, model_dir: str, repeats: int, bucket: int) -> int:
     """Rank 0 of the weight-update runs: the saved model's bytes, ``repeats + 1`` times
     whole (the baseline, then the sequential reload), then ``repeats + 1`` times in
-    buckets (the overlapped reload)."""
+    buckets (the overlapped reload), then ``repeats + 1`` times whole (the engine
+    without a rollback copy)."""
     from transformers import AutoModelForCausalLM
 
     from phalanx.comm.torch_pg import TorchCommunicator
@@ -132,6 +138,8 @@ def sender(store: str, model_dir: str, repeats: int, bucket: int) -> int:
         comm.broadcast(flat, 0)
     for _ in range(repeats + 1):
         send_buckets(comm, flat, bucket)
+    for _ in range(repeats + 1):
+        comm.broadcast(flat, 0)
     comm.abort()
     return 0
 
@@ -211,8 +219,13 @@ def main() -> int:
         assert engine is not None and model is not None
         rec: dict[str, Any] = {}
         if "update" in a.parts:
-            rec = weight_update(engine, work / sizes[-1], prompts[0], a.repeats, bucket)
-        engine.close()
+
+            def remake(rollback_copy: bool) -> Any:
+                opts = options.model_copy(update={"rollback_copy": rollback_copy})
+                return VLLMEngine(d, EOS, model.state_dict(), opts, max_model_len=max_len)
+
+            rec = weight_update(engine, remake, d, prompts[0], a.repeats, bucket)
+        engine.close()  # (weight_update closed it: its last engine had no rollback copy)
         engine = None  # its memory and threads: the joiner sources train and send next
         if "joiners" in a.parts:
             rec |= joiner_times(work / sizes[-1], model.state_dict(), a.repeats)
@@ -226,11 +239,12 @@ def main() -> int:
 
 
 def weight_update(
-    engine: Any, model_dir: Path, prompt: list[int], repeats: int, bucket: int
+    engine: Any, remake: Any, model_dir: Path, prompt: list[int], repeats: int, bucket: int
 ) -> dict[str, Any]:
+    """The update arms (the module docstring); ``remake(rollback_copy)`` builds the
+    engine again with that setting (the last arm's)."""
     from phalanx.comm.torch_pg import TorchCommunicator, serve_store
-    from phalanx.transport.collective import unpack
-    from phalanx.transport.streamed import receive_stream
+    from phalanx.transport.streamed import receive_stream, unpack
 
     like = engine.layout()
     nbytes = sum(t.numel() * t.element_size() for t in like.values())
@@ -259,6 +273,18 @@ def weight_update(
             engine.load_weights(receive_stream(comm, flat, like, bucket), repeats + i + 1)
             engine.generate([prompt], 1, 1, 1.0)
             overlapped.append(time.perf_counter() - t0)
+        # The engine without a rollback copy: fetched whole (as a replica then does),
+        # each tensor straight into vLLM, no staging memcpy.
+        engine.close()
+        engine = remake(False)
+        bare = []
+        for i in range(repeats + 1):  # the first is a warm-up
+            comm.broadcast(flat, 0)
+            t0 = time.perf_counter()
+            engine.load_weights(unpack(flat, like), 2 * repeats + i + 2)
+            engine.generate([prompt], 1, 1, 1.0)
+            bare.append(time.perf_counter() - t0)
+        engine.close()
         proc.wait(timeout=120)
     finally:
         comm.abort()
@@ -277,6 +303,8 @@ def weight_update(
         "overlapped_total_s": round(whole, 4),
         "weight_update_s_sequential": round(u, 4),
         "weight_update_ratio_sequential": round(u / b, 2),
+        "weight_update_s_no_rollback_copy": round(statistics.median(bare[1:]), 4),
+        "weight_update_ratio_no_rollback_copy": round(statistics.median(bare[1:]) / b, 2),
     }
 
 

@@ -327,6 +327,14 @@ class EngineSection(_Section):
     Must divide the model's attention heads, KV heads and vocabulary; ``hf`` ignores it."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile: quicker start, a little slower decode."""
+    rollback_copy: bool = True
+    """vLLM: keep a host copy of the version held, so that an update that fails part-way
+    (the channel broke, a worker failed) reloads every worker from it and the engine
+    keeps its version. It costs two host copies of the weights (the held one and the
+    one being filled) and one host memcpy per update. ``false``: neither copy with one
+    worker (the update goes straight into vLLM; with T > 1 the shared staging buffer
+    stays), the weights are fetched whole before the reload (no overlap), and a reload
+    that fails part-way leaves the engine at version -1 until a sync succeeds."""
 
 
 class RLConfig(_Section):

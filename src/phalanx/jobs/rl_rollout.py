@@ -6,7 +6,9 @@ The loop, between two generation batches:
    (long-poll; the reply may carry a weight-sync order instead of, or with,
    a lease);
 2. if a sync order names this replica, join it first and swap the weights
-   (:class:`WeightChannel`), then report the version now held; or, named the
+   (:class:`WeightChannel`; streamed into an engine that can roll back a cut
+   stream, each tensor loaded as it arrives: :func:`fetch_into`), then report
+   the version now held; or, named the
    order's source (rank 0: a later replica needs the version this one holds),
    relay the weights it fetched last to the order's other members;
 3. generate ``group_size`` completions per leased prompt with the engine
@@ -60,6 +62,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,8 +130,7 @@ def take_sync(
         ok, err = res.ok, res.error
     else:
         try:
-            version, w = weights.fetch(order, engine.layout())
-            engine.load_weights(w, version)
+            fetch_into(engine, weights, order)
             ok, err = True, ""
         except (CommError, EngineError, ValueError) as e:
             # The engine holds its old version, or none (-1) after a reload that
@@ -155,6 +157,20 @@ def take_sync(
             "t": time.time(),
         }
     )
+
+
+def fetch_into(engine: GenerationEngine, weights: WeightChannel, order: SyncOrder) -> None:
+    """Fetch the order's weights into ``engine``: as a stream, each tensor loaded while
+    the next ones arrive, when the engine rolls back a stream cut off part-way
+    (``streamed_updates``: vLLM); else whole first, then loaded. Either way a broken
+    transfer leaves the engine on its version (CommError, EngineError)."""
+    if not engine.streamed_updates:
+        version, whole = weights.fetch(order, engine.layout())
+        engine.load_weights(whole, version)
+        return
+    version, stream = weights.fetch_stream(order, engine.layout())
+    with closing(stream):  # an engine that stopped early: the rest is still received
+        engine.load_weights(stream, version)
 
 
 @dataclass

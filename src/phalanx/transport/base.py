@@ -26,7 +26,7 @@ import random
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,10 @@ class SyncResult:
     error: str = ""
 
 
+Pairs = Generator[tuple[str, "torch.Tensor"], None, None]
+"""A stream of (name, tensor) pairs of one version, as a channel receives them. Run it
+to its end or ``close()`` it before the channel's next order."""
+
 Report = Callable[[SyncResult], None]
 """Called once per order with its outcome (from the channel's own thread on the
 sending side). It reports to the controller (``ControllerClient.sync_done``)."""
@@ -65,7 +69,9 @@ class WeightChannel(ABC):
     sent in the background) and the outcome goes to ``report``. A rollout
     replica calls :meth:`fetch` between generation batches; it blocks until
     the weights arrived (or raises :class:`~phalanx.comm.base.CommError`),
-    and never leaves the target half-written on error.
+    and never leaves the target half-written on error. Or it calls
+    :meth:`fetch_stream` and hands the stream to an engine that rolls back a
+    stream broken part-way (``GenerationEngine.streamed_updates``).
     """
 
     pending: Future[SyncResult] | None = None
@@ -83,6 +89,15 @@ class WeightChannel(ABC):
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Rollout replica: take part in ``order``; returns (version, weights) with the
         names, shapes and dtypes of ``like``."""
+
+    def fetch_stream(self, order: SyncOrder, like: Mapping[str, torch.Tensor]) -> tuple[int, Pairs]:
+        """Rollout replica: as :meth:`fetch`, but the tensors come as a stream, each as
+        soon as it is in, so that the engine loads it while the next ones arrive. The
+        version is known before the first tensor; a transfer that breaks part-way
+        raises CommError from the stream. This default fetches everything first (a
+        store's read is one file); the collective channel streams its buckets."""
+        version, weights = self.fetch(order, like)
+        return version, (pair for pair in weights.items())
 
     relays = False
     """Whether a rollout replica can serve the weights it last fetched to a later one

@@ -5,12 +5,19 @@ replicas of the controller's sync order. It is built once per ``mesh_id``
 under its own store prefix, and rebuilt whenever the controller changes the
 mesh (a join, an eviction, a new leader): Cosmos-RL's BuildMesh.
 
-One sync is two broadcasts from rank 0: a header ``[version, layout
-fingerprint, nbytes]`` and every tensor packed into one flat byte buffer.
-The fingerprint (names, shapes, dtypes) makes a receiver with another model
-fail loudly instead of loading garbage. The leader sends from its own thread,
-from a snapshot taken at the step boundary, so training goes on while the
-rollout replicas join between their generation batches.
+One sync is a header broadcast from rank 0, ``[version, layout fingerprint,
+nbytes, bucket]``, then every tensor packed into one flat byte buffer, sent in
+``bucket``-byte broadcasts (``streamed.py``). The fingerprint (names, shapes,
+dtypes) makes a receiver with another model fail loudly instead of loading
+garbage; it is checked on the header, before any weight moves. The leader sends
+from its own thread, from a snapshot taken at the step boundary, so training
+goes on while the rollout replicas join between their generation batches.
+
+A receiver takes the buffer as a stream (:meth:`CollectiveWeightChannel.fetch_stream`):
+each tensor is handed to the engine as soon as its bytes are in, while the next
+buckets are still arriving, so an engine that reloads tensor by tensor (vLLM)
+overlaps its reload with the transfer. A broadcast that breaks part-way raises
+CommError from the stream; the engine then rolls back (all-or-nothing).
 
 Rank 0 may also be a rollout replica (the rollout-to-rollout broadcast): a
 receiver keeps the flat buffer of the version it fetched last (one copy of the
@@ -23,14 +30,23 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from phalanx.comm.base import CommError
 from phalanx.comm.torch_pg import TorchCommunicator
-from phalanx.transport.base import Report, SyncOrder, SyncResult, WeightChannel
+from phalanx.transport.base import Pairs, Report, SyncOrder, SyncResult, WeightChannel
+from phalanx.transport.streamed import (
+    BUCKET,
+    drain_buckets,
+    receive_stream,
+    send_buckets,
+    unpack,
+)
+
+__all__ = ["CollectiveWeightChannel", "Packed", "fingerprint", "pack", "unpack"]
 
 
 def fingerprint(weights: Mapping[str, torch.Tensor]) -> int:
@@ -72,21 +88,13 @@ def pack(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
 
 
-def unpack(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Split a :func:`pack` buffer back into tensors shaped like ``like`` (views of ``flat``)."""
-    out, off = {}, 0
-    for k, t in sorted(like.items()):
-        n = t.numel() * t.element_size()
-        out[k] = flat[off : off + n].view(t.dtype).view(t.shape)
-        off += n
-    return out
-
-
 class CollectiveWeightChannel(WeightChannel):
     relays = True
 
-    def __init__(self, timeout_s: float, device: torch.device | None = None):
+    def __init__(self, timeout_s: float, device: torch.device | None = None, bucket: int = BUCKET):
         self.comm = TorchCommunicator(timeout_s, device)
+        self.bucket = bucket
+        """Bytes per broadcast when this channel sends (a receiver follows the header's)."""
         self._mesh: tuple[int, int, int] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-weights")
         self.pending: Future[SyncResult] | None = None
@@ -139,9 +147,9 @@ class CollectiveWeightChannel(WeightChannel):
         try:
             self._configure(order)
             dev = self.comm.device  # NCCL takes only tensors on its GPU
-            header = torch.tensor([version, fp, flat.numel()], dtype=torch.int64, device=dev)
-            self.comm.broadcast(header, 0)
-            self.comm.broadcast(flat.to(dev), 0)
+            header = [version, fp, flat.numel(), self.bucket]
+            self.comm.broadcast(torch.tensor(header, dtype=torch.int64, device=dev), 0)
+            send_buckets(self.comm, flat.to(dev), self.bucket)
             res = SyncResult(
                 order.seq, version, True, time.perf_counter() - t0, flat.numel(), len(order.members)
             )
@@ -156,27 +164,52 @@ class CollectiveWeightChannel(WeightChannel):
     def fetch(
         self, order: SyncOrder, like: Mapping[str, torch.Tensor]
     ) -> tuple[int, dict[str, torch.Tensor]]:
+        version, stream = self.fetch_stream(order, like)
+        return version, dict(stream)
+
+    def fetch_stream(self, order: SyncOrder, like: Mapping[str, torch.Tensor]) -> tuple[int, Pairs]:
+        """Take the header (a layout that is not ``like``'s: the buckets are drained and
+        CommError raised, before any weight moves), then stream the tensors as their
+        buckets arrive. The buffer becomes :attr:`kept` (to relay) once the stream
+        ended whole; a broken one aborts the group (rebuilt on the next order)."""
         try:
             self._configure(order)
             dev = self.comm.device
-            header = torch.zeros(3, dtype=torch.int64, device=dev)
+            header = torch.zeros(4, dtype=torch.int64, device=dev)
             self.comm.broadcast(header, 0)
-            version, fp, nbytes = (int(x) for x in header.tolist())
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            self.comm.broadcast(flat, 0)
+            version, fp, nbytes, bucket = (int(x) for x in header.tolist())
+            if bucket < 1 or nbytes < 0:
+                raise CommError(f"a weight sync's header is malformed: got {header.tolist()}")
+            want = fingerprint(like)
+            expected = sum(t.numel() * t.element_size() for t in like.values())
+            if fp != want or nbytes != expected:
+                drain_buckets(self.comm, nbytes, bucket, dev)
         except CommError:
             self._fail()
             raise
-        want = fingerprint(like)
-        expected = sum(t.numel() * t.element_size() for t in like.values())
         if fp != want or nbytes != expected:
             raise CommError(
                 f"weights from the sync's source must match this replica's model: got layout "
                 f"{fp:#x} ({nbytes} bytes), expected {want:#x} ({expected} bytes). Start every "
                 f"replica with the same [rl.model] config."
             )
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        return version, self._stream(version, fp, flat, like, bucket)
+
+    def _stream(
+        self,
+        version: int,
+        fp: int,
+        flat: torch.Tensor,
+        like: Mapping[str, torch.Tensor],
+        bucket: int,
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        try:
+            yield from receive_stream(self.comm, flat, like, bucket)
+        except CommError:
+            self._fail()
+            raise
         self.kept = (version, fp, flat)
-        return version, unpack(flat, like)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -138,6 +138,14 @@ class GenerationEngine(ABC):
     weight update can land during a generation (see "In-flight weight updates");
     a rollout replica declares the capability ``inflight_updates`` from this."""
 
+    streamed_updates: bool = False
+    """True when :meth:`load_weights` keeps its version on a stream that breaks part-way
+    (it rolls back, or reads the whole stream before it writes anything): a rollout
+    replica then feeds it a weight channel's stream (``WeightChannel.fetch_stream``),
+    each tensor loaded as soon as it arrives. False (the HF engine: it copies each
+    tensor into the live model, and a cut stream leaves it at version -1): the replica
+    fetches the whole version first, so a broken transfer leaves its version whole."""
+
     @abstractmethod
     def generate(
         self,

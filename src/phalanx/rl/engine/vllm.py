@@ -89,6 +89,7 @@ from phalanx.rl.engine.base import (
     call_between,
     check_args,
     check_names,
+    one_line,
     sample_seed,
 )
 from phalanx.rl.engine.vllm_update import UpdateFailed, WeightUpdater
@@ -96,11 +97,6 @@ from phalanx.rl.engine.vllm_update import UpdateFailed, WeightUpdater
 log = logging.getLogger("phalanx.rl.engine.vllm")
 
 EXTENSION = "phalanx.rl.engine.vllm_worker.WorkerExtension"
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _prepare_env() -> None:
@@ -125,7 +121,7 @@ def check_model_dir(path: str | Path, device: str, tp: int = 1) -> dict[str, Any
     except (OSError, ValueError) as e:
         raise EngineError(
             f"the vLLM engine needs a model directory with a config.json: {cfg_file} "
-            f"could not be read ({_one_line(e)}). Point model.path at a save_pretrained "
+            f"could not be read ({one_line(e)}). Point model.path at a save_pretrained "
             f"directory."
         ) from e
     archs = cfg.get("architectures") or []
@@ -267,12 +263,15 @@ class VLLMEngine(GenerationEngine):
             self.llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(
-                f"vLLM failed to start on {model_dir}: {_one_line(e)}. vLLM's own log is in "
+                f"vLLM failed to start on {model_dir}: {one_line(e)}. vLLM's own log is in "
                 f"this replica's log, above this line."
             ) from e
         self.eos_id = int(eos_id)
         self.like = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
-        self.updater = WeightUpdater(self.llm, like, tp)
+        self.updater = WeightUpdater(self.llm, like, tp, options.rollback_copy)
+        # Without a rollback copy a stream cut off part-way would leave mixed weights:
+        # the replica then fetches each version whole before the reload.
+        self.streamed_updates = self.updater.held is not None
         self.tensor_parallel_size = tp
         self.seed = int(seed)
         self.version = version

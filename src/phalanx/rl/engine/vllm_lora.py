@@ -113,6 +113,8 @@ class VLLMLoraEngine(VLLMEngine):
                 f'for (rl.model.arch = "llama", Qwen2, ...), or rl.engine.kind = "hf".'
             ) from e
         self.spec, self.arch = spec, arch
+        # load_weights reads the whole stream before it writes: a cut one changes nothing.
+        self.streamed_updates = True
         self.dir = Path(tempfile.mkdtemp(prefix="phalanx-vllm-lora-"))
         self._loads = 0
         self._request: Any = None

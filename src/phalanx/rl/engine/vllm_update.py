@@ -24,7 +24,11 @@ Order of one update (:meth:`WeightUpdater.apply`)
 
 Costs: two host copies of the weights (held and staging, in ``/dev/shm`` when
 T > 1), and one host memcpy of each tensor per update, done while the next
-bytes arrive.
+bytes arrive (on CPU about a third of a 440 MB update: docs/benchmarks.md).
+Without a rollback copy (``rl.engine.rollback_copy = false``) there is no held
+copy, and with one worker no staging either: each tensor goes straight into
+vLLM's loaders. A failure part-way then leaves the engine with no usable
+version (UpdateFailed with ``restored`` False).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from phalanx.rl.engine.base import check_names
+from phalanx.rl.engine.base import check_names, one_line
 from phalanx.rl.engine.vllm_staging import ABORTED, DONE, Staging
 
 STALL_S = 600.0
@@ -58,18 +62,21 @@ class WeightUpdater:
         llm: Any,
         like: Mapping[str, torch.Tensor],
         tp: int,
+        rollback: bool = True,
     ):
         self.llm = llm
         self.tp = tp
+        self.rollback = rollback
         layout = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
         self.meta = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in layout.items()}
         shared = tp > 1
-        self.held: Staging | None = Staging(layout, shared, STALL_S)
-        self.stage = Staging(layout, shared, STALL_S)
-        if any(t.is_meta for t in like.values()):
-            self.held.close()
-            self.held = None  # no values to roll back to until an update lands whole
-        else:
+        self.held: Staging | None = None
+        """The version the workers hold; None: no values to roll back to (none kept, or
+        the engine was built from a layout without values and no update landed whole)."""
+        self.stage = Staging(layout, shared, STALL_S) if shared or rollback else None
+        """Where an update's tensors go on their way in; None: straight into vLLM."""
+        if rollback and not any(t.is_meta for t in like.values()):
+            self.held = Staging(layout, shared, STALL_S)
             for k, t in like.items():
                 self.held.views[k].copy_(t.detach())
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="phalanx-vllm-rpc") if shared else None
@@ -79,19 +86,20 @@ class WeightUpdater:
         failure: list[BaseException] = []
         seen: set[str] = set()
         stage = self.stage
-        stage.begin()
+        if stage is not None:
+            stage.begin()
 
         def feed() -> Iterator[tuple[str, torch.Tensor]]:
             try:
                 for name, tensor in pairs:
                     check_names(self.meta, [(name, tensor)])
                     seen.add(name)
-                    yield name, stage.put(name, tensor)
+                    yield name, tensor if stage is None else stage.put(name, tensor)
             except BaseException as e:
                 failure.append(e)
                 raise
 
-        if self._rpc is None:
+        if self._rpc is None or stage is None:  # one worker (T > 1 always stages)
             errors = self.llm.collective_rpc("phalanx_reload", args=(feed(),))
         else:
             future = self._rpc.submit(
@@ -109,10 +117,12 @@ class WeightUpdater:
             self._commit(seen)
             return
         cause = failure[0] if failure else None
-        why = _why(cause) if cause is not None else "; ".join(errors)
+        why = one_line(cause) if cause is not None else "; ".join(errors)
         raise UpdateFailed(why, self._restore(), cause)
 
     def _commit(self, seen: set[str]) -> None:
+        if not self.rollback or self.stage is None:
+            return  # nothing kept: the staging buffer (T > 1) is refilled next time
         if self.held is not None and len(seen) < len(self.stage.names):
             for k in seen:  # a partial stream: the held copy takes what changed
                 self.held.views[k].copy_(self.stage.views[k])
@@ -146,8 +156,3 @@ class WeightUpdater:
 def _fresh(like: Staging) -> Staging:
     layout = {k: (tuple(v.shape), v.dtype) for k, v in like.views.items()}
     return Staging(layout, bool(like.paths), STALL_S)
-
-
-def _why(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__

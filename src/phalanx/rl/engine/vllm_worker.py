@@ -21,12 +21,8 @@ from typing import Any
 
 import torch
 
+from phalanx.rl.engine.base import one_line
 from phalanx.rl.engine.vllm_staging import StagingSpec, read_stream
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 class WorkerExtension:
@@ -56,7 +52,7 @@ class WorkerExtension:
             self.model_runner.reload_weights(weights_iterator=self._phalanx_faulty(iter(pairs)))
         except Exception as e:
             self._phalanx_abort_reload()
-            return f"rank {getattr(self, 'rank', 0)}: {_one_line(e)}"
+            return f"rank {getattr(self, 'rank', 0)}: {one_line(e)}"
         return ""
 
     def phalanx_fail_reload(self, rank: int, after: int) -> None:
