@@ -102,7 +102,10 @@ class VLLMLoraEngine(VLLMEngine):
     ):
         extra = {"enable_lora": True, "max_loras": 1, "max_lora_rank": max_lora_rank(spec.r)}
         try:
-            super().__init__(model_dir, eos_id, like, options, extra=extra, **kwargs)
+            # The base's weights never change here (updates are adapters, loaded by
+            # vLLM's LoRA manager): no held copy of them to roll back to.
+            base = options.model_copy(update={"rollback_copy": False})
+            super().__init__(model_dir, eos_id, like, base, extra=extra, **kwargs)
         except EngineError as e:
             if "does not support LoRA" not in str(e):
                 raise
