@@ -30,7 +30,10 @@ a broadcast of all the model's bytes. Two ways of loading them, both in the run:
   generation, over ``broadcast_s``;
 - overlapped (``weight_update_s``, ``weight_update_ratio``, goal <= 1.5): the
   bytes come in ``--bucket-mb`` buckets (``transport/streamed.py``) on a receiver
-  thread while ``load_weights`` reloads each tensor whose bytes are in.
+  thread, into a fresh buffer per update as the product's channel receives them,
+  while ``load_weights`` reloads each tensor whose bytes are in; the stream is
+  ``Owned`` (as ``jobs/rl_rollout.py`` hands it over), so the engine keeps the
+  received tensors as its rollback copy with no staging memcpy.
   ``overlapped_total_s`` is the median of receive + reload + 1-token generation;
   ``weight_update_s`` = ``overlapped_total_s - broadcast_s``, the time the update
   costs beyond the transfer (the same quantity as the sequential figure), and
@@ -244,6 +247,7 @@ def weight_update(
     """The update arms (the module docstring); ``remake(rollback_copy)`` builds the
     engine again with that setting (the last arm's)."""
     from phalanx.comm.torch_pg import TorchCommunicator, serve_store
+    from phalanx.rl.engine.base import Owned
     from phalanx.transport.streamed import receive_stream, unpack
 
     like = engine.layout()
@@ -269,8 +273,12 @@ def weight_update(
             sequential.append(time.perf_counter() - t0)
         overlapped = []
         for i in range(repeats + 1):  # the first is a warm-up
+            # As the product's channel does: a fresh receive buffer per sync, which
+            # nobody writes again (Owned: the engine keeps it as its rollback copy).
             t0 = time.perf_counter()
-            engine.load_weights(receive_stream(comm, flat, like, bucket), repeats + i + 1)
+            fresh = torch.empty(nbytes, dtype=torch.uint8)
+            stream = receive_stream(comm, fresh, like, bucket)
+            engine.load_weights(Owned(stream), repeats + i + 1)
             engine.generate([prompt], 1, 1, 1.0)
             overlapped.append(time.perf_counter() - t0)
         # The engine without a rollback copy: fetched whole (as a replica then does),

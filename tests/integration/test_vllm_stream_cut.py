@@ -54,11 +54,18 @@ def test_a_leader_killed_mid_stream_leaves_vllm_on_its_held_version(tmp_path: Pa
         }
         path = tmp_path / "v21.safetensors"
         save_file({k: v.contiguous() for k, v in new.items()}, str(path))
+        other = tmp_path / "v22.safetensors"  # the last cut's: other values than 21's
+        save_file({k: (v + 0.05).contiguous() for k, v in new.items()}, str(other))
         nbytes = sum(t.numel() * t.element_size() for t in new.values())
-        for stall, ok in ((nbytes // BUCKET // 2, False), (-1, True)):
+        # Cut, whole, cut again: the second cut rolls back to version 21, which came
+        # through fetch_into as an Owned stream (kept as received, with no staging
+        # copy: vllm_update.py), the first to version 20 (staged from a mapping).
+        held = 20
+        cut = nbytes // BUCKET // 2
+        for stall, ok, sent in ((cut, False, path), (-1, True, path), (cut, False, other)):
             _store, addr = serve_store()
             sender, out, err = procs.spawn(
-                [sys.executable, SENDER, addr, str(BUCKET), str(stall), str(path)],
+                [sys.executable, SENDER, addr, str(BUCKET), str(stall), str(sent)],
                 "leader",
                 stdin=subprocess.PIPE,
             )
@@ -74,17 +81,21 @@ def test_a_leader_killed_mid_stream_leaves_vllm_on_its_held_version(tmp_path: Pa
             if ok:
                 fetch_into(engine, channel, order)
                 assert sender.wait(60) == 0, err.read_text()
+                assert engine.version == 21 and engine.digest() != before
+                held, before = 21, engine.digest()
+                channel.close()
+                channel = CollectiveWeightChannel(30.0)
                 continue
             with pytest.raises(EngineError) as e:
                 fetch_into(engine, channel, order)
             killer.join()
             msg = str(e.value)
             assert "\n" not in msg and "the weight stream broke after" in msg, msg
-            assert "back at version 20" in msg
-            assert engine.version == 20 and engine.digest() == before
+            assert f"back at version {held}" in msg
+            assert engine.version == held and engine.digest() == before
             channel.close()
             channel = CollectiveWeightChannel(30.0)  # the next order's mesh is a new one
-        assert engine.version == 21 and engine.digest() != before
+        assert engine.version == 21 and held == 21
     finally:
         channel.close()
         engine.close()

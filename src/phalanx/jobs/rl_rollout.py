@@ -76,7 +76,7 @@ from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, registe
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.base import Scalar
 from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
-from phalanx.rl.engine.base import EngineError, GenerationEngine
+from phalanx.rl.engine.base import EngineError, GenerationEngine, Owned
 from phalanx.rl.engine.factory import rollout_engine, takes_inflight_updates
 from phalanx.rl.generate import make_rollouts
 from phalanx.rl.idle import IdleClock
@@ -170,7 +170,9 @@ def fetch_into(engine: GenerationEngine, weights: WeightChannel, order: SyncOrde
         return
     version, stream = weights.fetch_stream(order, engine.layout())
     with closing(stream):  # an engine that stopped early: the rest is still received
-        engine.load_weights(stream, version)
+        # Owned: the channel receives each sync into a buffer of its own, which it
+        # only reads afterwards (to relay): the engine may keep the tensors uncopied.
+        engine.load_weights(Owned(stream), version)
 
 
 @dataclass

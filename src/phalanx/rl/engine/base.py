@@ -59,7 +59,7 @@ never calls ``hook`` (or calls it only before the first token).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,20 @@ def sample_seed(key: int, sample: int) -> int:
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """A full state dict, or a stream of (name, tensor) pairs that may cover part of the model."""
+
+
+class Owned(Iterator[tuple[str, torch.Tensor]]):
+    """A stream of (name, tensor) pairs whose tensors nobody writes again once they are
+    yielded (a weight channel's fresh receive buffer, :func:`~phalanx.jobs.rl_rollout.
+    fetch_into`): an engine may keep them as they are, with no copy, for as long as it
+    needs them (vLLM's rollback copy of the version it holds: ``vllm_update.py``).
+    Anything else handed to ``load_weights`` (a trainer's live parameters) is copied."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]):
+        self._it = iter(pairs)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._it)
 
 
 @dataclass

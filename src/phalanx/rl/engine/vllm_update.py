@@ -25,6 +25,11 @@ Order of one update (:meth:`WeightUpdater.apply`)
 Costs: two host copies of the weights (held and staging, in ``/dev/shm`` when
 T > 1), and one host memcpy of each tensor per update, done while the next
 bytes arrive (on CPU about a third of a 440 MB update: docs/benchmarks.md).
+With one worker and an :class:`~phalanx.rl.engine.base.Owned` stream (a weight
+channel's fresh receive buffer, which nobody writes again) there is no copy:
+the received tensors go straight into vLLM's loaders and, once the update is
+whole, are kept as they are as the held copy (a dict of them, where the
+staging buffer would have been).
 Without a rollback copy (``rl.engine.rollback_copy = false``) there is no held
 copy, and with one worker no staging either: each tensor goes straight into
 vLLM's loaders. A failure part-way then leaves the engine with no usable
@@ -39,7 +44,7 @@ from typing import Any
 
 import torch
 
-from phalanx.rl.engine.base import check_names, one_line
+from phalanx.rl.engine.base import Owned, check_names, one_line
 from phalanx.rl.engine.vllm_staging import ABORTED, DONE, Staging
 
 STALL_S = 600.0
@@ -70,22 +75,26 @@ class WeightUpdater:
         layout = {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
         self.meta = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in layout.items()}
         shared = tp > 1
-        self.held: Staging | None = None
+        self.held: Staging | dict[str, torch.Tensor] | None = None
         """The version the workers hold; None: no values to roll back to (none kept, or
         the engine was built from a layout without values and no update landed whole)."""
         self.stage = Staging(layout, shared, STALL_S) if shared or rollback else None
         """Where an update's tensors go on their way in; None: straight into vLLM."""
         if rollback and not any(t.is_meta for t in like.values()):
-            self.held = Staging(layout, shared, STALL_S)
+            first = Staging(layout, shared, STALL_S)
             for k, t in like.items():
-                self.held.views[k].copy_(t.detach())
+                first.views[k].copy_(t.detach())
+            self.held = first
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="phalanx-vllm-rpc") if shared else None
 
     def apply(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``pairs`` into every worker, or none: UpdateFailed says which."""
         failure: list[BaseException] = []
         seen: set[str] = set()
+        kept: dict[str, torch.Tensor] | None = None
         stage = self.stage
+        if self._rpc is None and self.rollback and isinstance(pairs, Owned):
+            kept, stage = {}, None  # kept as received: no staging copy (module doc)
         if stage is not None:
             stage.begin()
 
@@ -94,6 +103,8 @@ class WeightUpdater:
                 for name, tensor in pairs:
                     check_names(self.meta, [(name, tensor)])
                     seen.add(name)
+                    if kept is not None:
+                        kept[name] = tensor
                     yield name, tensor if stage is None else stage.put(name, tensor)
             except BaseException as e:
                 failure.append(e)
@@ -114,7 +125,10 @@ class WeightUpdater:
             errors = future.result()
         errors = [e for e in errors if e]
         if not failure and not errors:
-            self._commit(seen)
+            if kept is not None:
+                self._keep(kept)
+            else:
+                self._commit(seen)
             return
         cause = failure[0] if failure else None
         why = one_line(cause) if cause is not None else "; ".join(errors)
@@ -123,13 +137,27 @@ class WeightUpdater:
     def _commit(self, seen: set[str]) -> None:
         if not self.rollback or self.stage is None:
             return  # nothing kept: the staging buffer (T > 1) is refilled next time
-        if self.held is not None and len(seen) < len(self.stage.names):
+        held = self.held
+        if held is not None and len(seen) < len(self.stage.names):
             for k in seen:  # a partial stream: the held copy takes what changed
-                self.held.views[k].copy_(self.stage.views[k])
-        elif self.held is None and len(seen) < len(self.stage.names):
+                _slot(held, k).copy_(self.stage.views[k])
+        elif held is None and len(seen) < len(self.stage.names):
             return  # still no whole copy to roll back to
         else:
-            self.held, self.stage = self.stage, self.held or _fresh(self.stage)
+            spare = held if isinstance(held, Staging) else _fresh(self.stage)
+            self.held, self.stage = self.stage, spare
+
+    def _keep(self, kept: dict[str, torch.Tensor]) -> None:
+        """An :class:`Owned` update landed (one worker): its tensors, as received,
+        become the held copy, or update it where the stream was partial."""
+        held = self.held
+        if len(kept) == len(self.meta):
+            self.held = kept
+        elif isinstance(held, dict):
+            held.update(kept)
+        elif held is not None:
+            for k, t in kept.items():
+                held.views[k].copy_(t)
 
     def _restore(self) -> bool:
         """Reload every worker from the held copy; whether all of them took it."""
@@ -139,6 +167,7 @@ class WeightUpdater:
             if self._rpc is None:
                 errors = self.llm.collective_rpc("phalanx_reload", args=(self.held.items(),))
             else:
+                assert isinstance(self.held, Staging)  # (T > 1: always staged, never Owned)
                 self.held.publish_all()
                 errors = self.llm.collective_rpc("phalanx_reload", args=(self.held.spec.to_json(),))
         except Exception:
@@ -149,8 +178,12 @@ class WeightUpdater:
         if self._rpc is not None:
             self._rpc.shutdown(wait=False, cancel_futures=True)
         for s in (self.held, self.stage):
-            if s is not None:
+            if isinstance(s, Staging):
                 s.close()
+
+
+def _slot(held: Staging | dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return held.views[name] if isinstance(held, Staging) else held[name]
 
 
 def _fresh(like: Staging) -> Staging:
