@@ -146,7 +146,10 @@ def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
         policy=HELD_POLICY,
         timeouts=HELD_TIMEOUTS,
     )
-    secs["checkpoint"] = {"url": url, "every_steps": 4, "async_save": False}
+    # One save, at the last step: a save the survivor made alone while the victim was
+    # down would let the restart resume from it at the survivor's step, with nothing
+    # left to heal (the restart must heal shard to shard here).
+    secs["checkpoint"] = {"url": url, "every_steps": STEPS, "async_save": False}
     job = make(tmp_path, "tp", jobs, secs)
     a, b = job.start_replica("a", ranks=2), job.start_replica("b", ranks=2)
     b2 = job.start_replica("b", ranks=2, spare=True)

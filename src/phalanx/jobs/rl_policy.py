@@ -327,78 +327,82 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
             # The replica's tokens: every TP group read its part of the share (PolicyTrainer).
             stats["train_tokens"] = ranks.sum([stats.get("train_tokens", 0.0)])[0]
             acked = manager.step % g.inner_epochs == 0 or manager.step % rl.loop.sync_every == 0
-            if acked:
+            plan = None
+            if acked and lead:
                 # Committed now; durable once a checkpoint holds the step (DurableAcks):
                 # a restart retrains at most undurable steps, whose batches stay frozen.
-                plan = None
-                if lead:
-                    assert orders is not None
-                    m = trainer.metrics(rows, stats, t2 - t1, trained_from)
-                    m = m.model_copy(update={"idle": idle.lap("ack")})
-                    plan = coord.plan(acks.ack(manager, m))
-                    if not plan.finished:
-                        # Leave only at an ack point: the leader's last save is acknowledged
-                        # on the way out, the others' state is the leader's, so nothing is
-                        # trained twice.
-                        orders.poll(manager.step)
-                        plan.drain = orders.drain
+                assert orders is not None
+                m = trainer.metrics(rows, stats, t2 - t1, trained_from)
+                m = m.model_copy(update={"idle": idle.lap("ack")})
+                plan = coord.plan(acks.ack(manager, m))
+                if not plan.finished:
+                    # Leave only at an ack point: the leader's last save is acknowledged
+                    # on the way out, the others' state is the leader's, so nothing is
+                    # trained twice.
+                    orders.poll(manager.step)
+                    plan.drain = orders.drain
+            t3 = time.perf_counter()
+            if lead:
+                assert batch is not None
+                metrics[batch.index] = (batch.reward, batch.exact_match)
+                while len(metrics) > rl.loop.window:
+                    metrics.popitem(last=False)
+                client.report_progress(loss=total)
+                emit(
+                    {
+                        "event": "step",
+                        "role": "policy",
+                        "replica": client.replica_id,
+                        "step": manager.step,
+                        "batch": batch.index,
+                        "reward": round(batch.reward, 4),
+                        "exact_match": round(batch.exact_match, 4),
+                        "reward_avg": round(sum(v[0] for v in metrics.values()) / len(metrics), 4),
+                        "exact_match_avg": round(
+                            sum(v[1] for v in metrics.values()) / len(metrics), 4
+                        ),
+                        "staleness": batch.staleness,
+                        "loss": round(total, 6),
+                        "entropy": round(stats.get("entropy", 0.0), 4),
+                        "kl_behaviour": round(stats.get("kl_behaviour", 0.0), 6),
+                        "clip_frac": round(stats.get("clip_frac", 0.0), 4),
+                        "mismatch_kl": round(stats.get("mismatch_kl", 0.0), 6),
+                        "ess": round(stats.get("ess", 1.0), 4),
+                        "is_clip_frac": round(stats.get("is_clip_frac", 0.0), 4),
+                        "is_mask_frac": round(stats.get("is_mask_frac", 0.0), 4),
+                        "staleness_tokens": staleness_of(rows, trained_from),
+                        "idle": step_idle,  # waiting for rollouts, over the step's wall time
+                        # This replica's share: the tokens it read, over its compute time.
+                        "train_tokens": int(stats.get("train_tokens", 0)),
+                        "train_tokens_per_s": round(
+                            stats.get("train_tokens", 0) / max(t2 - t1, 1e-9), 1
+                        ),
+                        "peak_mem_mb": round(peak_memory_mb(device), 1),
+                        "participants": manager.world_size,
+                        "quorum_id": q.quorum_id,
+                        "healed": healed,
+                        "version": manager.step,
+                        # Audit trail: which rollouts (prompt.attempt) this batch trained on.
+                        "rollouts": [r.rollout_id for r in batch.rollouts if not r.replayed]
+                        if manager.step % g.inner_epochs == 0
+                        else [],
+                        "replayed": [r.rollout_id for r in batch.rollouts if r.replayed]
+                        if manager.step % g.inner_epochs == 0
+                        else [],
+                        "versions": sorted({r.version for r in batch.rollouts}),
+                        "lease_s": round(t1 - t0, 4),
+                        "compute_s": round(t2 - t1, 4),
+                        "commit_s": round(t3 - t2, 4),
+                        "t": time.time(),
+                    }
+                )
+            if acked:
+                # After the step line: a rank lost in this agreement stops the replica,
+                # and the line of a step the leader acknowledged must not be lost with it
+                # (the audit trail of the rollouts it trained).
                 plan = coord.agree(plan)
                 finished, drained = plan.finished or finished, plan.drain
                 at_end = plan.at_end or at_end
-            t3 = time.perf_counter()
-            if not lead:
-                continue
-            assert batch is not None
-            metrics[batch.index] = (batch.reward, batch.exact_match)
-            while len(metrics) > rl.loop.window:
-                metrics.popitem(last=False)
-            client.report_progress(loss=total)
-            emit(
-                {
-                    "event": "step",
-                    "role": "policy",
-                    "replica": client.replica_id,
-                    "step": manager.step,
-                    "batch": batch.index,
-                    "reward": round(batch.reward, 4),
-                    "exact_match": round(batch.exact_match, 4),
-                    "reward_avg": round(sum(v[0] for v in metrics.values()) / len(metrics), 4),
-                    "exact_match_avg": round(sum(v[1] for v in metrics.values()) / len(metrics), 4),
-                    "staleness": batch.staleness,
-                    "loss": round(total, 6),
-                    "entropy": round(stats.get("entropy", 0.0), 4),
-                    "kl_behaviour": round(stats.get("kl_behaviour", 0.0), 6),
-                    "clip_frac": round(stats.get("clip_frac", 0.0), 4),
-                    "mismatch_kl": round(stats.get("mismatch_kl", 0.0), 6),
-                    "ess": round(stats.get("ess", 1.0), 4),
-                    "is_clip_frac": round(stats.get("is_clip_frac", 0.0), 4),
-                    "is_mask_frac": round(stats.get("is_mask_frac", 0.0), 4),
-                    "staleness_tokens": staleness_of(rows, trained_from),
-                    "idle": step_idle,  # waiting for rollouts, over the step's wall time
-                    # This replica's share: the tokens it read, over its compute time.
-                    "train_tokens": int(stats.get("train_tokens", 0)),
-                    "train_tokens_per_s": round(
-                        stats.get("train_tokens", 0) / max(t2 - t1, 1e-9), 1
-                    ),
-                    "peak_mem_mb": round(peak_memory_mb(device), 1),
-                    "participants": manager.world_size,
-                    "quorum_id": q.quorum_id,
-                    "healed": healed,
-                    "version": manager.step,
-                    # Audit trail: which rollouts (prompt.attempt) this batch trained on.
-                    "rollouts": [r.rollout_id for r in batch.rollouts if not r.replayed]
-                    if manager.step % g.inner_epochs == 0
-                    else [],
-                    "replayed": [r.rollout_id for r in batch.rollouts if r.replayed]
-                    if manager.step % g.inner_epochs == 0
-                    else [],
-                    "versions": sorted({r.version for r in batch.rollouts}),
-                    "lease_s": round(t1 - t0, 4),
-                    "compute_s": round(t2 - t1, 4),
-                    "commit_s": round(t3 - t2, 4),
-                    "t": time.time(),
-                }
-            )
         if at_end and not finished and not drained:
             finished = True
             behind = not policy_end.finish(coord, manager, acks, client)
