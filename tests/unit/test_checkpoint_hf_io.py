@@ -4,15 +4,14 @@ on a tiny llama built from config: the quick version of
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_checkpoint import cli
 
 from phalanx.checkpoint import Checkpointer, CheckpointError, CheckpointStore
-from phalanx.cli import main
 
 
 def llama(layers: int, tie: bool) -> Any:
@@ -25,17 +24,6 @@ def llama(layers: int, tie: bool) -> Any:
     )  # fmt: skip
     torch.manual_seed(layers)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
