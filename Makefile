@@ -35,6 +35,12 @@ $(STAMP):
 		&& (apt-get install -y -q chromium >/dev/null 2>&1 \
 		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
 		|| echo "chromium not installed (needs root and apt-get): the dashboard browser test will skip"; }
+	@# [rl.env] sandboxed tools run model-written code under Debian's bubblewrap; the sandbox
+	@# tests skip without it (and the tool refuses to run, naming the package).
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
+		|| echo "bubblewrap not installed (needs root and apt-get): the sandbox tests will skip"; }
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
