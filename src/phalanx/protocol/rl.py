@@ -33,20 +33,18 @@ from phalanx.protocol.base import (
     Wall,
     Wire,
 )
+from phalanx.protocol.episode import EpisodeProgress
+from phalanx.protocol.tokens import (
+    MAX_GROUP,
+    MAX_TOKENS,
+    LeaseId,
+    LogProbs,
+    PayloadRef,
+    RolloutId,
+    TokenIds,
+    TokenMask,
+)
 
-MAX_GROUP = 4096
-"""Most completions in one rollout, and most rollouts or prompts in one message."""
-MAX_TOKENS = 1 << 16
-"""Most tokens in one prompt or completion."""
-
-RolloutId = Annotated[str, Field(min_length=3, max_length=40, pattern=r"^p[0-9]+\.[0-9]+$")]
-"""``p<prompt>.<attempt>``: the attempt grows only when a rollout of the prompt is
-discarded and the prompt dispatched again."""
-LeaseId = Annotated[str, Field(min_length=1, max_length=40)]
-PayloadRef = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
-"""Where a rollout store put a payload (unique per put: never reused)."""
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_TOKENS)]
-LogProbs = Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=MAX_TOKENS)]
 SignedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 Staleness = Annotated[str, Field(min_length=1, max_length=20, pattern=r"^-?[0-9]+$")]
 """A staleness in versions, as a JSON object key: decimal text."""
@@ -87,6 +85,11 @@ class Completion(Wire):
     """The behaviour version of each token of ``token_ids`` (non-decreasing: a weight
     update landed during generation), or empty: every token is at the rollout's
     ``version``."""
+    mask: TokenMask = []
+    """A multi-turn episode (``[rl.env]``): 1 for each of ``token_ids`` the model
+    generated, 0 for the environment's (tool results, turn markers), which are
+    context but not trained on (their ``logprobs`` are 0). Empty: every token is the
+    model's."""
 
     @model_validator(mode="after")
     def _versions(self) -> Completion:
@@ -94,6 +97,11 @@ class Completion(Wire):
         if v and len(v) != len(self.token_ids):
             raise ValueError(
                 f"completion versions must be empty or one per token: got {len(v)} versions "
+                f"for {len(self.token_ids)} tokens"
+            )
+        if self.mask and len(self.mask) != len(self.token_ids):
+            raise ValueError(
+                f"completion mask must be empty or one 0/1 per token: got {len(self.mask)} "
                 f"for {len(self.token_ids)} tokens"
             )
         if any(b < a for a, b in pairwise(v)):
@@ -191,6 +199,10 @@ class SyncOrder(Wire):
 class PromptRef(Wire):
     index: Count
     rollout_id: RolloutId
+    resume: EpisodeProgress | None = None
+    """A multi-turn prompt dispatched again after its replica was lost: the episodes'
+    turns it reported (:mod:`phalanx.protocol.episode`), replayed rather than
+    generated again. None: start from the prompt."""
 
 
 class PromptLease(Wire):
