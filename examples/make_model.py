@@ -24,6 +24,12 @@ With ``--corpus`` the shape defaults to the ~20M model (``CODE_SHAPE``: vocabula
 8192, hidden 384, 8 layers, 6 heads, 2 KV heads, MLP 1536, 1024 positions, tied
 embeddings); without it, to the small one (``SMALL_SHAPE``). Any flag overrides.
 With no arguments at all, it builds ``models/qwen2-20m`` from ``data/stdlib``.
+
+``--agentic`` writes a tokenizer for multi-turn episodes with tools
+(``examples/agentic_code.toml``): ``<|im_end|>`` is its EOS, so the engine stops
+at the end of each turn, its chat template renders tools and tool calls in the
+Hermes format (:data:`phalanx.rl.agentic.template.TOOL_CHATML`), and it also
+learns from the built-in coding environment's prompts and a little Python.
 """
 
 from __future__ import annotations
@@ -95,7 +101,7 @@ QWEN2_EXTRA = ["<|endoftext|>"]
 
 
 def build_tokenizer(
-    corpus: list[str], vocab: int, arch: str = "qwen2"
+    corpus: list[str], vocab: int, arch: str = "qwen2", agentic: bool = False
 ):  # -> PreTrainedTokenizerFast
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -119,11 +125,31 @@ def build_tokenizer(
         show_progress=False,
     )
     tk.train_from_iterator(corpus, trainer)
+    eos = "<|im_end|>" if agentic else "<eos>"
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token=eos
     )
     fast.chat_template = CHATML
+    if agentic:
+        from phalanx.rl.agentic.template import TOOL_CHATML
+
+        fast.chat_template = TOOL_CHATML
     return fast
+
+
+def agentic_texts() -> list[str]:
+    """What the --agentic tokenizer also learns from: the coding environment's prompts
+    and tests, tool-call markup, and a little Python."""
+    from phalanx.rl.agentic.code_env import PROBLEMS, SYSTEM
+
+    code = [
+        "def f(x):\n    return x + 1\n",
+        "for i in range(10):\n    print(i)\n",
+        "```python\ndef add(a, b):\n    return a + b\n```",
+        '<tool_call>{"name": "run_python", "arguments": {"code": "print(1)"}}</tool_call>',
+        "tests passed. Fix the function. Traceback (most recent call last): Error",
+    ]
+    return [SYSTEM] + [f"{n} {w} {t}" for n, w, t in PROBLEMS] + code
 
 
 def build_model(
@@ -183,6 +209,9 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, help="MLP width")
     ap.add_argument("--max-len", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--agentic", action="store_true", help="EOS <|im_end|>, a chat template with tools"
+    )
     a = ap.parse_args()
     if a.out is None and a.corpus is None and a.data is None:
         a.corpus = CODE_CORPUS  # no arguments: the code model of pretrain_code.toml
@@ -215,7 +244,9 @@ def main() -> int:
         return 2
     start = time.monotonic()
     corpus = corpus_texts(a.corpus, a.tokenizer_mb) if a.corpus is not None else texts(a.data)
-    tok = build_tokenizer(corpus, a.vocab, a.arch)
+    if a.agentic:
+        corpus = corpus + agentic_texts() * 20
+    tok = build_tokenizer(corpus, a.vocab, a.arch, a.agentic)
     learnt = time.monotonic() - start
     model = build_model(
         a.arch, tok, a.hidden, a.layers, a.heads, a.max_len, a.seed, a.kv_heads, a.intermediate

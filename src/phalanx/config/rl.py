@@ -35,6 +35,7 @@ from pydantic import (
 
 from phalanx.config.file import ConfigError, apply_overrides, explain, read_toml
 from phalanx.config.model import LoraSection, ModelSection
+from phalanx.config.rl_env import EnvSection
 from phalanx.config.rl_loop import LoopSection, check_loop
 from phalanx.config.track import TrackSection
 from phalanx.config.urls import check_storage_url
@@ -344,6 +345,9 @@ class RLConfig(_Section):
     """LoRA on the policy: only the adapter is trained and synced to the rollout
     replicas (docs/architecture.md, "LoRA"). None: the whole model is trained."""
     task: TaskSection = Field(default_factory=TaskSection)
+    env: EnvSection | None = None
+    """A multi-turn environment (``verifiers``) whose episodes are the rollouts
+    (:mod:`phalanx.config.rl_env`). None: single-turn prompts from ``task``."""
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     loop: LoopSection = Field(default_factory=LoopSection)
     transport: TransportSection = Field(default_factory=TransportSection)
@@ -383,6 +387,16 @@ class RLConfig(_Section):
                 f"rl.engine.tensor_parallel_size must divide model.num_heads: got "
                 f"tensor_parallel_size={tp}, num_heads={self.model.num_heads}. Pick a "
                 f"divisor of num_heads."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _env_has_a_chat_tokenizer(self) -> RLConfig:
+        if self.env is not None and self.task.tokenizer_path is None:
+            raise ValueError(
+                "rl.env needs rl.task.tokenizer_path: got none. An environment speaks in chat "
+                "messages, rendered by that tokenizer's chat template (the built-in character "
+                "tokenizer has none)."
             )
         return self
 

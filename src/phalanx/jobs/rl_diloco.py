@@ -343,7 +343,7 @@ class Slot:
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
         keep = rows_to_train(adv, g.kl_coef)
         opt.zero_grad(set_to_none=True)
-        n_tokens = sum(len(x.token_ids) for x in comps)
+        n_tokens = sum(x.trained_tokens() for x in comps)
         stats = backward_rows(
             model, comps, adv, keep, g=g, pad_id=pad_id, num_tokens=n_tokens, ref=ref
         )

@@ -76,6 +76,7 @@ from phalanx.jobs.common import emit, job_store_name, keep_freed_memory, registe
 from phalanx.log import ReplicaLogger
 from phalanx.protocol.base import Scalar
 from phalanx.protocol.rl import RolloutIn, SubmitReply, SyncOrder
+from phalanx.rl.agentic.replica import episodes_of
 from phalanx.rl.engine.base import EngineError, GenerationEngine, Owned
 from phalanx.rl.engine.factory import rollout_engine, takes_inflight_updates
 from phalanx.rl.generate import make_rollouts
@@ -251,6 +252,7 @@ def run(args: ReplicaArgs) -> int:
         tok = task_tokenizer(rl.task)
         task = task_from_config(rl.task)
         engine = rollout_engine(rl, tok, build_model(rl.model, tok, device), device, args.name)
+        episodes = episodes_of(rl, engine, tok)  # [rl.env]: multi-turn episodes
     except (EngineError, OSError, ValueError) as e:  # the job file's model, data or engine
         client.close("failed")
         raise JobError(str(e)) from e
@@ -295,8 +297,12 @@ def run(args: ReplicaArgs) -> int:
             idle.work()
             t0 = time.perf_counter()
             syncs.inflight = 0
+            turns: dict[str, Any] = {}
             try:
-                rollouts = make_rollouts(rl, engine, tok, task, lease.prompts, between)
+                if episodes is None:
+                    rollouts = make_rollouts(rl, engine, tok, task, lease.prompts, between)
+                else:
+                    rollouts, turns = episodes.lease(client, lease, between)
             except EngineError as e:
                 # A weight update in flight failed part-way: the batch was abandoned
                 # rather than finished on mixed weights. Its prompts go out again when
@@ -335,6 +341,7 @@ def run(args: ReplicaArgs) -> int:
                         sum(x.exact_match for x in scored) / max(len(scored), 1), 4
                     ),
                     "gen_s": round(gen_s, 4),
+                    **turns,
                     "idle": idle.lap(),
                     "t": time.time(),
                 }

@@ -162,7 +162,7 @@ def _train(
             comps += d["comps"]
             rewards += [float(r) for r, _ in d["scores"]]
         adv = group_advantages(torch.tensor(rewards), g.group_size, g.adv_eps)
-        n_tokens = sum(len(c.token_ids) for c in comps)
+        n_tokens = sum(c.trained_tokens() for c in comps)
         keep = rows_to_train(adv, g.kl_coef)
         train_tokens = 0.0
         t_train = time.perf_counter()
@@ -255,6 +255,11 @@ def run(args: ReplicaArgs) -> int:
     """The baseline on a job config's ``[rl]`` sections, printing one JSON line per round."""
     if args.cfg.rl is None:
         raise JobError("the single-process GRPO baseline needs an [rl] section: got none.")
+    if args.cfg.rl.env is not None:
+        raise JobError(
+            "the single-process GRPO baseline runs single-turn prompts only: this job has "
+            "[rl.env]. Run it with phalanx run (its rollout replicas run the episodes)."
+        )
     train(args.cfg.rl, emit=lambda rec: print(json.dumps(rec), flush=True))
     return 0
 

@@ -206,12 +206,14 @@ def staleness_histogram(comps: Iterable[tuple[int, _Tokens]], step: int) -> dict
 
     v is the token's own behaviour version where the completion has a non-empty
     ``versions`` (one per token: a weight update landed during generation), else
-    the rollout's version."""
+    the rollout's version. A multi-turn episode's environment tokens (``mask`` 0)
+    are not trained on and not counted."""
     hist: Counter[int] = Counter()
     for version, c in comps:
         per_token: Any = getattr(c, "versions", None)
+        mask: Any = getattr(c, "mask", None) or [1] * len(c.token_ids)
         if per_token:
-            hist.update(step - int(v) for v in per_token)
+            hist.update(step - int(v) for v, m in zip(per_token, mask, strict=True) if m)
         else:
-            hist[step - version] += len(c.token_ids)
+            hist[step - version] += sum(mask)
     return dict(sorted(hist.items()))

@@ -88,6 +88,7 @@ def make_rollouts(
                     reward=r,
                     # Every token at the rollout's version when none is listed.
                     versions=c.token_versions() if c.versions or c.version != oldest else [],
+                    mask=list(c.mask),
                 )
             )
         out.append(

@@ -107,8 +107,9 @@ def collate(
         p, n = len(c.prompt_ids), len(c.token_ids)
         ids[i, : p + n] = torch.tensor(list(c.prompt_ids) + list(c.token_ids))
         attn[i, : p + n] = 1
-        # Target column t predicts token t + 1: completion token k sits at p + k.
-        cmask[i, p - 1 : p - 1 + n] = 1
+        # Target column t predicts token t + 1: completion token k sits at p + k. An
+        # episode's environment tokens (mask 0) are context, not trained on.
+        cmask[i, p - 1 : p - 1 + n] = torch.tensor(c.mask, dtype=cmask.dtype) if c.mask else 1
         old[i, p - 1 : p - 1 + n] = torch.tensor(c.logprobs)
     adv = torch.as_tensor(advantages, dtype=torch.float32)
     return RolloutBatch(

@@ -38,6 +38,12 @@ Rows = list[tuple[int, "RolloutPayload"]]
 """(prompt index, payload) of each rollout of a batch."""
 
 
+def completion_limit(rl: RLConfig) -> int:
+    """Most tokens one completion may hold: an episode's (``rl.env.max_episode_tokens``,
+    the model's and the environment's after the prompt) or one generation's."""
+    return rl.env.max_episode_tokens if rl.env is not None else rl.grpo.max_new_tokens
+
+
 def check_payload(
     payload: RolloutPayload, summary: BatchRollout, group_size: int, max_new_tokens: int
 ) -> str | None:
@@ -54,7 +60,7 @@ def check_payload(
         if not c.token_ids or len(c.token_ids) != len(c.logprobs):
             return "has a completion without one log-prob per token"
         if len(c.token_ids) > max_new_tokens:
-            return f"has a completion of {len(c.token_ids)} tokens > max_new_tokens"
+            return f"has a completion of {len(c.token_ids)} tokens > its limit {max_new_tokens}"
         if c.versions and c.versions[0] < payload.version:
             return f"has a token of version {c.versions[0]} older than its v{payload.version}"
     return None
@@ -78,6 +84,7 @@ def completions_of(rows: Rows) -> tuple[list[Completion], list[float]]:
                     c.finished,
                     p.version,
                     versions=list(c.versions),
+                    mask=list(c.mask),
                 )
             )
             rewards.append(float(c.reward))
@@ -138,7 +145,7 @@ class PolicyTrainer:
         mine = keep[off : off + count]
         if not mine:
             return {"loss": 0.0, "train_tokens": 0.0}
-        n_tokens = sum(len(c.token_ids) for c in comps)
+        n_tokens = sum(c.trained_tokens() for c in comps)
         passes, filler = 0, None
         ranks = getattr(m, "ranks", None)
         if ranks is not None and ranks.size > 1:
@@ -188,7 +195,7 @@ class PolicyTrainer:
         per = g.micro_batch_size or max(1, -(-len(keep) // self.exact_parts))
         unit = per * size
         off, count = split(-(-len(keep) // unit), m.world_size, m.rank)
-        n_tokens = sum(len(c.token_ids) for c in comps)
+        n_tokens = sum(c.trained_tokens() for c in comps)
         parts = []
         for j in range(off, off + count):
             rows = keep[j * unit : (j + 1) * unit]

@@ -131,6 +131,14 @@ class Completion:
     versions: list[int] = field(default_factory=list)
     """Behaviour version of each token (same length as ``token_ids``, non-decreasing),
     or empty, meaning every token is at ``version``."""
+    mask: list[int] = field(default_factory=list)
+    """A multi-turn episode's: 1 for each token the model generated, 0 for the
+    environment's (trained as context only; their ``logprobs`` are 0). Empty: every
+    token is the model's."""
+
+    def trained_tokens(self) -> int:
+        """How many of ``token_ids`` the loss counts (the model's, by ``mask``)."""
+        return sum(self.mask) if self.mask else len(self.token_ids)
 
     def token_versions(self) -> list[int]:
         """The behaviour version of each token (``versions``, or ``version`` repeated)."""

@@ -1,0 +1,80 @@
+"""The rollout replica's side of ``[rl.env]``: a lease's episodes, reported as they go.
+
+:func:`episodes_of` builds the environment once per replica (a module that
+does not load is a one-line JobError at start, before any lease);
+:meth:`ReplicaEpisodes.lease` runs one lease's prompts as episodes
+(:mod:`.runner`), reporting each prompt's completed turns to the controller
+(``report_episodes``) so that they outlive this replica, and returns the
+rollouts with the fields of the replica's ``rollout`` event.
+
+A report that fails (the controller is restarting, the network blips) is
+logged and skipped: the next turn's report carries everything again, and the
+worst a lost report costs is replaying or regenerating those turns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.comm.base import CommError
+from phalanx.config.rl import RLConfig
+from phalanx.protocol.episode import EpisodeProgress
+from phalanx.protocol.rl import PromptLease, RolloutIn
+from phalanx.rl.agentic.runner import Episodes
+from phalanx.rl.base import Tokenizer
+from phalanx.rl.engine.base import GenerationEngine
+from phalanx.rl.tokenizer import HFTokenizer
+
+log = logging.getLogger("phalanx.rl.agentic")
+
+
+@dataclass
+class ReplicaEpisodes:
+    episodes: Episodes
+    report_turns: bool
+
+    def lease(
+        self, client: Any, lease: PromptLease, between: Callable[[], None] | None
+    ) -> tuple[list[RolloutIn], dict[str, Any]]:
+        """The lease's rollouts, and the rollout event's episode fields."""
+
+        def report(progress: list[EpisodeProgress]) -> None:
+            try:
+                reply = client.report_episodes(lease.lease_id, progress)
+            except (CommError, OSError, ValueError) as e:
+                log.warning("episode report for lease %s failed: %s", lease.lease_id, e)
+                return
+            if reply.unleased:
+                log.warning(
+                    "lease %s no longer holds %s: its episodes are someone else's now",
+                    lease.lease_id,
+                    ", ".join(reply.unleased[:4]),
+                )
+
+        rollouts, st = self.episodes.rollouts(
+            lease.prompts, between, report if self.report_turns else None
+        )
+        n = len(st.episode_tokens)
+        return rollouts, {
+            "turns": st.turns,
+            "replayed_turns": st.replayed,
+            "resumed_episodes": st.resumed,
+            "aborted_turns": st.aborted,
+            "episode_reports": st.reports,
+            "episode_tokens": round(sum(st.episode_tokens) / n, 1) if n else 0,
+        }
+
+
+def episodes_of(rl: RLConfig, engine: GenerationEngine, tok: Tokenizer) -> ReplicaEpisodes | None:
+    """The replica's episodes when the job has ``[rl.env]``, else None. ValueError (one
+    line) when the environment does not load."""
+    if rl.env is None:
+        return None
+    from phalanx.rl.agentic.envs import load_env
+
+    if not isinstance(tok, HFTokenizer):  # the config refuses it first; kept for callers
+        raise ValueError("rl.env needs rl.task.tokenizer_path (a tokenizer with a chat template)")
+    return ReplicaEpisodes(Episodes(rl, engine, tok, load_env(rl.env)), rl.env.report_turns)
