@@ -133,15 +133,28 @@ open("/tmp/keep.txt", "w").write("x")
         os.rmdir(host_tmp)
 
 
+FORKS = """
+import os
+n = 0
+try:
+    while True:
+        if os.fork() == 0:
+            import time
+            time.sleep(30)
+        n += 1
+except OSError:
+    print(n)
+"""
+"""Forks sleeping children until a fork fails, then prints how many it made."""
+
+
 def test_a_fork_bomb_is_contained_and_leaves_nothing(quick: BwrapSandbox):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = quick.run(bomb)
     assert r.reason in ("timeout", "error")
     assert _sandbox_processes() == []
     # The process limit, not the machine, stopped it: a fork past it fails inside.
-    code = "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-    code += "            import time; time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n)\n"
-    r = quick.run(code)
+    r = quick.run(FORKS)
     assert r.reason == "ok" and 0 < int(r.stdout) < quick.limits.max_processes
     assert _sandbox_processes() == []
 
@@ -198,3 +211,34 @@ def test_a_missing_bwrap_is_one_line_naming_the_package():
         BwrapSandbox(bwrap="/nonexistent/bwrap")
     msg = str(e.value)
     assert "\n" not in msg and "apt-get install bubblewrap" in msg
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="needs root (to become another user) and a system /usr/bin/python3",
+)
+def test_run_by_a_user_it_takes_a_user_namespace_and_still_limits(box: BwrapSandbox):
+    """The other path: a non-root host user gets bwrap's user namespace instead of
+    setpriv, and RLIMIT_NPROC still binds (counted in that namespace). The host side
+    runs as ``nobody`` with the system Python (ours lives under root's 0700 home)."""
+    import subprocess
+
+    script = (
+        "from phalanx.rl.sandbox.bwrap import BwrapSandbox\n"
+        "from phalanx.rl.sandbox.base import SandboxLimits\n"
+        "s = BwrapSandbox(SandboxLimits(time_s=20.0))\n"
+        "print(s.as_root, s.run('import os; print(os.getuid())').stdout.strip())\n"
+        f"print(s.run({FORKS!r}).stdout.strip(), s.run('x = bytearray(2**31)').reason)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    out = subprocess.run(
+        [*cmd, SYSTEM_PYTHON, "-c", script], env=env, cwd="/", capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split()
+    assert lines[:2] == ["False", "65534"]
+    assert 0 < int(lines[2]) < box.limits.max_processes and lines[3] == "memory"
