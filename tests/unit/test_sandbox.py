@@ -149,7 +149,9 @@ except OSError:
 
 
 def test_a_fork_bomb_is_contained_and_leaves_nothing(quick: BwrapSandbox):
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     r = quick.run(bomb)
     assert r.reason in ("timeout", "error")
     assert _sandbox_processes() == []

@@ -102,9 +102,7 @@ class Sandbox(ABC):
     limits: SandboxLimits
 
     @abstractmethod
-    def run(
-        self, code: str, stdin: str = "", files: Mapping[str, str] | None = None
-    ) -> RunResult:
+    def run(self, code: str, stdin: str = "", files: Mapping[str, str] | None = None) -> RunResult:
         """Run ``code`` as the script ``main.py`` in a fresh work directory that also
         holds ``files`` (relative name -> text), with ``stdin`` as its standard input.
 

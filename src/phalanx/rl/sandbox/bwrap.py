@@ -203,9 +203,7 @@ class BwrapSandbox(Sandbox):
         ]
         return [*cmd, self.python, "-E", "-s", "-B", "-u", "main.py"]
 
-    def run(
-        self, code: str, stdin: str = "", files: Mapping[str, str] | None = None
-    ) -> RunResult:
+    def run(self, code: str, stdin: str = "", files: Mapping[str, str] | None = None) -> RunResult:
         files = dict(files or {})
         for name in files:
             p = PurePosixPath(name)
