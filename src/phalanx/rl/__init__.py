@@ -8,6 +8,7 @@
 - ``grpo.py``      group advantages, the clipped token-normalised GRPO loss, the LR schedule
 - ``generate.py``  generate and score the rollouts of a prompt lease
 - ``trainer.py``   the GRPO step of a policy replica on its share of a batch
+- ``sandbox/``     model-written code run in bubblewrap: ``run_python``, ``unit_test_score``
 
 The loops that use them are in :mod:`phalanx.jobs` (``rl_policy``, ``rl_rollout``,
 ``rl_single``). Nothing heavy is imported here, so importing ``phalanx.rl`` stays cheap.
