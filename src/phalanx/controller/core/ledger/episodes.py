@@ -31,8 +31,11 @@ With an etcd journal the payload log is the leading controller's own: a standby
 that takes over holds none of it, and the prompts in flight start afresh.
 
 **Memory.** Progress is held only for prompts in flight (leased, or queued to be
-leased again), and ``rl.loop.episode_bytes`` caps its total: a report that would
-pass it is not kept (``over_cap`` in the reply) and the one kept before stays.
+leased again), as its JSON text (a few times smaller than the objects it would
+parse to: reports come every turn, while a resume is parsed only at a dispatch
+after a failure), and ``rl.loop.episode_bytes`` caps its total: a report that
+would pass it is not kept (``over_cap`` in the reply) and the one kept before
+stays.
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ class EpisodeBook:
                 self.counts["episode_unleased"] += 1
                 out["unleased"].append(rid)
                 continue
-            size = len(encode_bytes(p))
+            blob = encode_bytes(p)
+            size = len(blob)
             old = self.kept.get(idx)
             if self.bytes - (old["bytes"] if old else 0) + size > self.cap:
                 self.counts["episode_over_cap"] += 1
@@ -158,7 +162,7 @@ class EpisodeBook:
                 continue
             self.counts["episode_reports"] += 1
             key = episode_key(rid, self.counts["episode_reports"])
-            self.put((key, p))
+            self.put((key, blob.decode()))
             if old is not None:
                 self.drop(old["key"])
                 self.bytes -= old["bytes"]
@@ -197,15 +201,11 @@ class EpisodeBook:
         if rec is None:
             return None
         progress = None
-        if rec["rollout_id"] == rollout_id:
-            raw = payload_of(rec["key"])
+        raw = payload_of(rec["key"]) if rec["rollout_id"] == rollout_id else None
+        if isinstance(raw, str):
             try:
-                progress = (
-                    raw
-                    if isinstance(raw, EpisodeProgress) or raw is None
-                    else EpisodeProgress.model_validate(raw, strict=False)  # read back at a restart
-                )
-            except ValidationError:
+                progress = EpisodeProgress.model_validate_json(raw)
+            except ValidationError:  # not what was kept (a checksum passed a damaged record)
                 progress = None
         if progress is None:
             self.forget(index)
