@@ -253,6 +253,7 @@ def test_progress_is_dropped_when_the_job_finishes():
     assert st.ledger.finished
     check_episodes(st)
     assert st.ledger.episodes.kept == {} and not any(k.startswith("ep/") for k in st.payloads)
+    assert report(st, R2, "L1", progress("p0.0"))["unleased"] == ["p0.0"]  # its lease lives on
 
 
 @pytest.mark.parametrize(

@@ -188,7 +188,9 @@ class RLRequests:
         it: no long-poll is woken."""
         m, led = self._ledger(replica_id, "rollout", "policy")
         self.members.touch(m, now)
-        out = led.episodes.report(led.prompts, replica_id, lease_id, progress, now=now)
+        out = led.episodes.report(
+            led.prompts, replica_id, lease_id, progress, now=now, finished=led.finished
+        )
         reply = EpisodeProgressReply.model_construct(
             **self.envelope(), kept=out["kept"], unleased=out["unleased"], over_cap=out["over_cap"]
         )

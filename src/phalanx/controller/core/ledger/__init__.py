@@ -2,7 +2,7 @@
 
 Part of the controller's pure core (no I/O, no clock: every call takes
 ``now``/``wall``), journaled through the same change log as membership. It is
-composed of three books:
+composed of these books:
 
 - :class:`~.prompts.PromptBook`: the cursor, prompts in flight, their leases;
 - :class:`~.rollouts.RolloutBook`: accepted rollouts and training batches;

@@ -138,18 +138,20 @@ class EpisodeBook:
         progress: list[EpisodeProgress],
         *,
         now: float,
+        finished: bool = False,
     ) -> dict[str, list[str]]:
         """Keep each report whose prompt attempt ``lease_id`` holds for ``replica_id``
         now, in place of the one kept before. Checks everything before keeping
         anything. Returns the rollout ids by verdict: ``kept``, ``unleased`` (not in
-        the caller's live lease: the episode is someone else's, or done), ``over_cap``."""
+        the caller's live lease: the episode is someone else's, or done; or the job is
+        ``finished``: nothing will be dispatched again), ``over_cap``."""
         parsed = [(p, *rollout_prompt(p.rollout_id)) for p in progress]
         for k, p in enumerate(progress):
             check_progress(k, p, self.group_size)
         out: dict[str, list[str]] = {"kept": [], "unleased": [], "over_cap": []}
         for p, idx, attempt in parsed:
             rid = p.rollout_id
-            if not prompts.holds(idx, attempt, lease_id, replica_id, now):
+            if finished or not prompts.holds(idx, attempt, lease_id, replica_id, now):
                 self.counts["episode_unleased"] += 1
                 out["unleased"].append(rid)
                 continue
