@@ -100,6 +100,7 @@ def durable(led: Ledger) -> dict[str, Any]:
         "replay": led.replay.entries,
         "replay_out": led.replay.out,
         "lineage_replayed": r.lineage.replayed,
+        "episodes": led.episodes.kept,
     }
     out: dict[str, Any] = json.loads(json.dumps(d))
     return out
@@ -362,6 +363,7 @@ def rollout(
             "finished": True,
             "reward": reward,
             "versions": [],  # every token at the rollout's version
+            "mask": [],  # every token the model's
         }
         for _ in range(group)
     ]
@@ -454,7 +456,7 @@ def test_lease_hands_out_fresh_prompts_from_the_cursor(st):
     assert reply["lease"] == {
         "lease_id": "L1",
         "deadline_s": LEASE_S,
-        "prompts": [{"index": i, "rollout_id": f"p{i}.0"} for i in range(3)],
+        "prompts": [{"index": i, "rollout_id": f"p{i}.0", "resume": None} for i in range(3)],
     }
     assert (reply["sync"], reply["init_weights"], reply["finished"]) == (None, True, False)
     assert (reply["policy_step"], reply["min_version"]) == (0, -2)

@@ -1,5 +1,5 @@
-"""The replica side of the RL ledger's routes: prompt leases and rollout submission
-(rollout replicas), batch leases, acks and lost payloads (policy replicas), and the
+"""The replica side of the RL ledger's routes: prompt leases, rollout submission and
+episode progress (rollout replicas), batch leases, acks and lost payloads (policy replicas), and the
 weight-sync reports (both). A part of :class:`~phalanx.client.replica.ControllerClient`,
 which inherits these: each call goes through its transport as the replica's current
 incarnation (``_as_member``: re-registered once after an eviction, and retried).
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from phalanx.protocol.episode import EpisodeProgress, EpisodeProgressReply, EpisodeProgressReq
 from phalanx.protocol.rl import (
     BatchAckReply,
     BatchAckReq,
@@ -69,6 +70,22 @@ class LedgerCalls:
         def send(rid: str) -> SubmitReply:
             req = SubmitReq(replica_id=rid, lease_id=lease_id, rollouts=rollouts)
             return self.transport.call("/v1/rollouts/submit", req, SubmitReply)
+
+        return self._as_member(send)
+
+    def report_episodes(
+        self, lease_id: str, progress: list[EpisodeProgress]
+    ) -> EpisodeProgressReply:
+        """Rollout replicas running multi-turn episodes: report each leased prompt's
+        episodes so far, after each completed turn (safe to retry: a report replaces the
+        previous one). A rollout id in the reply's ``unleased`` is no longer this
+        replica's (its lease ended, or the prompt is done): stop running it. One in
+        ``over_cap`` was not kept; go on. The progress kept comes back as
+        ``PromptRef.resume`` to the replica the prompt is dispatched to next."""
+
+        def send(rid: str) -> EpisodeProgressReply:
+            req = EpisodeProgressReq(replica_id=rid, lease_id=lease_id, progress=progress)
+            return self.transport.call("/v1/rl/episodes", req, EpisodeProgressReply)
 
         return self._as_member(send)
 

@@ -50,6 +50,12 @@ class LoopSection(BaseModel):
     once; a generating one that takes updates in flight joins at its next chunk boundary,
     so this must cover one chunk's time. A member that died since the order makes the
     others wait this long before the sync is ordered again without it."""
+    episode_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
+    """Most bytes of multi-turn episode progress (``POST /v1/rl/episodes``) the
+    controller holds at once, summed over the prompts in flight (each report's JSON, in
+    its memory and its payload log). A report that would pass it is not kept (the
+    reply's ``over_cap``): its episode goes on, and a replica that takes the prompt
+    over resumes from the last report kept, or from the prompt. 0: keep none."""
     history: int = Field(2000, ge=10, le=1_000_000)
     """Trained batches whose metrics the controller keeps for status and charts."""
     replay_ratio: float = Field(0.0, ge=0, lt=1)

@@ -158,6 +158,13 @@ class OverviewCollector(Collector):
                 "Rollouts refused: submitted under a lease that never held their prompt.",
                 led["unleased_refused"],
             )
+            for key, doc in (
+                ("episode_reports", "Multi-turn episode progress reports kept."),
+                ("episodes_resumed", "Prompts dispatched again with their episodes' progress."),
+                ("episode_turns_carried", "Completed episode turns carried to a new holder."),
+                ("episode_bytes", "Bytes of episode progress held now."),
+            ):
+                yield _single(f"phalanx_ledger_{key}", doc, led[key])
             yield _single("phalanx_ledger_balanced", "1 when the ledger balances.", int(led["ok"]))
             yield _single(
                 "phalanx_rl_weights_version",

@@ -87,3 +87,7 @@ class EpisodeProgressReply(Reply):
 
     kept: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)]
     unleased: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
+    over_cap: Annotated[list[RolloutId], Field(max_length=MAX_GROUP)] = []
+    """Not kept, though leased: the controller holds ``rl.loop.episode_bytes`` of
+    progress already. The episode goes on; a replica that takes it over resumes from
+    the last report kept for it (or from the prompt)."""

@@ -202,6 +202,26 @@ class ReplayCounts(Wire):
     """Batches frozen from fresh rollouts only: the replay's server did not answer."""
 
 
+class EpisodeCounts(Wire):
+    """Multi-turn episode progress (:mod:`phalanx.protocol.episode`): what the
+    controller holds now, and what happened to the reports."""
+
+    held: Count
+    """Prompts in flight with progress kept."""
+    held_bytes: Count
+    """Bytes of the progress kept (``rl.loop.episode_bytes`` caps it)."""
+    reports: Count
+    """Reports kept (each replaces its prompt's previous one)."""
+    unleased: Count
+    """Reports refused: their prompt was not in the caller's live lease."""
+    over_cap: Count
+    """Reports not kept: the cap was reached."""
+    resumed: Count
+    """Prompts dispatched again with the progress kept for them (``PromptRef.resume``)."""
+    turns_carried: Count
+    """Completed turns those dispatches carried (not generated again)."""
+
+
 class LedgerStatus(Wire):
     ok: bool
     """The ledger balances: every prompt and every rollout is accounted for."""
@@ -224,6 +244,8 @@ class LedgerStatus(Wire):
     journaled and not yet made by the collector."""
     replay: ReplayCounts | None = None
     """With ``rl.transport.replay``: the replay memory's counts."""
+    episodes: EpisodeCounts | None = None
+    """Multi-turn episode progress kept and carried to new holders."""
 
 
 # -- the overview ---------------------------------------------------------------
@@ -318,6 +340,13 @@ class LedgerOverview(Wire):
     rollouts_discarded: Annotated[dict[Key, Count], Field(max_length=1000)]
     duplicates_dropped: Count
     unleased_refused: Count = 0
+    episode_reports: Count = 0
+    """Episode progress reports kept (``rl.episodes.reports``)."""
+    episodes_resumed: Count = 0
+    """Prompts dispatched again with their episodes' progress (``rl.episodes.resumed``)."""
+    episode_turns_carried: Count = 0
+    episode_bytes: Count = 0
+    """Bytes of episode progress held now."""
     weights_version: Count
 
 

@@ -219,6 +219,10 @@ def overview(st: ControllerState, now: float, wall: float | None = None) -> Over
             "rollouts_discarded": dict(sorted(r["discarded"].items())),
             "duplicates_dropped": r["duplicates_dropped"],
             "unleased_refused": r["unleased_refused"],
+            "episode_reports": st.ledger.counts["episode_reports"],
+            "episodes_resumed": st.ledger.counts["episodes_resumed"],
+            "episode_turns_carried": st.ledger.counts["episode_turns_carried"],
+            "episode_bytes": st.ledger.episodes.bytes,
             "weights_version": st.ledger.weights.synced_version,
         }
     if st.cfg.diloco is not None:

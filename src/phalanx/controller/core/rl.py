@@ -1,5 +1,5 @@
-"""The RL requests of the core: prompt leases, rollout submissions, batch leases
-and acks, weight-sync reports, lost payloads.
+"""The RL requests of the core: prompt leases, rollout submissions, episode
+progress, batch leases and acks, weight-sync reports, lost payloads.
 
 Membership checks and wake-ups are done here, the bookkeeping in
 :class:`~phalanx.controller.core.ledger.Ledger`. Every method takes
@@ -18,6 +18,7 @@ from phalanx.controller.core.base import PayloadOf, StateError, Tick
 from phalanx.controller.core.ledger import Ledger, payload_key
 from phalanx.controller.core.membership import Membership
 from phalanx.controller.core.records import Member, RoleState
+from phalanx.protocol.episode import EpisodeProgress, EpisodeProgressReply
 from phalanx.protocol.rl import (
     Batch,
     BatchAckReply,
@@ -124,15 +125,20 @@ class RLRequests:
         lease = led.lease(replica_id, version, max_prompts, now=now, wall=wall)
         wire = None
         if lease is not None:
+            refs = []
+            for i in lease.prompts:
+                rid = led.prompts.by_index[i].rollout_id
+                resume = led.episodes.resume(
+                    i,
+                    rid,
+                    self.payload_of,
+                    replica_id=replica_id,
+                    lease_id=lease.lease_id,
+                    wall=wall,
+                )
+                refs.append(PromptRef.model_construct(index=i, rollout_id=rid, resume=resume))
             wire = PromptLease.model_construct(
-                lease_id=lease.lease_id,
-                deadline_s=led.loop.lease_s,
-                prompts=[
-                    PromptRef.model_construct(
-                        index=i, rollout_id=led.prompts.by_index[i].rollout_id
-                    )
-                    for i in lease.prompts
-                ],
+                lease_id=lease.lease_id, deadline_s=led.loop.lease_s, prompts=refs
             )
         reply = PromptLeaseReply.model_construct(
             **self.envelope(),
@@ -167,6 +173,28 @@ class RLRequests:
             discarded=out["discarded"],
         )
         return reply, self._tick(led, tick)
+
+    def report_episodes(
+        self,
+        replica_id: str,
+        lease_id: str,
+        progress: list[EpisodeProgress],
+        *,
+        now: float,
+        wall: float,
+    ) -> tuple[EpisodeProgressReply, Tick]:
+        """A lease's holder reports its prompts' episodes so far (after each completed
+        turn): kept while the lease holds them (:mod:`.ledger.episodes`). Nobody waits on
+        it: no long-poll is woken."""
+        m, led = self._ledger(replica_id, "rollout", "policy")
+        self.members.touch(m, now)
+        out = led.episodes.report(
+            led.prompts, replica_id, lease_id, progress, now=now, finished=led.finished
+        )
+        reply = EpisodeProgressReply.model_construct(
+            **self.envelope(), kept=out["kept"], unleased=out["unleased"], over_cap=out["over_cap"]
+        )
+        return reply, self._tick(led)
 
     def lease_batch(
         self,

@@ -69,6 +69,7 @@ TABLES: dict[str, Shape] = {
     "payload_drops": {"reason": TEXT},
     "replay": {"rollout_id": TEXT, "prompt": INT, "version": INT, "ref": TEXT, "seq": INT},
     "replay_out": {"rollout_id": TEXT, "prompt": INT, "version": INT, "ref": TEXT},
+    "episodes": {"rollout_id": TEXT, "key": TEXT, "bytes": INT, "episodes": INT, "turns": INT},
 }
 """Per table, what each of its records must hold."""
 

@@ -363,6 +363,8 @@ class ControllerState(OperatorActions):
         these and drops the rest: payloads of a write the journal never took)."""
         keys: set[str] = set()
         led = self.ledger
+        if led is not None:
+            keys |= led.episodes.keys()  # the payload log's whatever the rollout store
         if led is not None and not led.external_store:
             keys |= {payload_key(rec["ref"]) for rec in led.rollouts.records.values()}
             keys |= {payload_key(ref) for ref in led.replay.refs()}
@@ -370,10 +372,13 @@ class ControllerState(OperatorActions):
 
     def reconcile(self, *, now: float, wall: float) -> Tick:
         """At start: the rollouts whose payloads the payload log lost are discarded
-        and their prompts dispatched again (:meth:`Ledger.reconcile`)."""
+        and their prompts dispatched again (:meth:`Ledger.reconcile`); episode progress
+        whose payload it lost is forgotten (those prompts start afresh)."""
         led = self.ledger
+        if led is not None and led.episodes.reconcile(self.payload_of):
+            led.save()
         if led is None or led.external_store:
-            return Tick()
+            return led.take(Tick()) if led is not None else Tick()
         return led.reconcile(self.payload_of, wall=wall)
 
     # -- status ------------------------------------------------------------

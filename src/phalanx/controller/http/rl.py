@@ -1,5 +1,5 @@
-"""RL ledger routes: prompt leases, rollout submissions, batch leases and acks,
-weight-sync reports, lost payloads. The core builds the replies
+"""RL ledger routes: prompt leases, rollout submissions, episode progress, batch
+leases and acks, weight-sync reports, lost payloads. The core builds the replies
 (:mod:`phalanx.controller.core.rl`); the routes hold the long-polls."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from phalanx.controller.http.base import Api, Route
+from phalanx.protocol.episode import EpisodeProgressReply, EpisodeProgressReq
 from phalanx.protocol.rl import (
     BatchAckReply,
     BatchAckReq,
@@ -71,6 +72,18 @@ async def submit_rollouts(api: Api, req: SubmitReq) -> SubmitReply:
     return reply
 
 
+async def report_episodes(api: Api, req: EpisodeProgressReq) -> EpisodeProgressReply:
+    """Report the episodes of a lease's prompts so far (multi-turn rollouts, after each
+    completed turn). A report is kept, in place of the previous one, while its prompt is
+    in the caller's live lease (``kept``), else refused (``unleased``: stop running that
+    episode), or not kept past ``rl.loop.episode_bytes`` (``over_cap``). A prompt
+    dispatched again carries the last report kept (``PromptRef.resume``)."""
+    reply: EpisodeProgressReply = api.service.apply(
+        api.state.rl.report_episodes, req.replica_id, req.lease_id, list(req.progress)
+    )
+    return reply
+
+
 async def lease_batch(api: Api, req: BatchLeaseReq) -> BatchLeaseReply:
     """The frozen batch of rollouts for the policy step ``step`` (the same for every
     replica that asks for that step). Long-polls up to ``wait_s`` until it can be
@@ -124,6 +137,7 @@ async def sync_poll(api: Api, req: SyncPollReq) -> SyncPollReply:
 ROUTES = [
     Route("/v1/prompts/lease", lease_prompts, PromptLeaseReq, PromptLeaseReply),
     Route("/v1/rollouts/submit", submit_rollouts, SubmitReq, SubmitReply),
+    Route("/v1/rl/episodes", report_episodes, EpisodeProgressReq, EpisodeProgressReply),
     Route("/v1/rollouts/lease", lease_batch, BatchLeaseReq, BatchLeaseReply),
     Route("/v1/rollouts/ack", ack_batch, BatchAckReq, BatchAckReply),
     Route("/v1/rollouts/lost", lost, LostReq, LostReply),

@@ -2,13 +2,15 @@
 
 Part of the controller's pure core (no I/O, no clock: every call takes
 ``now``/``wall``), journaled through the same change log as membership. It is
-composed of three books:
+composed of these books:
 
 - :class:`~.prompts.PromptBook`: the cursor, prompts in flight, their leases;
 - :class:`~.rollouts.RolloutBook`: accepted rollouts and training batches;
 - :class:`~.sync.WeightSync`: weight-sync orders and the replicas' versions;
 - :class:`~.replay.ReplayBook`: the replay memory of trained rollouts that a
-  share of each batch is drawn from (``rl.loop.replay_ratio``).
+  share of each batch is drawn from (``rl.loop.replay_ratio``);
+- :class:`~.episodes.EpisodeBook`: the multi-turn episodes' progress reported
+  against leases, carried by their prompts when dispatched again.
 
 The ledger records each rollout's id, prompt, weights version, state and
 summary figures, and the ``ref`` of its payload, never the payload itself: the
@@ -33,12 +35,13 @@ from typing import Any
 
 from phalanx.config.rl import RLConfig
 from phalanx.controller.core.base import ChangeLog, Tick
+from phalanx.controller.core.ledger.episodes import EpisodeBook
 from phalanx.controller.core.ledger.prompts import Lease, PromptBook
 from phalanx.controller.core.ledger.replay import RemoteReplay, ReplayBook
 from phalanx.controller.core.ledger.rollouts import RolloutBook, payload_key
-from phalanx.controller.core.ledger.submission import check_submission, rollout_prompt
+from phalanx.controller.core.ledger.submission import check_submission, record, rollout_prompt
 from phalanx.controller.core.ledger.sync import Sync, WeightSync
-from phalanx.protocol.rl import RolloutIn, RolloutPayload
+from phalanx.protocol.rl import RolloutIn
 from phalanx.protocol.status import LedgerStatus
 
 __all__ = ["Lease", "Ledger", "RemoteReplay", "Sync", "payload_key", "rollout_prompt"]
@@ -101,15 +104,20 @@ class Ledger:
         self.rollouts = RolloutBook(
             rl, log, self.counts, self.save, self._drop, self.prompts, self.weights, self.replay
         )
-        self.puts: list[tuple[str, RolloutPayload]] = []
-        """(key, payload) of rollouts accepted by the last calls, for the controller's
-        payload log (written before the commit)."""
+        self.puts: list[tuple[str, Any]] = []
+        """(key, payload) of rollouts accepted and episode progress kept by the last
+        calls, for the controller's payload log (written before the commit)."""
         self.drops: list[str] = []
         """Payload-log keys no longer needed by the last calls (dropped after the commit)."""
         self.sweeps: list[tuple[str, str]] = []
         """(ref, reason) to drop from the external rollout store (by the collector)."""
         self.unswept: dict[str, str] = {}
         """External store: drops journaled and not yet made (ref -> reason)."""
+        cap, g = rl.loop.episode_bytes, rl.grpo.group_size
+        put, drop = self.puts.append, self.drops.append  # the payload log's, always
+        self.episodes = EpisodeBook(
+            log, self.counts, self.save, cap_bytes=cap, group_size=g, put=put, drop=drop
+        )
 
     # -- persistence -----------------------------------------------------
 
@@ -141,6 +149,7 @@ class Ledger:
         moved = self.rollouts.restore(meta, tables)
         self.replay.restore(tables)
         self.weights.restore(meta)
+        self.episodes.restore(tables)
         return moved
 
     def _drop(self, ref: str, reason: str) -> None:
@@ -162,7 +171,8 @@ class Ledger:
         tick.puts += self.puts
         tick.drops += self.drops
         tick.sweeps += self.sweeps
-        self.puts, self.drops, self.sweeps = [], [], []
+        for made in (self.puts, self.drops, self.sweeps):
+            made.clear()  # in place: the episode book appends to these very lists
         return tick
 
     # -- accounting ------------------------------------------------------
@@ -240,6 +250,7 @@ class Ledger:
                 "last": hist[-1] if hist else None,
                 "history": hist[-200:],
                 "weights": self.weights.status(),
+                "episodes": self.episodes.status(),
                 **({"payloads": {"unswept": len(self.unswept)}} if self.external_store else {}),
             },
             strict=False,  # built here: lists stand for tuples
@@ -303,8 +314,9 @@ class Ledger:
                     self._drop(r.ref, verdict)
                 continue
             self.prompts.done(idx, lease_id)
+            self.episodes.forget(idx)  # its rollout is in: no episode of it resumes
             if r.discard:  # could not be scored: on record; its prompt is dropped
-                self.rollouts.accept(self._record(r, idx, replica_id, None))
+                self.rollouts.accept(record(r, idx, replica_id, None))
                 self.rollouts.discard(rid, "reward_error", wall, detail=r.discard, again=False)
                 self.prompts.trained(idx)  # leaves the book, as a trained prompt does
                 self.counts["dropped_prompts"] += 1
@@ -313,7 +325,7 @@ class Ledger:
             ref = r.ref if r.ref is not None else rid
             if r.ref is None and r.version >= floor:  # a stale one is discarded below
                 self.puts.append((payload_key(ref), r.payload()))
-            self.rollouts.accept(self._record(r, idx, replica_id, ref))
+            self.rollouts.accept(record(r, idx, replica_id, ref))
             if r.version < floor:
                 self.rollouts.discard(rid, "stale", wall)
                 out["stale"].append(rid)
@@ -322,18 +334,6 @@ class Ledger:
         self.prompts.settle_lease(lease_id)
         self.save()
         return out
-
-    @staticmethod
-    def _record(r: RolloutIn, idx: int, replica_id: str, ref: str | None) -> dict[str, Any]:
-        return {
-            "rollout_id": r.rollout_id,
-            "prompt": idx,
-            "version": r.version,
-            "replica_id": replica_id,
-            "reward": r.reward,
-            "exact_match": r.exact_match,
-            "ref": ref,
-        }
 
     def reconcile(self, payload_of: Callable[[str], Any], *, wall: float) -> Tick:
         """At start: rollouts whose payloads ``payload_of`` (the payload log) does not
@@ -416,6 +416,8 @@ class Ledger:
         acked = step if durable is None else min(step, durable)
         if acked <= 0 or not self.rollouts.ack(acked, wall=wall):
             return False
+        if self.finished:
+            self.episodes.clear()
         self.save()
         return True
 

@@ -197,6 +197,22 @@ class PromptBook:
             return "unleased"
         return "duplicate" if p.state == "done" else "accept"
 
+    def holds(self, index: int, attempt: int, lease_id: str, replica_id: str, now: float) -> bool:
+        """Whether ``lease_id`` is live (not past its deadline, even if no tick has ended it
+        yet), is ``replica_id``'s, and holds attempt ``attempt`` of prompt ``index`` now:
+        stricter than :meth:`verdict`, which also takes a late submission under a lease
+        that ended (the first complete rollout wins), where progress reported under it
+        would be for an episode that another replica may already be running."""
+        p = self.by_index.get(index)
+        le = self.leases.get(lease_id)
+        return (
+            p is not None
+            and le is not None
+            and (p.attempt, p.state, p.lease_id) == (attempt, "leased", lease_id)
+            and le.replica_id == replica_id
+            and le.deadline > now
+        )
+
     def done(self, index: int, lease_id: str) -> None:
         """A rollout of prompt ``index`` was accepted (under lease ``lease_id``, or a
         late copy under another): no lease holds the prompt any more."""

@@ -1,8 +1,11 @@
 """The checks a rollout submission passes before the ledger records any of it:
 well-formed ids, and payloads that fit the job (or refs, when the rollout store
-is outside the controller). A failed check is a 400 naming the field."""
+is outside the controller), and the record an accepted one becomes. A failed
+check is a 400 naming the field."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from phalanx.config.rl import GRPOSection
 from phalanx.controller.core.base import StateError
@@ -15,6 +18,20 @@ def rollout_prompt(rollout_id: str) -> tuple[int, int]:
         return parse_rollout_id(rollout_id)
     except ValueError as e:
         raise StateError(str(e), field="rollouts.rollout_id") from None
+
+
+def record(r: RolloutIn, idx: int, replica_id: str, ref: str | None) -> dict[str, Any]:
+    """The ledger's record of an accepted rollout: its summary and its payload's ``ref``
+    (None: submitted as discarded, no payload), never the payload itself."""
+    return {
+        "rollout_id": r.rollout_id,
+        "prompt": idx,
+        "version": r.version,
+        "replica_id": replica_id,
+        "reward": r.reward,
+        "exact_match": r.exact_match,
+        "ref": ref,
+    }
 
 
 def check_submission(rollouts: list[RolloutIn], g: GRPOSection, external_store: bool) -> None:
