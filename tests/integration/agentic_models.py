@@ -67,7 +67,6 @@ def teach(model_dir: Path, out: Path, steps: int = 600) -> Path:
     decoding reproduces them, saved to ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from verifiers.utils.tool_utils import convert_func_to_oai_tool
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

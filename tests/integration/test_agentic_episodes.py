@@ -103,7 +103,9 @@ def check_token_in_token_out(rollout: Any, engine: Recorded, tok: HFTokenizer) -
     """Every model turn of every episode is exactly a completion the engine returned
     for exactly the ids the episode held then; the environment's ids are masked."""
     made = {
-        (tuple(p), tuple(c.token_ids)) for ps, cs in engine.calls for p, c in zip(ps, cs, strict=True)
+        (tuple(p), tuple(c.token_ids))
+        for ps, cs in engine.calls
+        for p, c in zip(ps, cs, strict=True)
     }
     for c in rollout.completions:
         model, env = turns_of(c)
@@ -218,14 +220,26 @@ def test_an_episode_reported_by_a_lost_replica_is_replayed_not_generated_again(t
 
 
 def test_tool_calls_that_do_not_parse_go_back_to_the_model_as_the_tools_error():
-    parsed = parse_tool_calls('x<tool_call>{"name": "echo", "arguments": {"text": </tool_call>', "c")
+    parsed = parse_tool_calls(
+        'x<tool_call>{"name": "echo", "arguments": {"text": </tool_call>', "c"
+    )
     assert parsed.content == "x" and parsed.calls[0].name == "echo"
     env = load_environment("tool")
     import asyncio
 
-    msgs = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c-0", "type": "function", "function": {"name": "echo", "arguments": parsed.calls[0].arguments}}
-    ]}]
+    msgs = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c-0",
+                    "type": "function",
+                    "function": {"name": "echo", "arguments": parsed.calls[0].arguments},
+                }
+            ],
+        }
+    ]
     (answer,) = asyncio.run(env.env_response(msgs, {}))
     assert answer["role"] == "tool" and "Expecting value" in answer["content"]
 
@@ -235,7 +249,11 @@ def test_tool_calls_that_do_not_parse_go_back_to_the_model_as_the_tools_error():
     [
         ("no_such_env_module", {}, r"rl.env.module 'no_such_env_module' does not import: "),
         ("agentic_models:nope", {}, r"has no function 'nope'"),
-        ("agentic_models", {"kind": "broken"}, r"must return a verifiers Environment .* got a dict"),
+        (
+            "agentic_models",
+            {"kind": "broken"},
+            r"must return a verifiers Environment .* got a dict",
+        ),
         ("agentic_models", {"colour": 1}, r"load_environment\(\*\*rl.env.args\) failed: TypeError"),
     ],
 )

@@ -405,6 +405,11 @@ class RLConfig(_Section):
         check_loop(self.loop, self.grpo, self.transport)
         return self
 
+    def completion_limit(self) -> int:
+        """Most tokens one completion may hold: an episode's (``env.max_episode_tokens``:
+        the model's and the environment's after the prompt) or one generation's."""
+        return self.env.max_episode_tokens if self.env is not None else self.grpo.max_new_tokens
+
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

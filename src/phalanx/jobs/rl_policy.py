@@ -74,7 +74,7 @@ from phalanx.rl.lora import policy_model
 from phalanx.rl.model import build_model, num_params
 from phalanx.rl.step import peak_memory_mb
 from phalanx.rl.tokenizer import task_tokenizer
-from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, completion_limit, staleness_of
+from phalanx.rl.trainer import PolicyTrainer, Rows, check_payload, staleness_of
 from phalanx.train.base import JobFinished
 from phalanx.train.hsdp import HSDPManager, ReplicaBroken, ReplicaRanks
 from phalanx.train.manager import Manager
@@ -122,7 +122,7 @@ def payloads_of(
         else:
             lost.append((r.rollout_id, "payload_missing"))
             continue
-        why = check_payload(p, r, g.group_size, completion_limit(rl))
+        why = check_payload(p, r, g.group_size, rl.completion_limit())
         if why is not None:
             log.warning("rollout %s: its payload %s; reported lost", r.rollout_id, why)
             lost.append((r.rollout_id, "payload_corrupt"))

@@ -38,14 +38,8 @@ Rows = list[tuple[int, "RolloutPayload"]]
 """(prompt index, payload) of each rollout of a batch."""
 
 
-def completion_limit(rl: RLConfig) -> int:
-    """Most tokens one completion may hold: an episode's (``rl.env.max_episode_tokens``,
-    the model's and the environment's after the prompt) or one generation's."""
-    return rl.env.max_episode_tokens if rl.env is not None else rl.grpo.max_new_tokens
-
-
 def check_payload(
-    payload: RolloutPayload, summary: BatchRollout, group_size: int, max_new_tokens: int
+    payload: RolloutPayload, summary: BatchRollout, group_size: int, max_tokens: int
 ) -> str | None:
     """Why ``payload`` cannot be trained as the ledger's ``summary`` describes it, or
     None. A store that lost or mixed up payloads must not train the wrong ones."""
@@ -59,8 +53,8 @@ def check_payload(
     for c in payload.completions:
         if not c.token_ids or len(c.token_ids) != len(c.logprobs):
             return "has a completion without one log-prob per token"
-        if len(c.token_ids) > max_new_tokens:
-            return f"has a completion of {len(c.token_ids)} tokens > its limit {max_new_tokens}"
+        if len(c.token_ids) > max_tokens:
+            return f"has a completion of {len(c.token_ids)} tokens > its limit {max_tokens}"
         if c.versions and c.versions[0] < payload.version:
             return f"has a token of version {c.versions[0]} older than its v{payload.version}"
     return None

@@ -294,7 +294,7 @@ class Ledger:
         lease, another replica's lease) is refused as ``unleased`` and counted apart.
         Validates everything before recording anything. Returns the ids by verdict:
         ``accepted``, ``duplicate``, ``stale``, ``unleased``."""
-        check_submission(rollouts, self.grpo, self.external_store)
+        check_submission(rollouts, self.rl, self.external_store)
         out: dict[str, list[str]] = {
             "accepted": [],
             "duplicate": [],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.config.rl import GRPOSection
+from phalanx.config.rl import RLConfig
 from phalanx.controller.core.base import StateError
 from phalanx.protocol.rl import RolloutIn, parse_rollout_id
 
@@ -34,9 +34,11 @@ def record(r: RolloutIn, idx: int, replica_id: str, ref: str | None) -> dict[str
     }
 
 
-def check_submission(rollouts: list[RolloutIn], g: GRPOSection, external_store: bool) -> None:
+def check_submission(rollouts: list[RolloutIn], rl: RLConfig, external_store: bool) -> None:
     """Refuse a submission whose payloads do not fit the job, before recording
     anything. ``external_store``: payloads live outside the controller (refs only)."""
+    g, limit = rl.grpo, rl.completion_limit()
+    what = "rl.env.max_episode_tokens" if rl.env is not None else "max_new_tokens"
     for k, r in enumerate(rollouts):
         rollout_prompt(r.rollout_id)
         if r.discard:
@@ -69,9 +71,9 @@ def check_submission(rollouts: list[RolloutIn], g: GRPOSection, external_store: 
                     f"{len(c.logprobs)} log-probs.",
                     field=f"rollouts.{k}.completions.{j}",
                 )
-            if len(c.token_ids) > g.max_new_tokens:
+            if len(c.token_ids) > limit:
                 raise StateError(
-                    f"rollouts[{k}].completions[{j}] must have at most max_new_tokens="
-                    f"{g.max_new_tokens} tokens: got {len(c.token_ids)}.",
+                    f"rollouts[{k}].completions[{j}] must have at most {what}="
+                    f"{limit} tokens: got {len(c.token_ids)}.",
                     field=f"rollouts.{k}.completions.{j}.token_ids",
                 )
