@@ -308,6 +308,16 @@ def run(args: ReplicaArgs) -> int:
                 # rather than finished on mixed weights. Its prompts go out again when
                 # the lease expires; this replica waits for a sync that succeeds.
                 rlog.warning("lease %s abandoned: %s", lease.lease_id, str(e)[:200])
+                emit(
+                    {
+                        "event": "abandoned",
+                        "role": "rollout",
+                        "replica": client.replica_id,
+                        "rollouts": [p.rollout_id for p in lease.prompts],
+                        "reason": str(e)[:300],
+                        "t": time.time(),
+                    }
+                )
                 continue
             if rl.loop.gen_delay_s:
                 syncs.pause(rl.loop.gen_delay_s * len(rollouts))

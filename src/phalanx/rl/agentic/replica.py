@@ -15,13 +15,15 @@ worst a lost report costs is replaying or regenerating those turns.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from phalanx.comm.base import CommError
 from phalanx.config.rl import RLConfig
-from phalanx.protocol.episode import EpisodeProgress
+from phalanx.jobs.common import emit
+from phalanx.protocol.episode import EpisodeProgress, Turn
 from phalanx.protocol.rl import PromptLease, RolloutIn
 from phalanx.rl.agentic.runner import Episodes
 from phalanx.rl.base import Tokenizer
@@ -54,8 +56,24 @@ class ReplicaEpisodes:
                     ", ".join(reply.unleased[:4]),
                 )
 
+        def turn_done(rollout_id: str, sample: int, turn: Turn) -> None:
+            # The audit trail of every turn generated (bench/agentic.py counts the turns
+            # a killed replica made that nobody used).
+            emit(
+                {
+                    "event": "turn",
+                    "role": "rollout",
+                    "replica": client.replica_id,
+                    "rollout": rollout_id,
+                    "sample": sample,
+                    "tokens": len(turn.token_ids),
+                    "versions": sorted(set(turn.versions)),
+                    "t": time.time(),
+                }
+            )
+
         rollouts, st = self.episodes.rollouts(
-            lease.prompts, between, report if self.report_turns else None
+            lease.prompts, between, report if self.report_turns else None, turn_done
         )
         n = len(st.episode_tokens)
         return rollouts, {

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.config.rl import RLConfig
-from phalanx.protocol.episode import EpisodeProgress
+from phalanx.protocol.episode import EpisodeProgress, Turn
 from phalanx.protocol.rl import Completion, PromptRef, RolloutIn
 from phalanx.rl.agentic.client import Batcher, EpisodeClient
 from phalanx.rl.agentic.conversation import ChatTemplate, Conversation
@@ -36,6 +36,8 @@ log = logging.getLogger("phalanx.rl.agentic")
 
 Report = Callable[[list[EpisodeProgress]], None]
 """Sends a prompt's episodes so far to the controller (``report_episodes``)."""
+TurnDone = Callable[[str, int, Turn], None]
+"""Told of each turn generated here: (rollout id, sample, the turn)."""
 
 
 @dataclass
@@ -67,18 +69,20 @@ class Episodes:
     def __post_init__(self) -> None:
         self.template = ChatTemplate(self.tok)
         self.report: Report | None = None
+        self.turn_done: TurnDone | None = None
 
     def rollouts(
         self,
         prompts: list[PromptRef],
         between: Callable[[], None] | None = None,
         report: Report | None = None,
+        turn_done: TurnDone | None = None,
     ) -> tuple[list[RolloutIn], LeaseStats]:
         """One rollout per leased prompt, each of ``group_size`` episodes; ``report``
-        gets each prompt's episodes after each completed turn. An EngineError (a weight
-        update in flight failed part-way) propagates: the lease is abandoned, as
-        single-turn generation abandons it."""
-        self.report = report
+        gets each prompt's episodes after each turn generated here, and ``turn_done``
+        that turn. An EngineError (a weight update in flight failed part-way)
+        propagates: the lease is abandoned, as single-turn generation abandons it."""
+        self.report, self.turn_done = report, turn_done
         return asyncio.run(self._lease(prompts, between))
 
     async def _lease(
@@ -89,7 +93,7 @@ class Episodes:
         groups: list[list[EpisodeClient]] = []
         for p in prompts:
             resume = {e.sample: e for e in (p.resume.episodes if p.resume else [])}
-            on_turn = self._reporter(p, stats) if self.report is not None else None
+            on_turn = self._reporter(p, stats)
             clients = []
             for j in range(g.group_size):
                 rec = resume.get(j)
@@ -142,10 +146,12 @@ class Episodes:
         def on_turn(c: EpisodeClient) -> None:
             if c not in clients:
                 clients.append(c)
-            assert self.report is not None
-            episodes = [x.conv.so_far(x.sample) for x in sorted(clients, key=lambda x: x.sample)]
-            self.report([EpisodeProgress(rollout_id=p.rollout_id, episodes=episodes)])
-            stats.reports += 1
+            if self.report is not None:
+                eps = [x.conv.so_far(x.sample) for x in sorted(clients, key=lambda x: x.sample)]
+                self.report([EpisodeProgress(rollout_id=p.rollout_id, episodes=eps)])
+                stats.reports += 1
+            if self.turn_done is not None:
+                self.turn_done(p.rollout_id, c.sample, c.conv.turns[-1])
 
         return on_turn
 
