@@ -93,10 +93,24 @@ def check_model(cfg: Any) -> None:
             check_dir(model.path, cfg.replica.tp)
         except TPError as e:
             raise SystemExit(f"phalanx run: {e}") from None
+    if cfg.rl is not None and cfg.rl.env is not None:
+        _check_env(cfg.rl.env)
     if cfg.rl is not None and cfg.rl.lora is not None:
         _check_lora(cfg.rl.model, cfg.rl.lora, "rl.lora", cfg.rl.task)
     elif cfg.train.lora is not None and isinstance(model, ModelSection) and model.path:
         _check_lora(model, cfg.train.lora, "train.lora")
+
+
+def _check_env(section: Any) -> None:
+    """``[rl.env]``'s environment built once here (its module imported, its factory run,
+    its dataset read, the sandbox its tools need checked), so that a bad one is one
+    line now rather than in every rollout replica's log."""
+    from phalanx.rl.agentic.envs import EnvLoadError, load_env
+
+    try:
+        load_env(section)
+    except EnvLoadError as e:
+        raise SystemExit(f"phalanx run: {e}") from None
 
 
 def _check_lora(spec: Any, lora: Any, key: str, task: Any = None) -> None:

@@ -264,3 +264,38 @@ def test_an_environment_that_does_not_load_is_one_line(module, args, message, ta
     with pytest.raises(EnvLoadError, match=message) as e:
         load_env(rl.env)
     assert "\n" not in str(e.value)
+
+
+def test_phalanx_run_refuses_an_environment_that_does_not_load_before_starting(
+    taught: Path, tmp_path: Path
+):
+    import subprocess
+    import sys
+
+    from procs import child_env, write_job_toml
+
+    config = write_job_toml(
+        tmp_path / "bad.toml",
+        {
+            "job": {"id": "bad-env"},
+            "roles.policy": {"min_replicas": 1, "n_init_replicas": 1},
+            "roles.rollout": {"min_replicas": 1, "n_init_replicas": 1},
+            "rl.model": {"path": str(taught)},
+            "rl.task": {"tokenizer_path": str(taught)},
+            "rl.env": {"module": "agentic_models:nope"},
+        },
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain"],
+        capture_output=True,
+        text=True,
+        env={**child_env(), "PYTHONPATH": str(Path(__file__).parent)},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert p.returncode != 0
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith(
+        "phalanx run: rl.env.module 'agentic_models' has no function 'nope'"
+    )
+    assert not (tmp_path / "runs").exists()  # nothing started

@@ -282,3 +282,19 @@ def test_the_wire_refuses_turns_of_mismatched_lengths():
     }
     with pytest.raises(ValidationError, match="one log-prob and one version per token"):
         EpisodeProgressReq.model_validate(body)
+
+
+def test_a_kept_report_renews_its_lease(st):
+    """An episode longer than lease_s stays with the replica that reports its turns: each
+    kept report pushes the lease's deadline to lease_s from then; a lease whose holder
+    stops reporting still ends at its deadline."""
+    leased(st, R1, 1)
+    t = 0.75 * LEASE_S
+    assert report(st, R1, "L1", progress("p0.0", turns=1), now=t)["kept"] == ["p0.0"]
+    st.tick(now=LEASE_S + 0.1, wall=LEASE_S + 0.1)  # past the first deadline, not the renewed
+    assert report(st, R1, "L1", progress("p0.0", turns=2), now=LEASE_S + 0.1)["kept"] == ["p0.0"]
+    end = LEASE_S + 0.1 + LEASE_S
+    assert "L1" in st.ledger.prompts.leases
+    st.tick(now=end, wall=end)  # no report since: the lease ends, the prompt goes back
+    assert "L1" not in st.ledger.prompts.leases
+    assert report(st, R1, "L1", progress("p0.0", turns=3), now=end)["unleased"] == ["p0.0"]

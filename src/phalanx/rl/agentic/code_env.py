@@ -99,8 +99,9 @@ def load_environment(max_turns: int = 3, repeat: int = 1, **kwargs: Any) -> Any:
     import verifiers as vf
     from datasets import Dataset
 
-    from phalanx.rl.sandbox.tools import run_python, unit_test_score
+    from phalanx.rl.sandbox.tools import default_sandbox, run_python, unit_test_score
 
+    default_sandbox()  # SandboxUnavailable now, in one line, not at the first tool call
     rows = [
         {"question": f"Write a Python function {what}.", "answer": tests, "info": {"name": name}}
         for _ in range(max(1, repeat))

@@ -42,7 +42,7 @@ def load_env(section: EnvSection) -> LoadedEnv:
     """Import and build ``section``'s environment; EnvLoadError in one line."""
     import verifiers as vf
 
-    from phalanx.rl.sandbox.base import SandboxLimits
+    from phalanx.rl.sandbox.base import SandboxError, SandboxLimits
     from phalanx.rl.sandbox.tools import configure
 
     configure(SandboxLimits(time_s=section.sandbox_time_s, memory_mb=section.sandbox_memory_mb))
@@ -64,6 +64,8 @@ def load_env(section: EnvSection) -> LoadedEnv:
         )
     try:
         env = factory(**env_args(section))
+    except SandboxError as e:  # its tools need a sandbox this machine cannot make
+        raise EnvLoadError(f"rl.env.module {spec!r}: {e}") from e
     except Exception as e:
         raise EnvLoadError(
             f"rl.env.module {spec!r}: {attr}(**rl.env.args) failed: {type(e).__name__}: "

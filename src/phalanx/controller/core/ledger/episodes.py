@@ -180,6 +180,8 @@ class EpisodeBook:
             self.log.put("episodes", str(idx), rec)
             if rid not in out["kept"]:
                 out["kept"].append(rid)
+        if out["kept"]:
+            prompts.renew(lease_id, now)  # its holder is alive and the episodes move on
         self.save()
         return out
 

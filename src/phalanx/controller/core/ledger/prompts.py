@@ -213,6 +213,14 @@ class PromptBook:
             and le.deadline > now
         )
 
+    def renew(self, lease_id: str, now: float) -> None:
+        """Push a live lease's deadline to ``lease_s`` from ``now``: its holder reported an
+        episode's completed turn, so an episode longer than ``rl.loop.lease_s`` stays
+        with the replica running it, as long as each turn takes less than that."""
+        le = self.leases.get(lease_id)
+        if le is not None:
+            le.deadline = max(le.deadline, now + self.lease_s)
+
     def done(self, index: int, lease_id: str) -> None:
         """A rollout of prompt ``index`` was accepted (under lease ``lease_id``, or a
         late copy under another): no lease holds the prompt any more."""
