@@ -208,6 +208,12 @@ def rl_summary(job: LocalJob) -> dict[str, Any]:
         "discarded": dict(rl.rollouts.discarded) if rl else {},
         "duplicates": rl.rollouts.duplicates_dropped if rl else 0,
         "ledger_ok": rl.ok if rl else None,
+        # [rl.env]: episodes a killed replica left, finished by another from its turns.
+        "episodes": (
+            rl.episodes.model_dump()
+            if rl and rl.episodes and job.cfg.rl and job.cfg.rl.env
+            else None
+        ),
         "rollbacks": rollbacks(st),
         "kills": sum(r.kills for r in reps),
         "heals": sum(r.heals for r in reps),
@@ -248,11 +254,16 @@ def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
         f" (mean {s['sync_ms_mean']:.1f} ms)" if s["sync_ms_mean"] is not None else ""
     )
     tail = "" if s["ledger_ok"] in (True, None) else "; LEDGER UNBALANCED"
+    ep = s.get("episodes")
+    episodes = (
+        f"; episodes resumed {ep['resumed']} ({ep['turns_carried']} turns carried)" if ep else ""
+    )
     if s["error"]:
         tail += f". FAILED: {s['error']}"
     return (
         f"job {s['job']}: {head}; prompts {s['prompts']}, rollouts trained {s['trained']}, "
-        f"discarded {discarded} ({discard_text(s['discarded'])}); {s['kills']} replica(s) killed, "
+        f"discarded {discarded} ({discard_text(s['discarded'])}){episodes}; {s['kills']} "
+        f"replica(s) killed, "
         f"{s['heals']} heal(s){_controller_restarts(s)}, {sync}{idle_text(s)}"
         f"{rollback_text(s.get('rollbacks', []))}. Logs: {s['run_dir']}{tail}"
     )

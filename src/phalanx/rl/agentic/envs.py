@@ -40,11 +40,13 @@ class LoadedEnv:
 
 def load_env(section: EnvSection) -> LoadedEnv:
     """Import and build ``section``'s environment; EnvLoadError in one line."""
+    import datasets
     import verifiers as vf
 
     from phalanx.rl.sandbox.base import SandboxError, SandboxLimits
     from phalanx.rl.sandbox.tools import configure
 
+    datasets.disable_progress_bars()  # (verifiers maps its dataset: no bar on a job's output)
     configure(SandboxLimits(time_s=section.sandbox_time_s, memory_mb=section.sandbox_memory_mb))
     spec = section.module
     mod_name, _, attr = spec.partition(":")
