@@ -82,3 +82,35 @@ def test_a_rollout_killed_mid_episode_is_finished_by_another_from_its_last_turn(
     # Episodes of several turns: the environment's answers between them.
     assert any(e["turns"] > e["prompts"] * 2 for e in rolls), rolls
     assert ep["held"] == 0  # nothing kept once the rollouts were accepted
+
+
+@pytest.mark.slow
+def test_the_agentic_example_under_chaos(model: Path, tmp_path: Path):
+    """``examples/agentic_code.toml`` through ``phalanx run --chaos kill-every=20``: random
+    replicas of both roles SIGKILLed and restarted; episodes left mid-way are finished
+    from their reported turns, no turn is aborted by a weight update, the ledger
+    balances."""
+    import json
+    import subprocess
+    import sys
+
+    from procs import child_env
+
+    root = Path(__file__).parents[2]
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(root / "examples/agentic_code.toml")]
+    args += ["--plain", "--json", "--chaos", "kill-every=20", "--run-dir", str(tmp_path / "run")]
+    args += ["--rl.model.path", str(model), "--rl.task.tokenizer_path", str(model)]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["ledger_ok"] and s["kills"] >= 3 and s["trained"] == 120, s
+    assert s["episodes"]["resumed"] >= 1 and s["episodes"]["turns_carried"] >= 1, s
+    rolls = [
+        json.loads(line)
+        for f in (tmp_path / "run").glob("rollout-*.log")
+        for line in f.read_text().splitlines()
+        if line.startswith("{") and '"event": "rollout"' in line
+    ]
+    # (A rescuer killed before it submitted had its carried turns carried again.)
+    assert 1 <= sum(e["replayed_turns"] for e in rolls) <= s["episodes"]["turns_carried"]
+    assert all(e["aborted_turns"] == 0 for e in rolls)

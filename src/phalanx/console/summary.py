@@ -256,7 +256,9 @@ def rl_line(job: LocalJob, s: dict[str, Any]) -> str:
     tail = "" if s["ledger_ok"] in (True, None) else "; LEDGER UNBALANCED"
     ep = s.get("episodes")
     episodes = (
-        f"; episodes resumed {ep['resumed']} ({ep['turns_carried']} turns carried)" if ep else ""
+        f"; episodes of {ep['resumed']} prompt(s) resumed ({ep['turns_carried']} turns carried)"
+        if ep
+        else ""
     )
     if s["error"]:
         tail += f". FAILED: {s['error']}"
