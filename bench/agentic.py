@@ -14,7 +14,7 @@ bench measures the pipeline, not learning), run from real processes by
 after another (never side by side):
 
 - ``one`` and ``two``: 1 and 2 rollout replicas, ``--batches`` batches (full 6,
-  quick 2), unpaced.
+  quick 2), unpaced; ``one_unreported``: ``one`` without the per-turn reports.
 - ``updates``: 2 rollout replicas, each chunk of 16 tokens paced by
   ``rl.loop.chunk_delay_s`` (``PACE_S``), so weight updates find replicas generating.
 - ``kills``: 2 rollout replicas, paced, one rollout per lease
@@ -33,6 +33,11 @@ Figures (``--json``: one object with these keys, then each arm's details):
   ``turns_scaling``: their quotient. **This machine has 2 cores** (shared, with the
   policy replica and the controller beside the rollout replicas, each replica
   limited to 1 torch thread): 2 replicas do not make 2x.
+- ``turns_per_s_1_unreported`` (arm ``one_unreported``: ``one`` with
+  ``rl.env.report_turns = false``) and ``report_cost`` = 1 - ``turns_per_s_1`` over
+  it: the share of throughput the per-turn progress reports take (each a
+  ``POST /v1/rl/episodes`` of the prompt's episodes so far, made in the episode's
+  event loop, so the next batch of turns waits for it).
 - ``sandbox_p50_ms`` / ``sandbox_p99_ms``, ``plain_p50_ms`` / ``plain_p99_ms``,
   ``sandbox_overhead_ms`` (p50 difference), ``sandbox_ratio``: one tool call
   (``print(sum(range(1000)))``) in the bubblewrap sandbox against a plain subprocess,
@@ -153,20 +158,24 @@ def main(argv: list[str] | None = None) -> int:
         out |= sandbox_overhead(s["sandbox_n"])
         arms.append({"arm": "sandbox", "wall_s": round(time.time() - t, 1)})
         steps = [f"--rl.grpo.steps={s['batches']}"]
-        for name, n in (("one", 1), ("two", 2)):
+        unreported = ["--rl.env.report_turns=false"]
+        tps: dict[str, float | None] = {}
+        for name, n, extra in (("one", 1, []), ("two", 2, []), ("one_unreported", 1, unreported)):
             t = time.time()
-            job = run_arm(name, tmp, model, n, steps, None)
+            job = run_arm(name, tmp, model, n, [*steps, *extra], None)
             arms.append(arm_record(name, job, throughput(procs_of(job)), t))
-        r1, r2 = arms[-2].get("turns_per_s"), arms[-1].get("turns_per_s")
-        out |= {"turns_per_s_1": r1, "turns_per_s_2": r2}
+            tps[name] = arms[-1].get("turns_per_s")
+        r1, r2, r0 = tps["one"], tps["two"], tps["one_unreported"]
+        out |= {"turns_per_s_1": r1, "turns_per_s_2": r2, "turns_per_s_1_unreported": r0}
         out["turns_scaling"] = round(r2 / r1, 3) if r1 and r2 else None
+        out["report_cost"] = round(1 - r1 / r0, 3) if r1 and r0 else None
         t = time.time()
         job = run_arm("updates", tmp, model, 2, [*steps, *paced], None)
         arms.append(arm_record("updates", job, aborted(procs_of(job), GROUP_SIZE), t))
         out["aborted_turns_per_update"] = arms[-1]["aborted_turns_per_update"]
         out["inflight_updates"] = arms[-1]["inflight_updates"]
         t = time.time()
-        chaos = Chaos(KILL_EVERY_S, s["kills"])
+        chaos = Chaos(KILL_EVERY_S, s["kills"], after_turns=(1, GROUP_SIZE + 1))
         kill_extra = ["--rl.grpo.steps=100000", "--rl.loop.prompts_per_lease=1", *paced]
         job = run_arm("kills", tmp, model, 2, kill_extra, chaos)
         lost = lost_turns(procs_of(job)) | {

@@ -75,6 +75,10 @@ class Chaos:
     every_s: float
     kills: int
     restart_after_s: float = 1.0
+    after_turns: tuple[int, ...] = (1,)
+    """Kill ``k`` waits for ``after_turns[k % len]`` turn lines of the victim's current
+    lease (e.g. one round of its episodes' turns, then two), so that kills land at
+    different depths of the episodes."""
 
 
 @dataclass
@@ -123,7 +127,9 @@ class Job:
         a killed process left unsubmitted was submitted by someone. Sets
         :attr:`error` on a timeout or a replica that failed."""
         self.work.mkdir(parents=True, exist_ok=True)
-        ctl = ControllerProcess(self.work / "controller", self._args(), self.work / "controller.log")
+        ctl = ControllerProcess(
+            self.work / "controller", self._args(), self.work / "controller.log"
+        )
         self.t0 = time.time()
         try:
             url = ctl.start()
@@ -167,7 +173,9 @@ class Job:
                 victim = names[kills % len(names)]
                 if restart is None and time.monotonic() >= next_kill and self._ready(names):
                     inc = self.live(victim)
-                    if self._mid_episode(inc):
+                    if self._mid_episode(
+                        inc, self.chaos.after_turns[kills % len(self.chaos.after_turns)]
+                    ):
                         inc.killed_at = time.time()
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(inc.proc.pid, signal.SIGKILL)
@@ -196,17 +204,28 @@ class Job:
         )
 
     @staticmethod
-    def _mid_episode(inc: Incarnation) -> bool:
-        """Its last line is a ``turn`` of a lease it has not submitted, and that lease
-        has made at least one round of turns: the kill finds episodes between their
-        first and last turn, the next round's turns in flight."""
+    def _mid_episode(inc: Incarnation, turns: int) -> bool:
+        """Its last line is a ``turn`` of the lease it holds (not submitted yet), and
+        that lease has printed at least ``turns`` of them: the kill finds episodes
+        between their first and last turn, with the next turns in flight (being
+        generated, or generated and not yet reported: a turn's line follows its
+        report), or the episodes' tools running."""
         evs = inc.events()
-        return bool(evs) and evs[-1]["event"] == "turn"
+        since = 0
+        for e in reversed(evs):
+            if e["event"] != "turn":
+                break
+            since += 1
+        return since >= turns and evs[-1]["event"] == "turn"
 
     def unresolved(self) -> int:
         """Rollouts a killed process made turns for, submitted by nobody yet."""
         submitted = {
-            r for p in self.procs for e in p.events() if e["event"] == "rollout" for r in e["rollouts"]
+            r
+            for p in self.procs
+            for e in p.events()
+            if e["event"] == "rollout"
+            for r in e["rollouts"]
         }
         left = {
             e["rollout"]
