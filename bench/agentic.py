@@ -2,7 +2,8 @@
 environment, their throughput, what a sandboxed tool call costs, and the turns lost
 to SIGKILLs and to weight updates, in one run.
 
-    python bench/agentic.py [--json] [--quick] [--kills N] [--keep DIR]
+    python bench/agentic.py [--json] [--quick] [--batches N] [--kills N]
+                            [--report-rounds N] [--sandbox-n N] [--keep DIR]
 
 Every job is ``examples/agentic_code.toml`` (the built-in coding environment,
 ``phalanx.rl.agentic.code_env``: up to 3 turns, tool calls and unit tests in the
@@ -14,7 +15,11 @@ bench measures the pipeline, not learning), run from real processes by
 after another (never side by side):
 
 - ``one`` and ``two``: 1 and 2 rollout replicas, ``--batches`` batches (full 6,
-  quick 2), unpaced; ``one_unreported``: ``one`` without the per-turn reports.
+  quick 2), unpaced.
+- ``reports_on_<i>`` / ``reports_off_<i>``: ``one`` with ``REPORT_BATCHES`` batches,
+  with and without the per-turn progress reports (``rl.env.report_turns``),
+  alternated ``--report-rounds`` times (full 2, quick 0: off), so that the other
+  tenants' load falls on both alike.
 - ``updates``: 2 rollout replicas, each chunk of 16 tokens paced by
   ``rl.loop.chunk_delay_s`` (``PACE_S``), so weight updates find replicas generating.
 - ``kills``: 2 rollout replicas, paced, one rollout per lease
@@ -33,11 +38,11 @@ Figures (``--json``: one object with these keys, then each arm's details):
   ``turns_scaling``: their quotient. **This machine has 2 cores** (shared, with the
   policy replica and the controller beside the rollout replicas, each replica
   limited to 1 torch thread): 2 replicas do not make 2x.
-- ``turns_per_s_1_unreported`` (arm ``one_unreported``: ``one`` with
-  ``rl.env.report_turns = false``) and ``report_cost`` = 1 - ``turns_per_s_1`` over
-  it: the share of throughput the per-turn progress reports take (each a
-  ``POST /v1/rl/episodes`` of the prompt's episodes so far, made in the episode's
-  event loop, so the next batch of turns waits for it).
+- ``report_cost``: the median over rounds of 1 - ``turns_per_s`` with reports over
+  ``turns_per_s`` without: the share of throughput the per-turn progress reports
+  take (each a ``POST /v1/rl/episodes`` of the prompt's episodes so far, made in the
+  episodes' event loop, so the next batch of turns waits for it); the rounds' pairs
+  as ``report_pairs``.
 - ``sandbox_p50_ms`` / ``sandbox_p99_ms``, ``plain_p50_ms`` / ``plain_p99_ms``,
   ``sandbox_overhead_ms`` (p50 difference), ``sandbox_ratio``: one tool call
   (``print(sum(range(1000)))``) in the bubblewrap sandbox against a plain subprocess,
@@ -62,6 +67,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,8 +86,9 @@ GROUP_SIZE = 4
 PACE_S = 0.1
 """``rl.loop.chunk_delay_s`` of the paced arms: 0.1 s at each 16-token chunk."""
 KILL_EVERY_S = 8.0
-SETTINGS = {"full": {"batches": 6, "kills": 6, "sandbox_n": 200}}
-SETTINGS["quick"] = {"batches": 2, "kills": 2, "sandbox_n": 30}
+SETTINGS = {"full": {"batches": 6, "kills": 6, "sandbox_n": 200, "report_rounds": 2}}
+SETTINGS["quick"] = {"batches": 2, "kills": 2, "sandbox_n": 30, "report_rounds": 0}
+REPORT_BATCHES = 3
 GOALS = {"lost_turns_per_kill": "<= 1", "aborted_turns_per_update": "0"}
 ARM_TIMEOUT_S = 600.0
 
@@ -133,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, help="batches of the throughput arms")
     p.add_argument("--kills", type=int, help="SIGKILLs of the kills arm")
     p.add_argument("--sandbox-n", type=int, help="tool calls per sandbox arm")
+    p.add_argument("--report-rounds", type=int, help="pairs of arms with and without reports")
     p.add_argument("--keep", type=Path, help="keep run dirs and logs here (default: a temp dir)")
     a = p.parse_args(argv)
     s = dict(SETTINGS["quick" if a.quick else "full"])
-    for k in ("batches", "kills", "sandbox_n"):
+    for k in ("batches", "kills", "sandbox_n", "report_rounds"):
         if getattr(a, k) is not None:
-            if getattr(a, k) < 1:
-                p.error(f"--{k.replace('_', '-')} must be >= 1: got {getattr(a, k)}")
+            least = 0 if k == "report_rounds" else 1
+            if getattr(a, k) < least:
+                p.error(f"--{k.replace('_', '-')} must be >= {least}: got {getattr(a, k)}")
             s[k] = getattr(a, k)
     for k in ("PHALANX_TOKEN", "PHALANX_CONTROLLER"):
         os.environ.pop(k, None)
@@ -158,17 +167,31 @@ def main(argv: list[str] | None = None) -> int:
         out |= sandbox_overhead(s["sandbox_n"])
         arms.append({"arm": "sandbox", "wall_s": round(time.time() - t, 1)})
         steps = [f"--rl.grpo.steps={s['batches']}"]
-        unreported = ["--rl.env.report_turns=false"]
         tps: dict[str, float | None] = {}
-        for name, n, extra in (("one", 1, []), ("two", 2, []), ("one_unreported", 1, unreported)):
+        for name, n in (("one", 1), ("two", 2)):
             t = time.time()
-            job = run_arm(name, tmp, model, n, [*steps, *extra], None)
+            job = run_arm(name, tmp, model, n, steps, None)
             arms.append(arm_record(name, job, throughput(procs_of(job)), t))
             tps[name] = arms[-1].get("turns_per_s")
-        r1, r2, r0 = tps["one"], tps["two"], tps["one_unreported"]
-        out |= {"turns_per_s_1": r1, "turns_per_s_2": r2, "turns_per_s_1_unreported": r0}
+        r1, r2 = tps["one"], tps["two"]
+        out |= {"turns_per_s_1": r1, "turns_per_s_2": r2}
         out["turns_scaling"] = round(r2 / r1, 3) if r1 and r2 else None
-        out["report_cost"] = round(1 - r1 / r0, 3) if r1 and r0 else None
+        pairs = []
+        for i in range(s["report_rounds"]):
+            pair = []
+            for on in (True, False):
+                name, t = f"reports_{'on' if on else 'off'}_{i}", time.time()
+                extra = [
+                    f"--rl.grpo.steps={REPORT_BATCHES}",
+                    f"--rl.env.report_turns={str(on).lower()}",
+                ]
+                job = run_arm(name, tmp, model, 1, extra, None)
+                arms.append(arm_record(name, job, throughput(procs_of(job)), t))
+                pair.append(arms[-1].get("turns_per_s"))
+            pairs.append(pair)
+        costs = [1 - on / off for on, off in pairs if on and off]
+        out["report_pairs"] = pairs
+        out["report_cost"] = round(statistics.median(costs), 3) if costs else None
         t = time.time()
         job = run_arm("updates", tmp, model, 2, [*steps, *paced], None)
         arms.append(arm_record("updates", job, aborted(procs_of(job), GROUP_SIZE), t))
