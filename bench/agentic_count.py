@@ -66,15 +66,14 @@ def throughput(procs: list[Proc]) -> dict[str, Any]:
 
 def aborted(procs: list[Proc], group_size: int) -> dict[str, Any]:
     """``aborted_turns_per_update``: the turns abandoned (each ``abandoned`` lease's
-    episodes, ``group_size`` per rollout, each with its turn in flight; plus the
-    ``rollout`` lines' ``aborted_turns``) over the weight updates that landed during a
+    ``aborted_turns``: its episodes, ``group_size`` per rollout, each with its turn in
+    flight) over the weight updates that landed during a
     generation (``sync`` lines with ``inflight`` and ``ok``: ``inflight_updates``).
     ``turns_across_versions``: turns whose tokens came from more than one weights
     version (an update landed inside the turn, which went on)."""
     evs = [e for p in procs for e in p.events]
     gave_up = of(evs, "abandoned")
-    n_aborted = sum(len(e["rollouts"]) * group_size for e in gave_up)
-    n_aborted += sum(e.get("aborted_turns", 0) for e in of(evs, "rollout"))
+    n_aborted = sum(e.get("aborted_turns", len(e["rollouts"]) * group_size) for e in gave_up)
     syncs = of(evs, "sync")
     inflight = [e for e in syncs if e.get("inflight") and e.get("ok")]
     return {

@@ -35,7 +35,6 @@ def rollout(ids: list[str], t: float, gen_s: float, turns: int, replayed: int = 
         "gen_s": gen_s,
         "turns": turns,
         "replayed_turns": replayed,
-        "aborted_turns": 0,
     }
 
 

@@ -314,6 +314,9 @@ def run(args: ReplicaArgs) -> int:
                         "role": "rollout",
                         "replica": client.replica_id,
                         "rollouts": [p.rollout_id for p in lease.prompts],
+                        # [rl.env]: each episode's turn in flight (single-turn: the lease's
+                        # completions) is dropped; the lease's prompts go out again.
+                        "aborted_turns": len(lease.prompts) * g.group_size,
                         "reason": str(e)[:300],
                         "t": time.time(),
                     }

@@ -43,15 +43,22 @@ class ReplicaEpisodes:
     ) -> tuple[list[RolloutIn], dict[str, Any]]:
         """The lease's rollouts, and the rollout event's episode fields."""
 
+        refused: set[str] = set()  # prompts the lease no longer holds: not reported again
+
         def report(progress: list[EpisodeProgress]) -> None:
+            progress = [p for p in progress if p.rollout_id not in refused]
+            if not progress:
+                return
             try:
                 reply = client.report_episodes(lease.lease_id, progress)
             except (CommError, OSError, ValueError) as e:
                 log.warning("episode report for lease %s failed: %s", lease.lease_id, e)
                 return
             if reply.unleased:
-                log.warning(
-                    "lease %s no longer holds %s: its episodes are someone else's now",
+                refused.update(reply.unleased)
+                log.info(
+                    "lease %s no longer holds %s (it expired, or the job finished): their "
+                    "episodes go on here, unreported",
                     lease.lease_id,
                     ", ".join(reply.unleased[:4]),
                 )
@@ -80,7 +87,6 @@ class ReplicaEpisodes:
             "turns": st.turns,
             "replayed_turns": st.replayed,
             "resumed_episodes": st.resumed,
-            "aborted_turns": st.aborted,
             "episode_reports": st.reports,
             "episode_tokens": round(sum(st.episode_tokens) / n, 1) if n else 0,
         }

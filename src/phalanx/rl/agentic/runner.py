@@ -51,8 +51,6 @@ class LeaseStats:
     resumed: int = 0
     """Episodes that came with a report."""
     batches: int = 0
-    aborted: int = 0
-    """Turns whose generation was abandoned (a weight update that failed part-way)."""
     reports: int = 0
     episode_tokens: list[int] = field(default_factory=list)
 
@@ -113,17 +111,13 @@ class Episodes:
                 clients.append(c)
                 batcher.start()  # all before any turn: the first batch waits for them all
             groups.append(clients)
-        try:
-            states = await asyncio.gather(
-                *(
-                    self._episode(batcher, self.env.row(p.index), c)
-                    for p, clients in zip(prompts, groups, strict=True)
-                    for c in clients
-                )
+        states = await asyncio.gather(
+            *(
+                self._episode(batcher, self.env.row(p.index), c)
+                for p, clients in zip(prompts, groups, strict=True)
+                for c in clients
             )
-        except Exception:
-            stats.aborted = len(batcher.pending) or sum(len(cs) for cs in groups)
-            raise
+        )
         stats.turns, stats.batches = batcher.turns, batcher.batches
         out = []
         for i, (p, clients) in enumerate(zip(prompts, groups, strict=True)):
