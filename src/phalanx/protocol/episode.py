@@ -17,6 +17,7 @@ as for any prompt.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated
 
 from pydantic import Field, model_validator
@@ -52,6 +53,11 @@ class Turn(Wire):
             raise ValueError(
                 f"a turn needs one log-prob and one version per token: got {n} tokens, "
                 f"{len(self.logprobs)} log-probs, {len(self.versions)} versions"
+            )
+        if any(b < a for a, b in pairwise(self.versions)):
+            raise ValueError(
+                f"a turn's versions must be non-decreasing (weights only move forward during "
+                f"a generation): got {self.versions[:16]}"
             )
         return self
 
