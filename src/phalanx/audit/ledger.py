@@ -24,23 +24,26 @@ from phalanx.audit.base import Check, Run
 def _restored_balance(run: Run) -> dict[str, Any] | None:
     from phalanx.controller.core.state import ControllerState
 
-    assert run.journal is not None
-    st = ControllerState.restore(run.config, run.journal, time.monotonic())
+    st = ControllerState.restore(run.config, run.journal or {}, time.monotonic())
     return st.ledger.balance() if st.ledger is not None else None
 
 
 def lineage_batches(run: Run) -> dict[int, list[str]]:
-    """The rollouts of each batch the policy acknowledged within the lineage, by batch."""
+    """The rollouts of each batch the policy acknowledged within the lineage, by batch.
+    A batch acknowledged at two commits (two quorums, or two steps) in the lineage
+    lists its rollouts twice: they were trained twice."""
     out: dict[int, list[str]] = {}
+    acks: set[tuple[int, int, int]] = set()
     for e in run.steps():
         if not e.get("rollouts"):
             continue
-        q, step = int(e.get("quorum_id", 0)), int(e["step"])
+        q, step, batch = int(e.get("quorum_id", 0)), int(e["step"]), int(e["batch"])
         if any(rb.quorum_id > q and rb.to_step < step for rb in run.rollbacks):
             continue  # taken back by a rollback: not trained
-        out.setdefault(int(e["batch"]), []).extend(
-            r for r in e["rollouts"] if r not in out.get(int(e["batch"]), [])
-        )
+        if (q, step, batch) in acks:
+            continue  # the same commit's line, printed again
+        acks.add((q, step, batch))
+        out.setdefault(batch, []).extend(e["rollouts"])
     return out
 
 
@@ -92,7 +95,7 @@ def check_trained_once(run: Run) -> Check:
             if rid in seen_r:
                 c.problems.append(f"rollout {rid} trained in batches {seen_r[rid]} and {b}")
             seen_r.setdefault(rid, b)
-        for p in sorted({prompt_of(rid) for rid in rollouts}):
+        for p in [prompt_of(rid) for rid in dict.fromkeys(rollouts)]:
             if p in seen_p:
                 c.problems.append(f"prompt {p} trained in batches {seen_p[p]} and {b}")
             seen_p.setdefault(p, b)
