@@ -96,9 +96,7 @@ def check_batches(run: Run, calm: Run) -> Check:
         if got[step] != want[step]:
             c.problems.append(f"step {step}: global batch differs from the calm run's")
     c.what = f"{len(got.keys() & want.keys())} global batches equal the calm run's" + (
-        f" ({partial} step(s) with a share missing from the logs, not compared)"
-        if partial
-        else ""
+        f" ({partial} step(s) with a share missing from the logs, not compared)" if partial else ""
     )
     return c
 
@@ -141,7 +139,9 @@ def check_final(run: Run, calm: Run) -> Check:
     got, want = _load(run.finals[0]), _load(calm.finals[0])
     keys = sorted(k for k in got[1].keys() | want[1].keys() if got[1].get(k) != want[1].get(k))
     if keys:
-        shown = ", ".join(f"{k} {got[1].get(k, '-')[:40]} (calm {want[1].get(k, '-')[:40]})" for k in keys)
+        shown = ", ".join(
+            f"{k} {got[1].get(k, '-')[:40]} (calm {want[1].get(k, '-')[:40]})" for k in keys
+        )
         c.problems.append(f"metadata differs: {shown}")
     if got[0].keys() != want[0].keys():
         c.problems.append(f"tensors differ in name: {sorted(got[0].keys() ^ want[0].keys())[:4]}")
@@ -152,7 +152,9 @@ def check_final(run: Run, calm: Run) -> Check:
     for k in sorted(want[0]):
         a, b = got[0][k], want[0][k]
         if a.dtype != b.dtype or a.shape != b.shape:
-            c.problems.append(f"{k}: {a.dtype} {tuple(a.shape)}, calm run {b.dtype} {tuple(b.shape)}")
+            c.problems.append(
+                f"{k}: {a.dtype} {tuple(a.shape)}, calm run {b.dtype} {tuple(b.shape)}"
+            )
             continue
         d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
         worst = max(worst, d)

@@ -21,18 +21,20 @@ EXIT_VIOLATION, EXIT_BAD_INPUT = 1, 2
 
 def audit_checks(run: Run, calm: Run | None = None) -> list[Check]:
     """Every check of ``run`` (and against ``calm``, when given), in table order."""
-    from phalanx.audit import against, ledger, steps
+    from phalanx.audit.against import check_batches, check_final
+    from phalanx.audit.ledger import check_balance, check_trained_once
+    from phalanx.audit.steps import check_complete, check_finals, check_once, check_order
 
     checks = [
-        steps.check_once(run),
-        steps.check_order(run),
-        steps.check_complete(run),
-        steps.check_finals(run),
-        ledger.check_balance(run),
-        ledger.check_trained_once(run),
+        check_once(run),
+        check_order(run),
+        check_complete(run),
+        check_finals(run),
+        check_balance(run),
+        check_trained_once(run),
     ]
     if calm is not None:
-        checks += [against.check_batches(run, calm), against.check_final(run, calm)]
+        checks += [check_batches(run, calm), check_final(run, calm)]
     return checks
 
 

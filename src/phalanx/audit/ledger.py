@@ -22,10 +22,9 @@ from phalanx.audit.base import Check, Run
 
 
 def _restored_balance(run: Run) -> dict[str, Any] | None:
-    from phalanx.controller.core.state import ControllerState
+    from phalanx.controller import ledger_balance
 
-    st = ControllerState.restore(run.config, run.journal or {}, time.monotonic())
-    return st.ledger.balance() if st.ledger is not None else None
+    return ledger_balance(run.config, run.journal or {}, time.monotonic())
 
 
 def lineage_batches(run: Run) -> dict[int, list[str]]:

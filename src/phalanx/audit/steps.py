@@ -12,6 +12,7 @@ incarnation (a new replica id): its steps start wherever it resumed or healed.
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def check_once(run: Run) -> Check:
                 f"{parts} took part"
             )
     for step, qs in sorted(quorums.items()):
-        for q1, q2 in zip(qs, qs[1:], strict=False):
+        for q1, q2 in pairwise(qs):
             if not rolled_back_between(run.rollbacks, q1, q2, step):
                 c.problems.append(
                     f"step {step} committed in quorum {q1} and again in quorum {q2} with no "
