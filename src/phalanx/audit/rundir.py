@@ -24,7 +24,8 @@ NOT_REPLICA_LOGS = frozenset({"controller", "zygote", "etcd"})
 def load_run(path: Path) -> Run:
     """The run at ``path``. Raises :class:`NotARun` (one line) when it is not one."""
     if not path.is_dir():
-        raise NotARun(f"{path} is not a run directory: it is not a directory.")
+        why = "it is not a directory" if path.exists() else "it does not exist"
+        raise NotARun(f"{path} is not a run directory: {why}.")
     cfg_path = path / "controller" / "config.json"
     if not cfg_path.is_file():
         raise NotARun(
