@@ -151,6 +151,7 @@ def _ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from phalanx.audit.cli import add_parser as add_audit_parser
     from phalanx.cli_agent import add_agent_parser, run_agent
     from phalanx.cli_net import add_advertise_host, add_ca_file, add_controller, add_tls
 
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=_scale)
 
     add_agent_parser(sub, run_agent)
+    add_audit_parser(sub)
     sy = sub.add_parser(
         "syncer",
         help='aggregate a decoupled DiLoCo job\'s rounds (diloco.aggregator = "syncer")',

@@ -75,7 +75,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         zygote = not args.no_zygote
         job = LocalJob(args.config, cfg, run_dir, overrides, counts, chaos, zygote, **common)
-    return job.run(live=not args.plain, as_json=args.json)
+    code = job.run(live=not args.plain, as_json=args.json)
+    if chaos is None:
+        return code
+    from phalanx.audit.cli import after_chaos  # a chaos run ends with its own audit
+
+    return after_chaos(run_dir, code, args.json)
 
 
 def check_model(cfg: Any) -> None:

@@ -293,7 +293,10 @@ def test_own_loop_under_chaos_trains_every_step_once(tmp_path: Path):
     args += ["--train.steps", "1500", "--train.log_samples", "true"]
     p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    # (The last line is the audit that ends a --chaos run: phalanx.audit.)
+    out = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    summary = next(e for e in out if e["event"] == "summary")
+    assert next(e for e in out if e["event"] == "audit")["ok"], out[-1]
     assert summary["ok"] and summary["steps"] == 1500 and summary["kills"] >= 1, summary
     finals = sorted((run / "final").glob("*.safetensors"))
     assert finals and len({f.read_bytes() for f in finals}) == 1

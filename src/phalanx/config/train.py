@@ -94,8 +94,11 @@ class TrainSection(_Section):
     job it applies to the outer all-reduce."""
     step_delay_s: float = Field(0.0, ge=0, le=60)
     """Extra time per step (a stand-in for a bigger model, for demos)."""
-    log_samples: bool = False
-    """Print the sample indices each replica trained on with every committed step (for audits)."""
+    log_samples: bool = True
+    """Print the sample indices each replica trained on with every committed step:
+    ``phalanx audit --against`` compares the committed global batches with a calm
+    run's from them (off: it compares the data cursors only). A step's line grows by
+    the replica's share of the global batch."""
     log_state_hash: bool = False
     """Print a digest of the replica's parameters with every committed step (for audits:
     replicas that commit a step must hold the same state after it, partitions or not)."""

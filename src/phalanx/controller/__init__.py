@@ -9,7 +9,8 @@ of one job, in two layers:
   URL) and ``server.py`` (start one).
 
 Outside this package, nothing imports it but the ``phalanx controller``
-command (:func:`serve`); replicas and tools speak :mod:`phalanx.protocol`
+command (:func:`serve`) and ``phalanx audit`` (:func:`ledger_balance`, the ledger
+of a finished run's journal); replicas and tools speak :mod:`phalanx.protocol`
 through :mod:`phalanx.client`.
 """
 
@@ -31,9 +32,23 @@ __all__ = [
     "StateDirLocked",
     "check_tls",
     "is_loopback",
+    "ledger_balance",
     "serve",
     "warn_if_clear_text",
 ]
+
+
+def ledger_balance(
+    cfg: JobConfig, tables: dict[str, dict[str, dict[str, Any]]], now: float
+) -> dict[str, Any] | None:
+    """The RL ledger's books (``Ledger.balance``: ``ok`` and where every prompt and
+    rollout is) rebuilt from a journal's ``tables`` as a restarted controller rebuilds
+    them, with nothing served; None for a job with no ledger. ``phalanx audit`` reads a
+    finished run's journal with it."""
+    from phalanx.controller.core.state import ControllerState
+
+    st = ControllerState.restore(cfg, tables, now)
+    return st.ledger.balance() if st.ledger is not None else None
 
 
 def serve(

@@ -1,0 +1,18 @@
+"""``phalanx audit RUN_DIR [--against CALM_RUN_DIR]``: a finished run checked for
+correctness from what it left behind (the controller's journal, the replicas' logs,
+the final states), with no controller running.
+
+- :mod:`.base`: the verdict types and the loaded run (:class:`~.base.Run`);
+- :mod:`.rundir`: reading a run directory (one line when it is not one);
+- :mod:`.steps`: every step committed once, never backwards, none skipped, and the
+  final files of one job identical;
+- :mod:`.ledger`: an RL job's ledger balances and nothing was trained twice;
+- :mod:`.against`: the committed global batches and the final state against a
+  calm run's;
+- :mod:`.cli`: the command (a table, or ``--json``; exit 0, 1 or 2).
+"""
+
+from phalanx.audit.base import Check, NotARun, Run
+from phalanx.audit.cli import audit_checks
+
+__all__ = ["Check", "NotARun", "Run", "audit_checks"]

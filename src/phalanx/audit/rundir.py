@@ -1,0 +1,103 @@
+"""Reading a ``phalanx run`` directory for the audit, from the files alone (the
+controller has stopped): ``controller/config.json`` (the resolved config),
+``controller/journal.sqlite`` (opened read-only: an audit never writes to a run),
+each replica's ``<replica>.log`` (JSON event lines mixed with log lines) and
+``final/*.safetensors``.
+
+A directory that lacks what every run has raises :class:`~.base.NotARun` in one
+line naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from phalanx.audit.base import NotARun, Rollback, Run
+
+NOT_REPLICA_LOGS = frozenset({"controller", "zygote", "etcd"})
+"""Logs of a run directory that are not a replica's."""
+
+
+def load_run(path: Path) -> Run:
+    """The run at ``path``. Raises :class:`NotARun` (one line) when it is not one."""
+    if not path.is_dir():
+        why = "it is not a directory" if path.exists() else "it does not exist"
+        raise NotARun(f"{path} is not a run directory: {why}.")
+    cfg_path = path / "controller" / "config.json"
+    if not cfg_path.is_file():
+        raise NotARun(
+            f"{path} is not a run directory: it has no controller/config.json (the resolved "
+            f"config phalanx run writes). Give the directory phalanx run printed (runs/JOB-TIME "
+            f"or --run-dir)."
+        )
+    config = _config(cfg_path)
+    events = {
+        p.stem: _events(p) for p in sorted(path.glob("*.log")) if p.stem not in NOT_REPLICA_LOGS
+    }
+    if not events:
+        raise NotARun(
+            f"{path} is not a run directory: it has no replica log (<replica>.log) beside "
+            f"controller/. Give the directory phalanx run printed."
+        )
+    journal = _journal(path / "controller" / "journal.sqlite")
+    run = Run(path, config, events, sorted((path / "final").glob("*.safetensors")), journal)
+    if journal is not None:
+        role = journal.get("meta", {}).get("role/policy")
+        if role is not None:
+            run.committed_step = int(role["step"])
+            run.rollbacks = [
+                Rollback(int(rb["quorum_id"]), int(rb["from_step"]), int(rb["to_step"]))
+                for rb in role.get("rollbacks", [])
+            ]
+    return run
+
+
+def _config(path: Path) -> Any:
+    from phalanx.config import JobConfig
+
+    try:
+        return JobConfig.model_validate(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NotARun(f"{path} is not a job's resolved config: {first}.") from None
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    """The JSON event lines of one log, in order (other lines skipped; a line cut by a
+    SIGKILL mid-write is skipped too)."""
+    out = []
+    with path.open("rb") as f:
+        for raw in f:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "event" in ev:
+                out.append(ev)
+    return out
+
+
+def _journal(path: Path) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """The SQLite journal's tables, read-only; None when there is none (an etcd journal
+    lives outside the run directory)."""
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as e:
+        raise NotARun(f"{path} cannot be opened: {e}.") from None
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    try:
+        for tbl, key, value in db.execute("SELECT tbl, key, value FROM records"):
+            tables.setdefault(tbl, {})[key] = json.loads(value)
+    except (sqlite3.Error, ValueError) as e:
+        raise NotARun(f"{path} is not a readable controller journal: {e}.") from None
+    finally:
+        db.close()
+    return tables
