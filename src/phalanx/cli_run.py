@@ -17,6 +17,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     replicas as Ray actors), or a decoupled DiLoCo job's slots."""
     from phalanx.cli_net import run_controller_host, tls_files
     from phalanx.config import load_config
+    from phalanx.launch.chaos.runner import check as check_chaos
     from phalanx.launch.local import LocalJob
     from phalanx.launch.options import Chaos, launch_counts
 
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
         counts, extra = launch_counts(cfg, args.replicas)
+        if chaos is not None:
+            check_chaos(chaos, cfg, counts)
     except ValueError as e:
         raise SystemExit(f"phalanx run: {e}") from None
     local_etcd, journal = controllers_of(args, cfg.controller.journal)

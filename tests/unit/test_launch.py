@@ -1,5 +1,5 @@
 """The local launcher's pure parts: option parsing, following desired counts,
-chaos eligibility, the target scan, and the status summary. No processes."""
+the target scan, and the status summary. No processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from phalanx.console.summary import rl_line, sync_stats
 from phalanx.console.view import status_text
 from phalanx.controller.core.state import ControllerState
 from phalanx.launch.local import LocalJob, Replica
-from phalanx.launch.options import Chaos, launch_counts, parse_scale
+from phalanx.launch.options import launch_counts, parse_scale
 from phalanx.protocol.status import BatchRecord, Status
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -30,23 +30,6 @@ def rl_cfg(**roles: dict[str, Any]) -> JobConfig:
             "roles": {"policy": {}, "rollout": {"n_init_replicas": 2}, **roles},
         }
     )
-
-
-# -- --chaos ------------------------------------------------------------------
-
-
-def test_chaos_parses_its_options():
-    c = Chaos.parse("kill-every=10,restart-after=1.5,seed=3")
-    assert (c.kill_every_s, c.restart_after_s, c.seed) == (10.0, 1.5, 3)
-    assert Chaos.parse("kill-every=2").restart_after_s == 2.0
-
-
-@pytest.mark.parametrize(
-    "text", ["kill-every", "every=3", "kill-every=x", "kill-every=0", "kill-every=1,foo=2"]
-)
-def test_bad_chaos_is_refused_with_the_expected_form(text):
-    with pytest.raises(ValueError, match="--chaos"):
-        Chaos.parse(text)
 
 
 # -- --replicas ---------------------------------------------------------------
@@ -229,23 +212,6 @@ def test_follow_desired_stops_the_highest_numbered(tmp_path: Path, monkeypatch):
     # Past the grace, a replica that is still up gets SIGKILL.
     job._supervise(job.replicas["rollout-2"], now=5.0 + job.stop_grace_s + 1, finished=False)
     assert signals[-1][1] == 9
-
-
-def test_chaos_waits_for_every_replica_to_progress(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr("os.killpg", lambda pid, sig: None)
-    job = job_with(tmp_path, {"policy": 1, "rollout": 2}, None)
-    job.chaos = Chaos(5.0)
-    for r in job.replicas.values():
-        job.start_replica(r)
-        r.proc.wait = lambda: 0  # type: ignore[union-attr]
-    job.replicas["policy-0"].progress = True
-    job.replicas["rollout-0"].progress = True
-    assert not job._kill_one()  # rollout-1 has not submitted since its start
-    job.replicas["rollout-1"].progress = True
-    assert job._kill_one()
-    victims = [r for r in job.replicas.values() if r.kills]
-    assert len(victims) == 1 and victims[0].proc is None and victims[0].restart_at is not None
-    assert not job._kill_one()  # one is down: wait for it to come back
 
 
 # -- time to target and the summaries -----------------------------------------

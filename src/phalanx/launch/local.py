@@ -2,9 +2,10 @@
 replicas (the policy replicas of an FT-DDP job; policy and rollout replicas of an
 RL job) as local processes, restarts replicas that crash and a controller that
 dies (on its state dir and port: the job goes on), follows the replica counts an
-operator asks for with ``phalanx scale``, and can deliver chaos (SIGKILL a random
-replica on a period, restart it after a delay) so that anyone can watch the job
-survive. What it shows is in :mod:`phalanx.console.view`.
+operator asks for with ``phalanx scale``, and can deliver chaos (``--chaos``:
+replicas, controllers and engines SIGKILLed, replicas stopped or slowed, seeded and
+logged: :mod:`phalanx.launch.chaos`) so that anyone can watch the job survive.
+What it shows is in :mod:`phalanx.console.view`.
 
 Every process is started in its own process group and signalled through its
 pid's group; nothing is ever killed by name.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -30,11 +30,12 @@ from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
 from phalanx.console.view import View
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
+from phalanx.launch.chaos.runner import ChaosRunner
+from phalanx.launch.chaos.spec import Chaos
 from phalanx.launch.controllers.base import Controllers
 from phalanx.launch.controllers.group import open_controllers
 from phalanx.launch.forks import Zygote, preload_for
 from phalanx.launch.local_ops import ReplicaOps
-from phalanx.launch.options import Chaos
 from phalanx.launch.procs import Proc, last_line, signal_proc, spawn, stop_all
 from phalanx.launch.replica import Replica
 from phalanx.launch.supervise import ControllerDown
@@ -100,7 +101,8 @@ class LocalJob(ReplicaOps):
         self.error: str | None = None
         self.dashboard: str | None = None
         """The controller's dashboard, with the job token in the URL fragment."""
-        self._rng = random.Random(chaos.seed if chaos else 0)
+        self.chaos_runner: ChaosRunner | None = None
+        """Delivers ``chaos``'s faults from the loop (made at the start of :meth:`run`)."""
         self.tracking: JobTracking | None = None
         """The job's metrics, logged once (``[track]``: TensorBoard, wandb, MLflow)."""
         self.use_zygote = zygote
@@ -234,6 +236,9 @@ class LocalJob(ReplicaOps):
         code = 0
         try:
             self._start()
+            if self.chaos is not None:
+                self.chaos_runner = ChaosRunner(self.chaos, self)
+                self.chaos_runner.start()
             with view:
                 self._loop(view)
         except KeyboardInterrupt:
@@ -241,6 +246,8 @@ class LocalJob(ReplicaOps):
         except ControllerDown as e:  # the controller did not come up
             self.error = str(e)
         finally:
+            if self.chaos_runner is not None:
+                self.chaos_runner.close()  # first: a stopped replica takes no SIGTERM
             with self.lock:
                 procs = [r.proc for r in self.replicas.values()]
             stop_all(procs)
@@ -286,13 +293,9 @@ class LocalJob(ReplicaOps):
                 self.start_replica(r)
 
     def _loop(self, view: View) -> None:
-        period = self.chaos.kill_every_s if self.chaos else None
-        next_kill = time.monotonic() + period if period else float("inf")
         while not self._tick():
-            if period and time.monotonic() >= next_kill and not self.finished():
-                with self.lock:
-                    if self._kill_one():
-                        next_kill = time.monotonic() + period
+            if self.chaos_runner is not None:
+                self.chaos_runner.tick()
             view.update()
             time.sleep(0.1)
         view.update()

@@ -4,44 +4,10 @@ imports: ``phalanx scale`` and ``phalanx run --help`` use this module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from phalanx.config import ROLE_NAMES, JobConfig
+from phalanx.launch.chaos.spec import Chaos
 
-
-@dataclass
-class Chaos:
-    kill_every_s: float
-    restart_after_s: float = 2.0
-    seed: int = 0
-
-    @staticmethod
-    def parse(text: str) -> Chaos:
-        """``kill-every=SECONDS[,restart-after=SECONDS][,seed=N]``."""
-        opts: dict[str, str] = {}
-        for part in filter(None, text.split(",")):
-            k, sep, v = part.partition("=")
-            if not sep:
-                raise ValueError(f"--chaos entries must look like key=value: got {part!r}.")
-            opts[k.strip()] = v.strip()
-        unknown = set(opts) - {"kill-every", "restart-after", "seed"}
-        if unknown or "kill-every" not in opts:
-            raise ValueError(
-                f"--chaos must be kill-every=SECONDS[,restart-after=SECONDS][,seed=N]: got {text!r}."
-            )
-        try:
-            c = Chaos(
-                float(opts["kill-every"]),
-                float(opts.get("restart-after", 2.0)),
-                int(opts.get("seed", 0)),
-            )
-        except ValueError:
-            raise ValueError(f"--chaos values must be numbers: got {text!r}.") from None
-        if c.kill_every_s <= 0 or c.restart_after_s < 0:
-            raise ValueError(
-                f"--chaos kill-every must be > 0 and restart-after >= 0: got {text!r}."
-            )
-        return c
+__all__ = ["Chaos", "launch_counts", "parse_role_counts", "parse_scale"]
 
 
 def _role_count(item: str, what: str, roles: tuple[str, ...] | list[str]) -> tuple[str, int]:

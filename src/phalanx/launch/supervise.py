@@ -169,6 +169,15 @@ class ControllerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def up(self) -> bool:
+        """It runs, and has answered since its latest start."""
+        return self._up and self.proc is not None and self.proc.poll() is None
+
+    def members(self) -> list[ControllerProcess]:
+        """This one controller (the interface of a group: :class:`Controllers`)."""
+        return [self]
+
     def poll(self) -> int | None:
         """The exit code of the controller process started last (None: running, or
         never started)."""

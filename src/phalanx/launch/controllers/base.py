@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from phalanx.launch.supervise import ControllerProcess
 
 
 class Controllers(Protocol):
@@ -28,6 +31,11 @@ class Controllers(Protocol):
     @property
     def target(self) -> str:
         """What a replica is given as ``--controller``."""
+        ...
+
+    def members(self) -> list[ControllerProcess]:
+        """Each controller process (one, or each of a group), in start order: what
+        ``--chaos controller-kill-every`` draws from."""
         ...
 
     def start(self) -> str: ...

@@ -66,6 +66,9 @@ class ControllerGroup:
         from the environment, ``$PHALANX_TOKEN``, shared by the whole group)."""
         return self.url
 
+    def members(self) -> list[ControllerProcess]:
+        return list(self.procs)
+
     def start(self) -> str:
         """Start the etcd (when the launcher runs it), then each controller in turn, the
         first as the leader; returns :attr:`url`. Raises :class:`ControllerDown`."""

@@ -1,0 +1,172 @@
+"""The chaos runner: what ``phalanx run --chaos`` adds to the launcher's loop.
+
+- :meth:`ChaosRunner.tick`, from the launcher's loop: ends the stops whose time
+  came, and delivers each periodic fault that is due (:mod:`.schedule`) through
+  :mod:`.faults`.
+- A thread of its own for ``slow``: the slowed replica's process group is
+  SIGSTOPped for ``F`` of every cycle and SIGCONTed for the rest, on whichever
+  process the replica runs now (a restart is slowed too).
+- :meth:`ChaosRunner.close`, in the launcher's ``finally`` (and as soon as the job
+  finished): the slow thread ends, and every process a fault stopped is
+  continued, so that no replica is left stopped, whatever ended the run.
+
+:func:`check` refuses, in one line, a fault the job cannot take before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from phalanx.launch.chaos import faults
+from phalanx.launch.chaos.log import ChaosLog
+from phalanx.launch.chaos.schedule import Schedule
+from phalanx.launch.chaos.spec import Chaos
+from phalanx.launch.procs import Proc, signal_proc
+
+if TYPE_CHECKING:
+    from phalanx.config import JobConfig
+    from phalanx.launch.chaos.base import ChaosTarget
+
+
+def check(spec: Chaos, cfg: JobConfig, counts: dict[str, int]) -> None:
+    """Raise ``ValueError`` (one line) for a fault kind this job, this launcher or this
+    user cannot have. ``counts``: the replicas launched per role."""
+    if spec.partition_every_s is not None:
+        if os.geteuid() != 0:
+            raise ValueError(
+                "--chaos partition-every needs root (it cuts a host's traffic with nftables "
+                "inside its network namespace): run as root, or drop partition-every."
+            )
+        raise ValueError(
+            "--chaos partition-every needs replicas on network-namespace hosts, and phalanx "
+            "run starts every replica on this host, where there is no link of theirs to cut: "
+            "drop partition-every (partitions of namespace hosts are delivered by "
+            "phalanx.testing.netns in the multi-host tests)."
+        )
+    if spec.engine_kill_every_s is not None and (cfg.rl is None or not counts.get("rollout")):
+        raise ValueError(
+            "--chaos engine-kill-every needs a job with rollout replicas (it kills a rollout "
+            "replica's engine): this job has none. Use kill-every, or an RL job."
+        )
+    if spec.slow is not None:
+        names = [f"{role}-{i}" for role, n in counts.items() for i in range(n)]
+        roles = [role for role, n in counts.items() if n]
+        if spec.slow not in names and spec.slow not in roles:
+            raise ValueError(
+                f"--chaos slow must name a replica ({', '.join(names)}) or a role "
+                f"({', '.join(roles)}) of this job: got slow={spec.slow!r}."
+            )
+
+
+class ChaosRunner:
+    """Who calls: the launcher's loop thread (:meth:`start`, :meth:`tick`,
+    :meth:`close`); the runner takes the launcher's lock itself."""
+
+    def __init__(self, spec: Chaos, job: ChaosTarget):
+        self.spec, self.job = spec, job
+        self.sched = Schedule(spec, time.monotonic())
+        self.log = ChaosLog(job.run_dir, job.note)
+        self.stopped: dict[str, tuple[int, float]] = {}
+        """Replicas a ``stop`` froze: name -> (pid of the group stopped, when to continue it)."""
+        self.slow_target: str | None = None
+        self._quit = threading.Event()
+        self._slow: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start slowing (``slow``); the periodic kinds start with :meth:`tick`."""
+        if self.spec.slow is None:
+            return
+        with self.job.lock:
+            if self.spec.slow in self.job.replicas:
+                self.slow_target = self.spec.slow
+            else:
+                names = sorted(n for n, r in self.job.replicas.items() if r.role == self.spec.slow)
+                self.slow_target = self.sched.pick("slow", names) if names else None
+        if self.slow_target is not None:
+            self._slow = threading.Thread(target=self._slow_loop, name="chaos-slow", daemon=True)
+            self._slow.start()
+
+    def tick(self) -> None:
+        """One pass: continue the stops that are over, deliver the faults that are due.
+        Once the job finished, no fault lands and nothing stays stopped."""
+        finished = self.job.finished()
+        if finished:
+            self.close()
+            return
+        now = time.monotonic()
+        with self.job.lock:
+            for name, (pid, until) in list(self.stopped.items()):
+                if now >= until:
+                    del self.stopped[name]
+                    faults.resume(self.job, name, pid, "its stop is over")
+            for kind in self.sched.due(now):
+                if self._deliver(kind):
+                    self.sched.fired(kind, time.monotonic())
+
+    def _deliver(self, kind: str) -> bool:
+        job, sched, log = self.job, self.sched, self.log
+        if kind == "kill":
+            return faults.kill(job, sched, log, set(self.stopped))
+        if kind == "stop":
+            return faults.stop(job, sched, log, self.stopped)
+        if kind == "engine-kill":
+            return faults.engine_kill(job, sched, log, set(self.stopped))
+        if kind == "controller-kill":
+            return faults.controller_kill(job, sched, log)
+        raise ValueError(f"--chaos {kind} cannot be delivered by this launcher.")
+
+    def close(self) -> None:
+        """End the slowing and continue every stopped replica (idempotent). Call it in
+        the launcher's ``finally``, before it stops its children: a stopped process
+        takes no SIGTERM."""
+        if self._closed:
+            return
+        self._closed = True
+        self._quit.set()
+        if self._slow is not None:
+            self._slow.join()
+        with self.job.lock:
+            for name, (pid, _) in list(self.stopped.items()):
+                faults.resume(self.job, name, pid, "the run is ending")
+            self.stopped.clear()
+
+    # -- slow --------------------------------------------------------------
+
+    def _slow_loop(self) -> None:
+        """SIGSTOP the slowed replica for ``F`` of every cycle, SIGCONT it for the rest,
+        while it runs and no ``stop`` holds it; once it made progress since its start
+        (its start-up is not what is slowed). Logged once per process slowed."""
+        name, frac, cycle = self.slow_target, self.spec.slow_fraction, self.spec.slow_cycle_s
+        assert name is not None
+        seen: int | None = None
+        while not self._quit.is_set():
+            proc: Proc | None = None
+            with self.job.lock:
+                r = self.job.replicas.get(name)
+                if r is not None and r.running and r.progress and name not in self.stopped:
+                    proc = r.proc
+                if proc is not None:
+                    signal_proc(proc, signal.SIGSTOP)
+                    if proc.pid != seen:
+                        seen = proc.pid
+                        self.log.fault(
+                            "slow", name, proc.pid,
+                            f"slow {name}: SIGSTOP {frac:.0%} of every {cycle:g} s (pid {proc.pid})",
+                            fraction=frac, cycle_s=cycle,
+                        )  # fmt: skip
+            if proc is None:
+                self._quit.wait(cycle)
+                continue
+            try:
+                self._quit.wait(frac * cycle)
+            finally:
+                with self.job.lock:
+                    if name not in self.stopped:  # else a stop holds it, and continues it
+                        signal_proc(proc, signal.SIGCONT)
+            self._quit.wait((1 - frac) * cycle)

@@ -1,0 +1,150 @@
+"""``phalanx run --chaos`` with each fault kind, on the FT job (``examples/ft_mlp.toml``)
+and on the RL job (``examples/sort_grpo.toml``), as an operator runs it: the job
+finishes, every FT step is committed once (its replicas agree on it, and end on
+identical states), the RL ledger balances, and ``chaos.jsonl`` lists the faults,
+each also said as a ``chaos:`` line.
+
+The default run has one short run of each job with every kind it takes at once;
+each kind alone, on each job, is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.integration.ftjob import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+FT, RL = ROOT / "examples" / "ft_mlp.toml", ROOT / "examples" / "sort_grpo.toml"
+FT_BATCH = 96  # ft_mlp.toml's global_batch_size
+RL_PROMPTS = 16  # sort_grpo.toml's prompts_per_step
+
+
+def run(config: Path, run_dir: Path, chaos: str, *more: str) -> dict[str, Any]:
+    """``phalanx run --plain --json --chaos`` to its end; returns its summary."""
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain", "--json"]
+    args += ["--run-dir", str(run_dir), "--chaos", chaos, *more]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
+    said = [x for x in p.stdout.splitlines() if "  chaos: " in x and "SIGCONT" not in x]
+    faults = [json.loads(x) for x in (run_dir / "chaos.jsonl").read_text().splitlines()]
+    assert len(said) == len(faults), (said, faults)  # each fault said and written
+    for f in faults:
+        assert set(f) == {"t", "kind", "target", "pid", "detail"} and f["pid"] > 0, f
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    summary["faults"] = faults
+    return summary
+
+
+def kinds_of(summary: dict[str, Any]) -> set[str]:
+    return {f["kind"] for f in summary["faults"]}
+
+
+def check_ft(run_dir: Path, summary: dict[str, Any], steps: int) -> None:
+    """Every step 1..steps committed, each once: the lines of its replicas agree on
+    its loss, quorum and data cursor (the constant global batch); the final states of
+    the replicas that wrote one are identical."""
+    assert summary["ok"] and summary["steps"] == steps, summary
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for log in run_dir.glob("policy-*.log"):
+        for line in log.read_text().splitlines():
+            if line.startswith('{"event": "step"'):
+                e = json.loads(line)
+                by_step.setdefault(e["step"], []).append(e)
+    assert sorted(by_step) == list(range(1, steps + 1)), "a step is missing"
+    for step, evs in by_step.items():
+        keys = {(e["loss"], e["quorum_id"], e["cursor"]) for e in evs}
+        assert len(keys) == 1 and evs[0]["cursor"] == step * FT_BATCH, (step, evs)
+    finals = sorted((run_dir / "final").glob("*.safetensors"))
+    assert finals and len({f.read_bytes() for f in finals}) == 1
+
+
+def check_rl(summary: dict[str, Any], batches: int) -> None:
+    assert summary["ok"] and summary["ledger_ok"], summary
+    assert summary["batches"] == batches and summary["trained"] == batches * RL_PROMPTS
+
+
+FT_ALL = "kill-every=2,stop-every=2,stop-for=2,controller-kill-every=5,slow=policy,slow-cycle=0.5"
+RL_ALL = (
+    "kill-every=3,restart-after=0.5,stop-every=3,stop-for=2,controller-kill-every=3,"
+    "engine-kill-every=3,slow=rollout,slow-cycle=0.5"
+)
+
+
+def test_every_kind_on_the_ft_job(tmp_path: Path):
+    steps = 60
+    s = run(FT, tmp_path / "run", f"{FT_ALL},seed=1", "--train.steps", str(steps))
+    check_ft(tmp_path / "run", s, steps)
+    assert kinds_of(s) == {"kill", "stop", "controller-kill", "slow"}, s["faults"]
+
+
+def test_every_kind_on_the_rl_job(tmp_path: Path):
+    batches = 12
+    more = ["--rl.grpo.steps", str(batches), "--rl.loop.target_exact_match=null"]
+    s = run(RL, tmp_path / "run", f"{RL_ALL},seed=1", *more)
+    check_rl(s, batches)
+    assert kinds_of(s) == {"kill", "stop", "controller-kill", "engine-kill", "slow"}
+    for f in s["faults"]:
+        assert f["kind"] != "engine-kill" or f["target"].startswith("rollout-"), f
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "chaos",
+    ["kill-every=2", "stop-every=2,stop-for=3", "controller-kill-every=2", "slow=policy-1:0.6"],
+)
+def test_each_kind_alone_on_the_ft_job(tmp_path: Path, chaos: str):
+    steps = 300
+    s = run(FT, tmp_path / "run", f"{chaos},seed=2", "--train.steps", str(steps))
+    check_ft(tmp_path / "run", s, steps)
+    assert kinds_of(s) == {Chaos_kind(chaos)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "chaos",
+    [
+        "kill-every=3",
+        "stop-every=3,stop-for=3",
+        "controller-kill-every=3",
+        "engine-kill-every=3",
+        "slow=rollout-0:0.6",
+        "slow=policy:0.6",
+    ],
+)
+def test_each_kind_alone_on_the_rl_job(tmp_path: Path, chaos: str):
+    batches = 30
+    more = ["--rl.grpo.steps", str(batches), "--rl.loop.target_exact_match=null"]
+    s = run(RL, tmp_path / "run", f"{chaos},seed=2", *more)
+    check_rl(s, batches)
+    assert kinds_of(s) == {Chaos_kind(chaos)}
+
+
+def Chaos_kind(chaos: str) -> str:  # noqa: N802
+    key = chaos.split("=", 1)[0]
+    return "slow" if key == "slow" else key.removesuffix("-every")
+
+
+@pytest.mark.parametrize(
+    ("config", "chaos", "says"),
+    [
+        (FT, "explode-every=3", "--chaos has no kind or option 'explode-every'"),
+        (FT, "engine-kill-every=3", "--chaos engine-kill-every needs a job with rollout"),
+        (FT, "partition-every=3", "--chaos partition-every needs"),
+        (FT, "slow=rollout", "--chaos slow must name a replica (policy-0, policy-1, policy-2)"),
+    ],
+)
+def test_bad_chaos_is_one_line_before_anything_starts(
+    tmp_path: Path, config: Path, chaos: str, says: str
+):
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain"]
+    args += ["--run-dir", str(tmp_path / "run"), "--chaos", chaos]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and p.stdout == ""
+    assert p.stderr.startswith(f"phalanx run: {says}") and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "run").exists()
