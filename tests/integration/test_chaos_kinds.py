@@ -36,7 +36,10 @@ def run(config: Path, run_dir: Path, chaos: str, *more: str) -> dict[str, Any]:
     assert len(said) == len(faults), (said, faults)  # each fault said and written
     for f in faults:
         assert set(f) == {"t", "kind", "target", "pid", "detail"} and f["pid"] > 0, f
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    (summary,) = [x for x in lines if x.get("event") == "summary"]
+    (audit,) = [x for x in lines if x.get("event") == "audit"]  # the run ends with it
+    assert audit["ok"], audit
     summary["faults"] = faults
     return summary
 

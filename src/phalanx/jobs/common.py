@@ -210,7 +210,6 @@ def emit_step(
     """The ``step`` line of a committed FT step ``r`` (a :class:`~phalanx.train.manager.StepResult`)."""
     emit(
         {
-            **({"samples": samples} if samples is not None else {}),
             "event": "step",
             "replica": replica_id,
             "step": r.step,
@@ -220,6 +219,7 @@ def emit_step(
             "healed": r.healed,
             "cursor": cursor,
             **extra,
+            **({"samples": samples} if samples is not None else {}),
             "t": time.time(),
         }
     )
