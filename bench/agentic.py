@@ -112,7 +112,8 @@ def run_arm(
         f"--rl.model.path={model}",
         f"--rl.task.tokenizer_path={model}",
         f"--roles.rollout.n_init_replicas={rollouts}",
-        f"--roles.rollout.min_replicas={rollouts}",
+        # 1: a killed replica's peer goes on leasing (min_replicas holds leases back).
+        "--roles.rollout.min_replicas=1",
         "--rl.loop.target_reward=null",
         "--rl.loop.target_exact_match=null",
         *extra,

@@ -135,7 +135,9 @@ class RoleSection(_Section):
     """Membership and quorum rules of one role."""
 
     min_replicas: int = Field(1, ge=1, le=100_000)
-    """No quorum (and so no step) with fewer participants than this."""
+    """No quorum (and so no step) with fewer participants than this. For an RL job's
+    ``rollout`` role: no prompt is leased while fewer rollout replicas are members (they
+    wait, taking any weight sync ordered, until enough have registered again)."""
     n_init_replicas: int = Field(1, ge=1, le=100_000)
     """The role's first quorum waits until this many replicas ask for it."""
     join_timeout_s: float = Field(1.0, ge=0, le=3600)

@@ -122,7 +122,11 @@ class RLRequests:
         self.members.touch(m, now)
         led.weights.versions[replica_id] = version  # before deciding whether anyone syncs
         tick = self.maybe_sync(now, wall)
-        lease = led.lease(replica_id, version, max_prompts, now=now, wall=wall)
+        # roles.rollout.min_replicas: below it no prompt is leased (the replicas there
+        # wait, syncing as ordered, until enough have registered again).
+        rs = self.roles["rollout"]
+        short = len(rs.member_ids) < rs.cfg.min_replicas
+        lease = None if short else led.lease(replica_id, version, max_prompts, now=now, wall=wall)
         wire = None
         if lease is not None:
             refs = []
