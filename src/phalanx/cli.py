@@ -55,17 +55,46 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
+    import os
+
+    from phalanx import env
     from phalanx.cli_net import controller_of
-    from phalanx.client import Transport
-    from phalanx.console.poll import fetch_status
     from phalanx.launch.options import parse_scale
-    from phalanx.protocol.commands import ScaleReply, ScaleReq
 
     try:
         want = parse_scale(args.counts)
     except ValueError as e:
         raise SystemExit(f"phalanx scale: {e}") from None
-    controller = controller_of(args, "scale")
+    out: dict[str, dict[str, object]] = {}
+    if args.kubeconfig:
+        from phalanx.launch.k8s import scale_jobs
+
+        scaled = scale_jobs(args.kubeconfig, args.namespace, args.release, want)
+        out["kubernetes"] = {
+            s.role: {"job": s.job, "namespace": s.namespace, "from": s.before, "to": s.after}
+            for s in scaled
+        }
+        if not args.json:
+            for s in scaled:
+                print(f"{s.role}: Job {s.job} in {s.namespace}: {s.before} -> {s.after} pods")
+    # With --kubeconfig the cluster starts and stops the pods; a controller named too
+    # records the wanted count (status, /metrics). Without, the controller is the target.
+    if not args.kubeconfig or args.controller or os.environ.get(env.CONTROLLER):
+        desired = _scale_controller(controller_of(args, "scale"), want)
+        out["desired"] = dict(desired)
+        if not args.json:
+            print("desired replicas: " + ", ".join(f"{k}={v}" for k, v in sorted(desired.items())))
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def _scale_controller(controller: str, want: dict[str, int]) -> dict[str, int]:
+    """Record the wanted counts in the controller (``phalanx run`` follows them)."""
+    from phalanx.client import Transport
+    from phalanx.console.poll import fetch_status
+    from phalanx.protocol.commands import ScaleReply, ScaleReq
+
     roles = sorted(fetch_status(controller).roles)
     unknown = sorted(set(want) - set(roles))
     if unknown:
@@ -79,11 +108,7 @@ def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
             desired = dict(t.call("/v1/scale", ScaleReq(role=role, replicas=n), ScaleReply).desired)
     finally:
         t.close()
-    if args.json:
-        print(json.dumps({"desired": desired}))
-    else:
-        print("desired replicas: " + ", ".join(f"{k}={v}" for k, v in sorted(desired.items())))
-    return 0
+    return desired
 
 
 def _replica(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -154,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.audit.cli import add_parser as add_audit_parser
     from phalanx.cli_agent import add_agent_parser, run_agent
     from phalanx.cli_net import add_advertise_host, add_ca_file, add_controller, add_tls
+    from phalanx.launch.k8s import add_kubernetes
 
     p = argparse.ArgumentParser(
         prog="phalanx",
@@ -293,14 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser(
         "scale",
-        help="ask for a number of replicas per role (phalanx run follows it)",
+        help="ask for a number of replicas per role (phalanx run, or Kubernetes)",
         description="Set the desired replica count of roles, e.g. `phalanx scale rollout=3`. "
         "The controller records it; a launcher that can start and stop replicas (phalanx "
-        "run) starts new ones or stops the highest-numbered surplus ones.",
+        "run) starts new ones or stops the highest-numbered surplus ones. With --kubeconfig "
+        "and --release, the Helm release's Indexed Job of each role is patched to N pods "
+        "(parallelism and completions), and the controller, if named, records it too.",
     )
     k.add_argument("counts", nargs="+", metavar="ROLE=N", help="desired replicas of ROLE")
     add_controller(k)
-    k.add_argument("--json", action="store_true", help="print the desired counts as JSON")
+    add_kubernetes(k)
+    k.add_argument("--json", action="store_true", help="print the result as JSON")
     k.set_defaults(fn=_scale)
 
     add_agent_parser(sub, run_agent)

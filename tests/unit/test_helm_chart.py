@@ -83,7 +83,7 @@ def replica_pods(objs: dict[tuple[str, str], Obj]) -> dict[str, Obj]:
     return {
         o["metadata"]["labels"]["phalanx.dev/role"]: o
         for (kind, _), o in objs.items()
-        if kind in ("StatefulSet", "Job") and "phalanx.dev/role" in o["metadata"]["labels"]
+        if kind == "Job" and "phalanx.dev/role" in o["metadata"]["labels"]
     }
 
 
@@ -94,7 +94,6 @@ CASES = [
     (
         "ft_hsdp.toml",
         (
-            "roles.policy.workload=Job",
             "roles.policy.gpus=2",
             "roles.policy.replicas=4",
             "controller.tls.secretName=ctl-tls",
@@ -116,8 +115,8 @@ def test_every_object_is_valid_for_kubernetes(config, sets):
     for obj in objs.values():
         kubernetes_validate.validate(obj, KUBERNETES, strict=True)
     # A bad object is caught (the check is not a no-op).
-    sts = next(o for (k, _), o in objs.items() if k in ("StatefulSet", "Job"))
-    bad = {**sts, "spec": {**sts["spec"], "replica": 2}}
+    job = next(o for (k, _), o in objs.items() if k == "Job")
+    bad = {**job, "spec": {**job["spec"], "replica": 2}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES, strict=True)
 
@@ -211,38 +210,62 @@ def test_replicas_are_given_the_controller_s_service_port_and_token(config, sets
         assert ctl["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
 
 
-def test_each_role_is_a_stateful_set_of_its_count_and_named_after_its_pod():
+def test_each_role_is_an_indexed_job_of_its_count_that_ends_with_the_job():
     pods = replica_pods(render("sort_grpo.toml"))
     # Counts default to the config's n_init_replicas (policy 1, rollout 2).
-    assert {r: p["spec"]["replicas"] for r, p in pods.items()} == {"policy": 1, "rollout": 2}
+    counts = {r: (p["spec"]["completions"], p["spec"]["parallelism"]) for r, p in pods.items()}
+    assert counts == {"policy": (1, 1), "rollout": (2, 2)}
     pods = replica_pods(
         render("sort_grpo.toml", "roles.rollout.replicas=5", "roles.rollout.gpus=1")
     )
-    assert pods["rollout"]["spec"]["replicas"] == 5
-    for role, sts in pods.items():
-        assert sts["kind"] == "StatefulSet" and sts["spec"]["serviceName"] == "job-phalanx-replicas"
-        tmpl = sts["spec"]["template"]
-        assert sts["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
-        c = container(sts)
-        # --name is the pod's name: stable across restarts of the pod.
-        assert env_of(c)["PHALANX_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert pods["rollout"]["spec"]["completions"] == pods["rollout"]["spec"]["parallelism"] == 5
+    for role, job in pods.items():
+        spec = job["spec"]
+        # Every index runs at once; a pod that exits 0 completes its index and is not
+        # started again (the Job ends with the training job); a failed pod is replaced
+        # under its index, with no Job-wide limit that would fail the whole role.
+        assert spec["completionMode"] == "Indexed"
+        assert spec["template"]["spec"]["restartPolicy"] == "Never"
+        assert spec["backoffLimitPerIndex"] >= 1000 and "backoffLimit" not in spec
+        assert spec["template"]["spec"]["subdomain"] == "job-phalanx-replicas"
+        c = container(job)
+        env = env_of(c)
+        # --name is the Job's name and the pod's index: stable across replaced pods.
+        assert env["PHALANX_NAME"] == f"job-phalanx-{role}-$(JOB_COMPLETION_INDEX)"
+        index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert env["JOB_COMPLETION_INDEX"] == {"fieldRef": {"fieldPath": index}}
         assert "--name=$(PHALANX_NAME)" in c["args"]
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (1 if role == "rollout" else None)
+    # The headless Service the pods' subdomain names selects them.
+    svc = render("sort_grpo.toml")["Service", "job-phalanx-replicas"]
+    for job in pods.values():
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items()
 
 
-def test_a_role_can_be_an_indexed_job_of_its_count():
-    objs = render("ft_hsdp.toml", "roles.policy.workload=Job", "roles.policy.gpus=2")
+def test_a_policy_job_of_several_ranks_per_replica():
+    objs = render("ft_hsdp.toml", "roles.policy.gpus=2")
     job = objs["Job", "job-phalanx-policy"]
-    spec = job["spec"]
     # ft_hsdp.toml: n_init_replicas = 3, [replica] ranks = 2.
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
-    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
     c = container(job)
-    env = env_of(c)
-    assert env["PHALANX_NAME"] == "job-phalanx-policy-$(JOB_COMPLETION_INDEX)"
     assert "--nproc=2" in c["args"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
+@pytest.mark.parametrize("release", ["job", "sort", "my-phalanx", "a" * 50])
+def test_phalanx_scale_names_the_job_the_chart_renders(release):
+    from phalanx.launch.k8s import job_name
+
+    r = subprocess.run(
+        [str(HELM), "template", release, str(CHART), "--set-file",
+         f"config={EXAMPLES / 'sort_grpo.toml'}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    jobs = {d["metadata"]["name"] for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Job"}
+    assert jobs == {job_name(release, "policy"), job_name(release, "rollout")}
 
 
 @pytest.mark.parametrize(
@@ -261,8 +284,9 @@ def test_a_role_can_be_an_indexed_job_of_its_count():
             "- roles.rollout.gpus: Invalid type. Expected: integer, given: boolean",
         ),
         (
-            ("roles.policy.workload=Deployment",),
-            "- roles.policy.workload: roles.policy.workload must be one of",
+            # The StatefulSet option is gone: its pods restarted after the job ended.
+            ("roles.policy.workload=StatefulSet",),
+            "- roles.policy: Additional property workload is not allowed",
         ),
         (("roles.reward.replicas=1",), '- roles: Property name of "reward" does not match'),
         (("controler.port=80",), "- (root): Additional property controler is not allowed"),
@@ -295,7 +319,7 @@ def test_an_upgrade_scales_down_to_min_replicas_and_not_below(tmp_path):
     r = helm("sort_grpo.toml", "roles.rollout.replicas=1", upgrade=True)
     assert r.returncode == 0, r.stderr
     objs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(r.stdout) if d}
-    assert objs["job-phalanx-rollout"]["spec"]["replicas"] == 1
+    assert objs["job-phalanx-rollout"]["spec"]["completions"] == 1
     two = tmp_path / "two.toml"
     two.write_text("[roles.policy]\nmin_replicas = 2\nn_init_replicas = 3\n")
     assert helm(two, "roles.policy.replicas=2", upgrade=True).returncode == 0

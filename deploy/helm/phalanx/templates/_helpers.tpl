@@ -1,6 +1,6 @@
 {{/*
 Names. The base is cut to 40 characters so that "-controller", "-rollout" and a
-StatefulSet's pod suffix stay within Kubernetes' limits.
+pod suffix stay within Kubernetes' limits.
 */}}
 {{- define "phalanx.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
