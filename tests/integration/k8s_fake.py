@@ -44,7 +44,9 @@ def job(release: str, role: str, count: int, namespace: str = "ml") -> dict[str,
     j = fixture("job.json")
     name = f"{release}-phalanx-{role}" if "phalanx" not in release else f"{release}-{role}"
     j["metadata"].update(name=name, namespace=namespace)
-    j["metadata"]["labels"].update({"app.kubernetes.io/instance": release, "phalanx.dev/role": role})
+    j["metadata"]["labels"].update(
+        {"app.kubernetes.io/instance": release, "phalanx.dev/role": role}
+    )
     j["spec"]["template"]["metadata"]["labels"].update(
         {"batch.kubernetes.io/job-name": name, "job-name": name, "phalanx.dev/role": role}
     )
@@ -114,7 +116,9 @@ class FakeApiServer:
         ns, _, rest = req.path[len(PREFIX) :].partition("/")
         parts = rest.split("/")
         if req.method == "GET" and parts == ["jobs"]:
-            want = dict(kv.split("=", 1) for kv in req.query.get("labelSelector", "").split(",") if kv)
+            want = dict(
+                kv.split("=", 1) for kv in req.query.get("labelSelector", "").split(",") if kv
+            )
             items = [
                 j
                 for (n, _), j in sorted(self.jobs.items())
@@ -169,7 +173,11 @@ class FakeApiServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_PATCH = do_POST = do_PUT = do_DELETE = _serve
+            def do_GET(self) -> None:
+                self._serve()
+
+            def do_PATCH(self) -> None:
+                self._serve()
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -54,7 +54,10 @@ def test_scale_patches_the_role_s_indexed_job(api: FakeApiServer, tmp_path: Path
     argv = ["scale", "rollout=5", "--kubeconfig", str(kube), "--release", "sort"]
     env = {k: v for k, v in child_env().items() if k != "PHALANX_CONTROLLER"}
     p = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", *argv], capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "phalanx.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=60,
     )
     assert p.returncode == 0, p.stderr
@@ -117,7 +120,9 @@ def _refused(argv: list[str], monkeypatch) -> str:
 def test_a_role_or_release_that_is_not_there_is_named(api: FakeApiServer, tmp_path, monkeypatch):
     kube = str(api.kubeconfig(tmp_path / "kubeconfig"))
     del api.jobs["ml", "sort-phalanx-rollout"]
-    msg = _refused(["policy=2", "rollout=3", "--kubeconfig", kube, "--release", "sort"], monkeypatch)
+    msg = _refused(
+        ["policy=2", "rollout=3", "--kubeconfig", kube, "--release", "sort"], monkeypatch
+    )
     assert msg == (
         "phalanx scale: role must be one of release sort's roles ['policy']: got rollout "
         "(no Job sort-phalanx-rollout in namespace ml)."
@@ -129,14 +134,16 @@ def test_a_role_or_release_that_is_not_there_is_named(api: FakeApiServer, tmp_pa
     assert _count(api, "policy") == (1, 1)
 
 
-def test_a_refusal_a_finished_job_and_zero_change_nothing(api: FakeApiServer, tmp_path, monkeypatch):
+def test_a_refusal_a_finished_job_and_zero_change_nothing(
+    api: FakeApiServer, tmp_path, monkeypatch
+):
     kube = str(api.kubeconfig(tmp_path / "kubeconfig"))
     base = ["--kubeconfig", kube, "--release", "sort"]
     api.forbid.add(("patch", "sort-phalanx-rollout"))
     msg = _refused(["rollout=4", *base], monkeypatch)
     assert msg.startswith(
         "phalanx scale: the API server refused to patch Job sort-phalanx-rollout in namespace "
-        "ml (403 Forbidden: jobs.batch \"sort-phalanx-rollout\" is forbidden: User "
+        'ml (403 Forbidden: jobs.batch "sort-phalanx-rollout" is forbidden: User '
     )
     assert msg.endswith("needs get and patch on jobs.batch there.")
     api.jobs["ml", "sort-phalanx-policy"]["status"]["conditions"] = [
@@ -154,11 +161,15 @@ def test_a_refusal_a_finished_job_and_zero_change_nothing(api: FakeApiServer, tm
 
 def test_a_bad_kubeconfig_or_no_release_is_one_line(api: FakeApiServer, tmp_path, monkeypatch):
     good = str(api.kubeconfig(tmp_path / "kubeconfig"))
-    msg = _refused(["rollout=2", "--kubeconfig", str(tmp_path / "none"), "--release", "sort"], monkeypatch)
+    msg = _refused(
+        ["rollout=2", "--kubeconfig", str(tmp_path / "none"), "--release", "sort"], monkeypatch
+    )
     assert "--kubeconfig must be a readable kubeconfig file: got " in msg
     assert "(No such file or directory)" in msg
     (tmp_path / "bad").write_text("apiVersion: v1\nkind: Config\ncontexts: []\n")
-    msg = _refused(["rollout=2", "--kubeconfig", str(tmp_path / "bad"), "--release", "sort"], monkeypatch)
+    msg = _refused(
+        ["rollout=2", "--kubeconfig", str(tmp_path / "bad"), "--release", "sort"], monkeypatch
+    )
     assert "--kubeconfig must be a kubeconfig with a current context: got " in msg
     msg = _refused(["rollout=2", "--kubeconfig", good], monkeypatch)
     assert "--release must name the Helm release with --kubeconfig: got none" in msg
@@ -173,4 +184,6 @@ def test_an_unreachable_api_server_is_one_line(tmp_path, monkeypatch):
     with FakeApiServer() as gone:
         kube = str(gone.kubeconfig(tmp_path / "kubeconfig"))
     msg = _refused(["rollout=2", "--kubeconfig", kube, "--release", "sort"], monkeypatch)
-    assert msg.startswith(f"phalanx scale: cannot reach the Kubernetes API server at http://127.0.0.1:{gone.port}")
+    assert msg.startswith(
+        f"phalanx scale: cannot reach the Kubernetes API server at http://127.0.0.1:{gone.port}"
+    )

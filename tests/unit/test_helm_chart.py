@@ -259,9 +259,17 @@ def test_phalanx_scale_names_the_job_the_chart_renders(release):
     from phalanx.launch.k8s import job_name
 
     r = subprocess.run(
-        [str(HELM), "template", release, str(CHART), "--set-file",
-         f"config={EXAMPLES / 'sort_grpo.toml'}"],
-        capture_output=True, text=True, timeout=60,
+        [
+            str(HELM),
+            "template",
+            release,
+            str(CHART),
+            "--set-file",
+            f"config={EXAMPLES / 'sort_grpo.toml'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0, r.stderr
     jobs = {d["metadata"]["name"] for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Job"}

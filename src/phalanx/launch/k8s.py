@@ -128,7 +128,9 @@ def _refused(e: Any, what: str, ns: str, server: str) -> SystemExit:
             f"{e.reason}: {_api_message(e)}). The kubeconfig's user needs get and patch on "
             f"jobs.batch there."
         )
-    return _fail(f"the API server refused to {what} in namespace {ns} ({status}: {_api_message(e)}).")
+    return _fail(
+        f"the API server refused to {what} in namespace {ns} ({status}: {_api_message(e)})."
+    )
 
 
 def _missing(batch: Any, release: str, role: str, name: str, ns: str) -> SystemExit:
