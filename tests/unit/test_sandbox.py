@@ -235,11 +235,27 @@ def test_run_by_a_user_it_takes_a_user_namespace_and_still_limits(box: BwrapSand
         "print(s.as_root, s.run('import os; print(os.getuid())').stdout.strip())\n"
         f"print(s.run({FORKS!r}).stdout.strip(), s.run('x = bytearray(2**31)').reason)\n"
     )
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
-    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    out = subprocess.run(
-        [*cmd, SYSTEM_PYTHON, "-c", script], env=env, cwd="/", capture_output=True, text=True
-    )
+    # A copy of the package that `nobody` can read: the checkout may sit under a
+    # directory only root enters (a CI clone in a mkdtemp directory, root's home).
+    import shutil
+    import tempfile
+
+    readable = Path(tempfile.mkdtemp(prefix="phalanx-src-", dir="/tmp"))
+    try:
+        shutil.copytree(
+            ROOT / "src" / "phalanx", readable / "phalanx", ignore=shutil.ignore_patterns("*.pyc")
+        )
+        for d, _, files in os.walk(readable):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(readable)}
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        out = subprocess.run(
+            [*cmd, SYSTEM_PYTHON, "-c", script], env=env, cwd="/", capture_output=True, text=True
+        )
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split()
     assert lines[:2] == ["False", "65534"]
