@@ -143,18 +143,21 @@ class Conversation:
     def so_far(self, sample: int) -> EpisodeSoFar:
         return EpisodeSoFar(sample=sample, prompt_ids=list(self.prompt_ids), turns=self.turns)
 
+    def version(self) -> int:
+        """The oldest version of the model's tokens (0 before any turn)."""
+        return min((v for v, m in zip(self.versions, self.mask, strict=True) if m), default=0)
+
     def completion(self, prompt_index: int, reward: float | None) -> Completion:
         """The whole episode as one completion (the trainer's row): the prompt, then
         every turn's ids after it, the environment's masked out. ``finished``: the
         model's last turn ended with EOS. ``version``: the oldest token's."""
-        model_versions = [v for v, m in zip(self.versions, self.mask, strict=True) if m]
         return Completion(
             prompt_index=prompt_index,
             prompt_ids=list(self.prompt_ids),
             token_ids=list(self.token_ids),
             logprobs=list(self.logprobs),
             finished=self.last_finished,
-            version=min(model_versions) if model_versions else 0,
+            version=self.version(),
             reward=reward,
             versions=list(self.versions),
             mask=list(self.mask),

@@ -179,7 +179,7 @@ class Episodes:
             )
         return RolloutIn(
             rollout_id=p.rollout_id,
-            version=min(c.conv.completion(p.index, None).version for c in clients),
+            version=min(c.conv.version() for c in clients),
             reward=sum(rewards) / len(rewards),
             exact_match=sum(r >= 1.0 for r in rewards) / len(rewards),
             completions=rows,
@@ -187,7 +187,7 @@ class Episodes:
 
     def _discard(self, p: PromptRef, clients: list[EpisodeClient], why: str) -> RolloutIn:
         log.warning("prompt %d: %s; its rollout is discarded", p.index, why[:300])
-        versions = [c.conv.completion(p.index, None).version for c in clients if c.conv.turns]
+        versions = [c.conv.version() for c in clients if c.conv.turns]
         return RolloutIn(
             rollout_id=p.rollout_id,
             version=min(versions, default=self.engine.version if self.engine.version >= 0 else 0),
