@@ -249,7 +249,13 @@ class ControllerClient(LedgerCalls):
 
     # -- quorum ----------------------------------------------------------
 
-    def quorum(self, step: int, timeout_s: float | None = None, lineage: int = 0) -> QuorumView:
+    def quorum(
+        self,
+        step: int,
+        timeout_s: float | None = None,
+        lineage: int = 0,
+        timing: tuple[float, int] | None = None,
+    ) -> QuorumView:
         """Block until this replica is in a quorum of its role for ``step``.
 
         Call it once per step from the replica's rank 0, with the replica's
@@ -258,7 +264,8 @@ class ControllerClient(LedgerCalls):
         quorum again. The reply is a brief; the member list comes from
         :attr:`member_lists`, fetched only when membership changed. Raises
         :class:`QuorumTimeout` after ``timeout_s`` (default: the job's
-        ``timeouts.quorum_s``)."""
+        ``timeouts.quorum_s``). ``timing``: (seconds, samples) of this replica's
+        share in the last step it computed, for the controller's straggler watch."""
         if timeout_s is None:
             timeout_s = self.timeouts.quorum_timeout_s if self.timeouts is not None else 60.0
         request_id = uuid.uuid4().hex
@@ -280,6 +287,8 @@ class ControllerClient(LedgerCalls):
                     timeout_s=left,
                     wait_s=wait,
                     lineage=lineage,
+                    compute_s=timing[0] if timing else None,
+                    samples=timing[1] if timing else None,
                 )
                 return rid, self.transport.call("/v1/quorum", req, QuorumReply, timeout=wait + 10)
 

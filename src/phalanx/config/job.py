@@ -38,6 +38,7 @@ from phalanx.config.journal import check_journal
 from phalanx.config.model import ModelSection
 from phalanx.config.rl import RLConfig
 from phalanx.config.rl_diloco import check_rl_diloco
+from phalanx.config.stragglers import StragglersSection
 from phalanx.config.track import TrackSection, merge_rl_track
 from phalanx.config.train import DiLoCoSection, TrainSection
 from phalanx.config.urls import check_storage_url
@@ -186,6 +187,8 @@ class ControllerSection(_Section):
     """How often the controller checks deadlines (evictions, join timeouts)."""
     history: int = Field(500, ge=10, le=100_000)
     """How many past events (evictions, quorums) the status API keeps."""
+    stragglers: StragglersSection = Field(default_factory=StragglersSection)
+    """``[controller.stragglers]``: slow replicas get a smaller share, or are evicted."""
 
     @field_validator("journal")
     @classmethod

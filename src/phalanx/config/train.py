@@ -94,6 +94,14 @@ class TrainSection(_Section):
     job it applies to the outer all-reduce."""
     step_delay_s: float = Field(0.0, ge=0, le=60)
     """Extra time per step (a stand-in for a bigger model, for demos)."""
+    slow_replica: str = Field("", max_length=128)
+    """The replica (by name, e.g. ``policy-1``) that :attr:`slowdown` throttles; ''
+    for none."""
+    slowdown: float = Field(1.0, ge=1, le=100)
+    """How many times as long ``slow_replica``'s share takes to compute: a throttled
+    device in proportion to its work, for tests, demos and bench/ops_straggler.py
+    (``2``: half speed). The controller's straggler handling
+    (``[controller.stragglers]``) gives it a smaller share."""
     log_samples: bool = True
     """Print the sample indices each replica trained on with every committed step:
     ``phalanx audit --against`` compares the committed global batches with a calm
@@ -106,6 +114,10 @@ class TrainSection(_Section):
     """The training data for a Hugging Face model (``train.model`` a model spec):
     ``[train.data]``, read, tokenized and cached by :mod:`phalanx.data.text`. None:
     the built-in task's synthetic data."""
+
+    def slowdown_for(self, name: str) -> float:
+        """:attr:`slowdown` for the replica named ``name`` (1: not throttled)."""
+        return self.slowdown if name and name == self.slow_replica else 1.0
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TrainSection:

@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from phalanx.controller.core.overview import overview
@@ -194,6 +194,39 @@ class OverviewCollector(Collector):
             )
 
 
+class StragglerCollector(Collector):
+    """The straggler watch's counters and each watched replica's share, per scrape
+    (:mod:`phalanx.controller.core.stragglers`; counted since the controller
+    started)."""
+
+    def __init__(self, service: ControllerService):
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        fig = self.service.state.stragglers.figures()
+        flagged = CounterMetricFamily(
+            "phalanx_straggler_flagged",
+            "Replicas flagged as stragglers (a share time past factor x their peers' median).",
+            labels=["role"],
+        )
+        evicted = CounterMetricFamily(
+            "phalanx_straggler_evicted",
+            "Stragglers evicted: still too slow at the floor share (controller.stragglers).",
+            labels=["role"],
+        )
+        for role in self.service.state.roles:
+            flagged.add_metric([role], fig["flagged"].get(role, 0))
+            evicted.add_metric([role], fig["evicted"].get(role, 0))
+        share = _gauge(
+            "phalanx_replica_share",
+            "A watched replica's share of the global batch, as a fraction of an equal share.",
+            ["role", "replica_id"],
+        )
+        for rid, (role, value) in sorted(fig["shares"].items()):
+            share.add_metric([role, rid], value)
+        yield from (flagged, evicted, share)
+
+
 def _single(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
@@ -263,6 +296,7 @@ class Metrics:
             rollbacks.labels(role.name).set_function(partial(_rollbacks, role))
             rolled_back.labels(role.name).set_function(partial(_rolled_back_steps, role))
         r.register(OverviewCollector(service))
+        r.register(StragglerCollector(service))
 
     def quorum_waited(self, role: str, seconds: float) -> None:
         """Observe one quorum request's wait (the role's child kept: ``labels()`` took a

@@ -131,6 +131,7 @@ def attach_replica(
         **options,
     )
     manager.total_steps = steps
+    manager.accumulator.slowdown = cfg.train.slowdown_for(name)
     return ReplicaSetup(
         client, store, manager, _no_compute, ckpt=None, resumed=None, orders=Orders(client)
     )

@@ -21,7 +21,7 @@ from phalanx.protocol.base import (
     Wall,
     Wire,
 )
-from phalanx.protocol.quorum import QuorumBrief
+from phalanx.protocol.quorum import QuorumBrief, Shares
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]
 
@@ -106,6 +106,12 @@ class QuorumReq(Wire):
     not follow (its collective finished where theirs timed out) is healed."""
     timeout_s: float = Field(60.0, gt=0, le=86400)
     wait_s: WaitS = 10.0
+    compute_s: float | None = Field(None, ge=0, le=86400)
+    """The time this replica took to compute its share of the last step it computed
+    (None: not reported, as by an older client or a loop without shares). With
+    ``samples``, what the controller finds stragglers from (``[controller.stragglers]``)."""
+    samples: Count | None = None
+    """The samples of that share."""
 
 
 class QuorumMember(Wire):
@@ -144,6 +150,10 @@ class Quorum(Wire):
     """The job's last step, once known (the FT job's configured steps; the RL job's
     once its ledger decided it): a replica behind it, with no peer that holds it in
     the quorum, stops instead of training the finished job again."""
+    shares: Shares = ()
+    """The share weights of the members, in rank order (thousandths of an equal
+    share): every member splits the constant global batch by them alike. Empty: the
+    equal split. A straggler's is smaller (:mod:`phalanx.controller.core.stragglers`)."""
     rolled_back_from: Count | None = None
     """Set on the quorum that rolled the job back: no live replica and no checkpoint
     held the job's step, which went back from this to ``max_step`` (journaled as a

@@ -47,6 +47,12 @@ MAX_MEMBERS = 100_000
 Digest = Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
 """A member list's :func:`roster_digest`: 32 lowercase hex digits."""
 Rank = Annotated[int, Field(ge=0, le=MAX_MEMBERS)]
+FULL_SHARE = 1000
+"""A share weight of an equal share: weights are in thousandths of one."""
+Weight = Annotated[int, Field(ge=1, le=FULL_SHARE)]
+Shares = Annotated[tuple[Weight, ...], Field(max_length=MAX_MEMBERS)]
+"""Per-rank weights of the split of the global batch (:func:`phalanx.train.batch.
+share_of`); empty: the equal split."""
 
 
 class QuorumPeer(Wire):
@@ -114,6 +120,8 @@ class QuorumHead(Wire):
     """As :attr:`phalanx.protocol.membership.Quorum.final_step`."""
     rolled_back_from: Count | None = None
     """As :attr:`phalanx.protocol.membership.Quorum.rolled_back_from`."""
+    shares: Shares = ()
+    """As :attr:`phalanx.protocol.membership.Quorum.shares`."""
 
 
 class QuorumBrief(QuorumHead):

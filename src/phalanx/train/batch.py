@@ -13,6 +13,14 @@ the gradient of the mean loss over the global batch, as a single process
 would compute it, for any ``k`` and any split; the learning rate needs no
 change when membership does.
 
+**Weighted split.** A quorum may carry per-rank weights (the controller gives a
+straggler a smaller share: :mod:`phalanx.controller.core.stragglers`). Rank ``i``
+then takes ``floor(B*w_i/W)`` samples (``W`` the sum of the weights), and the
+samples left over go one each to the largest remainders ``B*w_i mod W``, ties to
+the lower rank; slices stay contiguous in rank order. Equal weights give exactly
+the remainder rule, and every member computes the same split from the same
+weights, so the global batch is the same whoever takes which part.
+
 **Accumulation.** A rank's share is cut into micro-batches of at most
 ``micro_batch_size`` samples; their gradients accumulate before the
 all-reduce.
@@ -27,6 +35,33 @@ def split(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
         raise ValueError(f"rank must be in [0, {world_size}): got {rank}.")
     q, r = divmod(batch_size, world_size)
     return rank * q + min(rank, r), q + (1 if rank < r else 0)
+
+
+def split_weighted(batch_size: int, weights: tuple[int, ...], rank: int) -> tuple[int, int]:
+    """``(offset, count)`` of rank ``rank``'s share of the global batch, split by
+    ``weights`` (one positive integer per rank: the module's weighted split)."""
+    k = len(weights)
+    if not 0 <= rank < k:
+        raise ValueError(f"rank must be in [0, {k}): got {rank}.")
+    if min(weights) < 1:
+        raise ValueError(f"share weights must be >= 1: got {min(weights)}.")
+    total = sum(weights)
+    counts = [batch_size * w // total for w in weights]
+    left = batch_size - sum(counts)
+    by_remainder = sorted(range(k), key=lambda i: (-(batch_size * weights[i] % total), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return sum(counts[:rank]), counts[rank]
+
+
+def share_of(
+    batch_size: int, world_size: int, rank: int, weights: tuple[int, ...] = ()
+) -> tuple[int, int]:
+    """``(offset, count)`` of ``rank``'s share: by ``weights`` when the quorum gave one
+    per rank, else the equal split."""
+    if weights and len(weights) == world_size:
+        return split_weighted(batch_size, weights, rank)
+    return split(batch_size, world_size, rank)
 
 
 def micro_batches(items: list[int], micro_batch_size: int) -> list[list[int]]:

@@ -209,6 +209,7 @@ class Manager:
             self._ok, self._error = False, f"quorum {q.quorum_id} is a previous incarnation's"
             return q
         self.rank, self.world_size = q.replica_ids.index(me), len(q.members)
+        self.accumulator.weights = q.shares  # a straggler's share is smaller
         self.client.who.quorum_id = q.quorum_id
         key = (q.quorum_id, inc)
         try:
@@ -257,7 +258,8 @@ class Manager:
                 wait_for_most(peers, time.monotonic() + timeout, "the last quorum's peers")
             except TimeoutError as e:
                 raise QuorumTimeout(f"not rejoining yet: {e}") from None
-        return self.client.quorum(step, self.quorum_timeout_s, self.lineage)
+        timing = self.accumulator.timing()
+        return self.client.quorum(step, self.quorum_timeout_s, self.lineage, timing)
 
     def _take_quorum(self) -> QuorumView:
         """The quorum asked for by :meth:`start_quorum` (waits for it). Raises
@@ -415,13 +417,14 @@ class Manager:
         commits (optimizer stepped, cursor advanced) or returns
         ``committed=False`` and the caller calls it again for the same batch."""
         self.start_quorum()
-        guess = self.predicted_share()
+        guess, weights = self.predicted_share(), self.accumulator.weights
         loss = self.compute(fn, *guess) if guess is not None else None
         q = self.wait_quorum()
         healed = self.client.replica_id in q.heal
         if healed:
             self.accumulator.forget()  # the model changed under the gradients
-        if self._ok and (guess != (self.rank, self.world_size) or healed):
+        moved = guess != (self.rank, self.world_size) or weights != self.accumulator.weights
+        if self._ok and (moved or healed):
             loss = self.compute(fn, self.rank, self.world_size)
         total = self.allreduce_grads(loss or 0.0)
         committed = self.should_commit()

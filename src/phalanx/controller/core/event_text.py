@@ -55,6 +55,8 @@ def _describe(e: dict[str, Any], k: str, who: str) -> str:
         return f"{who} {e.get('reason') or 'left'}"
     if k in EVENT_TEXT:
         return EVENT_TEXT[k].format_map(_Fields(e, who=who))
+    if k == "straggler":
+        return _straggler(e, who)
     if k == "active":
         return f"{who} active {_f(e.get('join_s'))} s after joining"
     if k == "quorum":
@@ -86,3 +88,16 @@ def _describe(e: dict[str, Any], k: str, who: str) -> str:
             )
         return f"weight sync {e.get('seq', '')} done (v{e.get('version', '?')})"
     return f"{k} {who}".strip()
+
+
+STRAGGLER_TEXT = {
+    "flagged": "{who} flagged as a straggler ({ratio}x its peers' step time): its share "
+    "goes to {share} of an equal one",
+    "share": "{who}, a straggler, gets {share} of an equal share ({ratio}x its peers' step time)",
+    "cleared": "{who} no longer a straggler ({ratio}x its peers' step time): an equal share again",
+}
+"""A ``straggler`` event by its ``action`` (:mod:`.stragglers`)."""
+
+
+def _straggler(e: dict[str, Any], who: str) -> str:
+    return STRAGGLER_TEXT[e["action"]].format_map(_Fields(e, who=who))

@@ -68,6 +68,8 @@ def detector_of(reason: str) -> str:
         return "replaced"
     if reason.startswith("evicted by operator"):
         return "operator"
+    if reason.startswith("straggler"):
+        return "straggler"
     return "left"
 
 

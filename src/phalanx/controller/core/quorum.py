@@ -21,6 +21,7 @@ one is refused, so that it restarts from the checkpoint root or heals.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from phalanx.controller.core.base import ChangeLog, Conflict
@@ -40,6 +41,10 @@ QUORUM_HISTORY = 8
 """Formed quorums kept per role, so that a retried request finds its answer."""
 
 
+def _equal(ids: list[str]) -> tuple[int, ...]:
+    return ()
+
+
 class Quorums:
     def __init__(
         self,
@@ -50,6 +55,9 @@ class Quorums:
     ):
         self.log, self.roles, self.members = log, roles, members
         self.rules = rules or StepRules()
+        self.shares: Callable[[list[str]], tuple[int, ...]] = _equal
+        """The share weights of a quorum of these members, in rank order (empty: the
+        equal split): the straggler watch's (:mod:`.stragglers`)."""
 
     def restore(self, tables: dict[str, dict[str, dict[str, Any]]]) -> None:
         for key in sorted(tables.get("quorums", {})):
@@ -306,6 +314,7 @@ class Quorums:
             job_step=max(rs.step, max_step),
             final_step=self.rules.final_step(rs),
             rolled_back_from=rolled_from,
+            shares=self.shares(ids),
         )
         ready = []
         request_ids = [rs.pending[rid].request_id for rid in ids]

@@ -50,6 +50,7 @@ from phalanx.controller.core.records import Member, RoleState
 from phalanx.controller.core.rl import RLRequests
 from phalanx.controller.core.status import status_of
 from phalanx.controller.core.steps import step_rules
+from phalanx.controller.core.stragglers import Stragglers
 from phalanx.protocol.membership import Quorum
 from phalanx.protocol.status import Status
 
@@ -83,6 +84,9 @@ class ControllerState(OperatorActions):
             self.membership,
             step_rules(cfg, lambda: self.ledger),
         )
+        self.stragglers = Stragglers(cfg.controller.stragglers, self.log)
+        """Slow replicas' share weights, which each quorum carries (``Quorum.shares``)."""
+        self.quorums.shares = self.stragglers.shares
         self.commands = Commands(self.log)
         self.checkpoints = CheckpointBook(self.log)
         self.desired: dict[str, int] = {}
@@ -244,6 +248,7 @@ class ControllerState(OperatorActions):
 
     def _evict(self, replica_id: str, reason: str, now: float, wall: float) -> Tick:
         m = self.membership.evict(replica_id, reason, now, wall)
+        self.stragglers.forget(replica_id)
         self.commands.drop_for(replica_id)
         rs = self.roles[m.role]
         rs.drop_pending(replica_id)
@@ -343,10 +348,19 @@ class ControllerState(OperatorActions):
         now: float,
         wall: float,
         lineage: int = 0,
+        compute_s: float | None = None,
+        samples: int | None = None,
     ) -> tuple[Quorum | None, Tick]:
         """Ask for the role's next quorum at committed ``step`` (in quorum ``lineage``):
-        the quorum if it formed (retries are idempotent), else None; a Tick names it."""
+        the quorum if it formed (retries are idempotent), else None; a Tick names it.
+        ``compute_s`` and ``samples``: the replica's last share, for the straggler
+        watch, which may evict the asker itself (the Tick says so; it is not asked)."""
         m = self.membership.seen(replica_id, now)
+        verdict = self.stragglers.report(
+            replica_id, m.name, m.role, request_id, compute_s, samples, wall=wall
+        )
+        if verdict.evict is not None:
+            return None, self._evict(verdict.evict, verdict.reason, now, wall)
         q, formed = self.quorums.request(m, step, request_id, timeout_s, now=now, wall=wall, lineage=lineage)  # fmt: skip
         return q, Tick(formed=[formed] if formed is not None else [])
 

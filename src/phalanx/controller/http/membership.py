@@ -126,9 +126,12 @@ async def quorum(api: Api, req: QuorumReq) -> QuorumReply | bytes:
         req.request_id,
         req.timeout_s,
         lineage=req.lineage,
+        compute_s=req.compute_s,
+        samples=req.samples,
     )
     deadline = t0 + req.wait_s
     while q is None:
+        st.member(req.replica_id)  # 410 if evicted (a straggler: by this very request)
         left = deadline - time.monotonic()
         if left <= 0 or not await svc.wait("quorum", req.replica_id, left):
             break

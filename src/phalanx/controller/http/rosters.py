@@ -124,6 +124,7 @@ class Rosters:
             job_step=q.job_step,
             final_step=q.final_step,
             rolled_back_from=q.rolled_back_from,
+            shares=q.shares,
             world_size=len(q.members),
             digest=roster.digest,
             rank=0,
