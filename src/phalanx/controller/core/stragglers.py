@@ -100,7 +100,7 @@ class Stragglers:
         wall: float,
     ) -> Verdict:
         """One quorum request's report. Returns the verdict (an eviction, or none)."""
-        if not self.cfg.enabled or compute_s is None or not samples:
+        if not self.cfg.enabled:
             return Verdict()
         w = self.watches.get(replica_id)
         if w is None:
@@ -109,6 +109,8 @@ class Stragglers:
             kept = self.remembered.get((role, name))
             if kept is not None:
                 w.weight, w.flagged = kept, True
+        if compute_s is None or not samples:
+            return Verdict()  # nothing computed yet (a joiner: it starts at its name's weight)
         if w.last_request == request_id:
             return Verdict()  # a retried request: counted once
         w.last_request = request_id
