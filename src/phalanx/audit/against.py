@@ -160,7 +160,7 @@ def check_final(run: Run, calm: Run) -> Check:
         worst = max(worst, d)
         if d > atol:
             c.problems.append(f"{k} differs by {d:.3g} > {atol:g}")
-    why = "exact reduction" if exact(run) else "same participants every step"
+    why = "exact reduction" if exact(run) else "same participants and split every step"
     c.what = (
         f"bit-identical to the calm run's ({why})"
         if bits
@@ -170,8 +170,16 @@ def check_final(run: Run, calm: Run) -> Check:
     return c
 
 
-def _participants(run: Run) -> dict[int, int]:
-    return {int(e["step"]): int(e.get("participants", 1)) for e in run.steps()}
+def _participants(run: Run) -> dict[int, Any]:
+    """Each step's participants and how the global batch was split among them (the
+    sizes of their shares by replica name: a straggler's smaller share changes which
+    replica sums which samples, and so the float rounding)."""
+    out: dict[int, Any] = {}
+    for e in run.steps():
+        sizes = out.setdefault(int(e["step"]), [int(e.get("participants", 1)), {}])[1]
+        if "samples" in e:
+            sizes[str(e["replica"]).split(":")[0]] = len(e["samples"])
+    return out
 
 
 def _load(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
