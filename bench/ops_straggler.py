@@ -76,9 +76,7 @@ def overrides(replicas: int, steps: int, delay_s: float, slow: bool) -> list[str
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), e.get("PYTHONPATH", "")) if p
-    )
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), e.get("PYTHONPATH", "")) if p)
     return e
 
 

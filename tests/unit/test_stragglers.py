@@ -86,7 +86,9 @@ class Job:
 
     def __init__(self, st: ControllerState, per_sample: dict[str, float]):
         self.st, self.per_sample, self.t = st, per_sample, 0.0
-        self.ids = {n: st.register("policy", n, "i0", now=0, wall=0)[0].replica_id for n in per_sample}
+        self.ids = {
+            n: st.register("policy", n, "i0", now=0, wall=0)[0].replica_id for n in per_sample
+        }
         self.q: Quorum | None = None
         self.step = 0
 
