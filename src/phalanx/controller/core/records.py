@@ -69,7 +69,8 @@ def quorum_of(rec: dict[str, Any]) -> Quorum:
     """A journaled quorum record as the wire type (trusted: it was built here)."""
     members = tuple(QuorumMember.model_construct(**m) for m in rec["members"])
     fields = {k: v for k, v in rec.items() if k != "request_ids"}  # the journal's own
-    return Quorum.model_construct(**{**fields, "members": members})
+    shares = tuple(rec.get("shares", ()))  # (a JSON list; none in an older journal)
+    return Quorum.model_construct(**{**fields, "members": members, "shares": shares})
 
 
 @dataclass
