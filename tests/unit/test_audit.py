@@ -281,6 +281,23 @@ def test_against_tolerates_rounding_when_membership_changed(tmp_path):
     assert failed(verdicts(far, calm)) == ["against.final"]
 
 
+def test_against_bit_identical_unless_the_split_changed(tmp_path):
+    calm = write_run(tmp_path / "calm", ft_logs())
+    # A straggler's smaller share at step 2: the same batch, split 1 + 3.
+    logs = ft_logs()
+    logs["policy-0"][1]["samples"], logs["policy-1"][1]["samples"] = [4], [5, 6, 7]
+    v = verdicts(write_run(tmp_path / "split", logs, weight=0.5 + 1e-12), calm)
+    assert failed(v) == [], v
+    assert "within 1e-09" in v["against.final"][1]
+    # A replica killed before it printed step 2: the other's size and the count fix
+    # the split, which is the calm run's, so the states must still be bit-identical.
+    logs = ft_logs()
+    logs["policy-1"].pop(1)
+    v = verdicts(write_run(tmp_path / "unprinted", logs, weight=0.5 + 1e-12), calm)
+    assert failed(v) == ["against.final"]
+    assert "differs by 1e-12 > 0" in v["against.final"][1]  # no tolerance
+
+
 @pytest.mark.parametrize("what", ["missing", "file", "empty", "no-logs"])
 def test_not_a_run_is_one_line_and_exit_2(tmp_path, capsys, what):
     path = tmp_path / "x"
