@@ -17,7 +17,8 @@ import pytest
 
 from phalanx.cli import build_parser
 from phalanx.config import load_config
-from phalanx.launch.agent.options import AgentOptions, expand, options_from_args
+from phalanx.launch.agent.args import options_from_args
+from phalanx.launch.agent.options import AgentOptions, expand
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "phalanx.sbatch"
