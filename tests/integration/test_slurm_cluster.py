@@ -12,11 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from slurm_cluster import NODES, SlurmCluster, slurm, wait_until  # noqa: F401  (slurm: a module-scoped fixture)
+from tests.integration.ftjob import child_env
 
 from phalanx.net import free_port
-from tests.integration.ftjob import child_env
-from tests.integration.slurm_cluster import NODES, SlurmCluster, slurm, wait_until  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "phalanx.sbatch"
@@ -39,7 +38,7 @@ def edited_script(tmp: Path, *, het: bool) -> Path:
 
 
 def submit(
-    slurm: SlurmCluster, tmp: Path, config: Path, *overrides: str, het: bool
+    cluster: SlurmCluster, tmp: Path, config: Path, *overrides: str, het: bool
 ) -> tuple[str, Path]:
     """Submit the job; returns (job id, its job dir)."""
     job_dir = tmp / "job"
@@ -52,7 +51,7 @@ def submit(
         OMP_NUM_THREADS="1",
     )
     script = edited_script(tmp, het=het)
-    job = slurm.sbatch(
+    job = cluster.sbatch(
         f"--output={tmp}/slurm-%j.out", str(script), str(config), *overrides, env=env, cwd=tmp
     )
     return job, job_dir
@@ -88,7 +87,8 @@ def output(tmp: Path, job: str) -> str:
 
 
 def test_an_ft_job_goes_on_when_a_node_is_lost_and_the_audit_passes(
-    slurm: SlurmCluster, tmp_path: Path
+    slurm: SlurmCluster,  # noqa: F811  (the fixture)
+    tmp_path: Path,
 ):
     steps = 400
     job, job_dir = submit(
