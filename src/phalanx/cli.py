@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("controller", "replica", "run", "syncer"):
+    if extra and args.command not in ("controller", "replica", "run", "syncer", "agent"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from phalanx.cli_net import apply_env
     from phalanx.config import ConfigError

@@ -90,13 +90,15 @@ def add_agent_parser(sub: Any, fn: Callable[[argparse.Namespace, list[str]], int
 
 
 def run_agent(args: argparse.Namespace, overrides: list[str]) -> int:
-    """``phalanx agent [OPTIONS] -- CMD ...`` and ``phalanx agent resize ...``."""
-    from phalanx.launch.agent.options import options_from_args
+    """``phalanx agent [OPTIONS] [--section.key=VALUE ...] -- CMD ...`` and ``phalanx
+    agent resize ...``. The overrides apply to the job's ``--config``: the served
+    controller's and the default worker's (``phalanx replica``)."""
+    from phalanx.launch.agent.args import options_from_args
     from phalanx.launch.agent.supervisor import Agent
     from phalanx.launch.agent.workers import AgentError
     from phalanx.log import setup
 
-    opts = options_from_args(args)
+    opts = options_from_args(args, overrides)
     if opts is None:
         return 0  # a resize request, sent
     setup()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import cli, env
+from phalanx.launch.agent.args import options_from_args
 from phalanx.launch.agent.files import RESIZE_FILE, request_resize, take_resize
 from phalanx.launch.agent.options import (
     CKPT,
@@ -167,3 +168,41 @@ def test_cli_resize_without_an_agent(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "--run-dir (or --name) must name the agent" in agent_error(
         capsys, "resize", "--nproc", "1"
     )
+
+
+def test_cli_config_overrides_reach_the_served_controller_and_the_default_worker(tmp_path: Path):
+    """``--section.key=VALUE`` before ``--`` applies to the job's --config, as on every
+    other command: the served controller and the default worker run the same job."""
+    job = tmp_path / "job.toml"
+    job.write_text("[train]\nsteps = 3\n")
+    argv = ["agent", "--serve-controller", "--controller", str(tmp_path / "ctl"), "--name"]
+    argv += ["r0", "--config", str(job), "--train.steps=7", "--controller-port", "7000"]
+    args, overrides = cli.build_parser().parse_known_args(argv)
+    opts = options_from_args(args, overrides)
+    assert opts is not None and opts.serve_controller is not None
+    assert list(opts.serve_controller) == [
+        "--config",
+        str(job),
+        "--port",
+        "7000",
+        "--train.steps=7",
+    ]
+    assert opts.cmd[-1] == "--train.steps=7" and opts.cmd[3] == "replica"
+
+
+def test_cli_config_overrides_that_cannot_apply_are_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
+    job = tmp_path / "job.toml"
+    job.write_text("[train]\nsteps = 3\n")
+    ctl = ["--serve-controller", "--controller", str(tmp_path / "ctl"), "--config", str(job)]
+    bad = agent_error(capsys, *ctl, "--train.stepz=7")
+    assert bad.count("\n") <= 1 and "train.stepz" in bad
+    assert "train.steps: Input should be greater than" in agent_error(
+        capsys, *ctl, "--train.steps=0"
+    )
+    # Nothing would read them: no --config, or the caller's own worker command.
+    no_config = agent_error(capsys, "--name", "r0", "--train.steps=7", "--", "w")
+    assert "config overrides (--train.steps=7) apply to the job's --config" in no_config
+    own = agent_error(capsys, "--name", "r0", "--config", str(job), "--train.steps=7", "--", "w")
+    assert "got a worker command after `--`" in own

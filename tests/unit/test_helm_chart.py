@@ -19,7 +19,8 @@ import yaml
 
 from phalanx.cli import build_parser
 from phalanx.config import load_config
-from phalanx.launch.agent.options import expand, options_from_args
+from phalanx.launch.agent.args import options_from_args
+from phalanx.launch.agent.options import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "phalanx"

@@ -17,7 +17,8 @@ import pytest
 
 from phalanx.cli import build_parser
 from phalanx.config import load_config
-from phalanx.launch.agent.options import AgentOptions, expand, options_from_args
+from phalanx.launch.agent.args import options_from_args
+from phalanx.launch.agent.options import AgentOptions, expand
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "phalanx.sbatch"
@@ -78,15 +79,34 @@ def agent_of(cmd: list[str]) -> tuple[AgentOptions, dict[str, object], list[str]
     return opts, vars(args), overrides
 
 
+def is_controller(step: Step) -> bool:
+    return step[1][:3] == ["phalanx", "agent", "--serve-controller"]
+
+
+def controller_of(step: Step) -> tuple[Any, list[str]]:
+    """A controller's step (``phalanx agent --serve-controller``, its overrides before
+    ``--``) as the ``phalanx controller`` command the agent runs: (its parsed command
+    line, with the address it advertises, and its config overrides)."""
+    opts, cmd = step
+    assert is_controller(step), cmd
+    args, overrides = build_parser().parse_known_args(cmd[1:])
+    agent = options_from_args(args, overrides)
+    assert agent is not None and agent.controller_only and agent.serve_controller is not None
+    served = ["controller", "--state-dir", str(agent.controller), *agent.serve_controller]
+    ctl, ctl_overrides = build_parser().parse_known_args(served)
+    ctl.advertise_host = opts["env:PHALANX_ADVERTISE_HOST"]
+    ctl.agent_run_dir = agent.run_dir
+    return ctl, ctl_overrides
+
+
 def started(config: str | Path, *args: str, **env: str) -> tuple[Step, Any, list[str], list[Step]]:
     """A dry run that must succeed: the controller's step, its parsed command line and
     config overrides, and the agents' steps."""
     r = dry_run(config, *args, **env)
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    (ctl_opts, ctl_cmd), *agents = steps(r.stdout)
-    assert ctl_cmd[:2] == ["phalanx", "controller"]
-    ctl, overrides = build_parser().parse_known_args(ctl_cmd[1:])
-    return (ctl_opts, ctl_cmd), ctl, overrides, agents
+    first, *agents = steps(r.stdout)
+    ctl, overrides = controller_of(first)
+    return first, ctl, overrides, agents
 
 
 def test_the_script_is_valid_bash():
@@ -177,13 +197,20 @@ def test_a_role_given_fewer_replicas_than_n_init_starts_its_first_quorum_with_th
 
 
 def test_https_when_given_a_certificate():
-    _, ctl, _, agents = started(
+    r = dry_run(
         EXAMPLES / "ft_mlp.toml",
         SLURM_JOB_NODELIST="a1,a2",
         PHALANX_TLS_CERT="/certs/ctl.pem",
         PHALANX_TLS_KEY="/certs/ctl.key",
     )
-    assert (ctl.tls_cert, ctl.tls_key) == ("/certs/ctl.pem", "/certs/ctl.key")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    (_, ctl_cmd), *agents = steps(r.stdout)
+    # The served controller's files (the agent checks them where they exist: the nodes).
+    ctl = build_parser().parse_known_args(ctl_cmd[1:])[0]
+    assert ctl.serve_controller and (ctl.tls_cert, ctl.tls_key) == (
+        "/certs/ctl.pem",
+        "/certs/ctl.key",
+    )
     assert {agent_of(cmd)[0].controller for _, cmd in agents} == {"https://a1:8470"}
 
 
@@ -202,6 +229,25 @@ def test_https_when_given_a_certificate():
             "the job config has no [roles.rollout]",
         ),
         ("ft_mlp.toml", {"SLURM_JOB_NODELIST": "n1", "PHALANX_PORT": "http"}, "PHALANX_PORT"),
+        # More replicas than nodes x GPUs: a policy replica's ranks on a node's GPUs,
+        # and a node's rollout replicas.
+        (
+            "ft_hsdp.toml",
+            {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_ON_NODE": "1"},
+            "a policy replica has [replica] ranks = 2 in the job config, one GPU each: a "
+            "node of the allocation has 1",
+        ),
+        (
+            "sort_grpo.toml",
+            {
+                "SLURM_JOB_NODELIST_HET_GROUP_0": "a1",
+                "SLURM_JOB_NODELIST_HET_GROUP_1": "b1",
+                "SLURM_GPUS_PER_NODE": "h100:2",
+                "PHALANX_ROLLOUT_PER_NODE": "3",
+            },
+            "PHALANX_ROLLOUT_PER_NODE=3 rollout replicas of 1 GPU(s) need 3 GPUs on a node",
+        ),
+        ("ft_mlp.toml", {"SLURM_JOB_NODELIST": "n1", "SLURM_GPUS_ON_NODE": "x"}, "a GPU count"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(config, env, says):
@@ -225,8 +271,8 @@ def _controllers_and_etcd(out: str) -> tuple[list[Step], list[Step], list[Step]]
     """The printed steps as (etcd members, controllers, agents)."""
     rows = steps(out)
     members = [s for s in rows if s[1][0] == "etcd"]
-    ctls = [s for s in rows if s[1][:2] == ["phalanx", "controller"]]
-    agents = [s for s in rows if s[1][:2] == ["phalanx", "agent"]]
+    ctls = [s for s in rows if is_controller(s)]
+    agents = [s for s in rows if s[1][:2] == ["phalanx", "agent"] and not is_controller(s)]
     assert len(members) + len(ctls) + len(agents) == len(rows)
     return members, ctls, agents
 
@@ -254,7 +300,7 @@ def test_an_etcd_journal_runs_etcd_on_three_nodes_and_a_standby_on_the_second():
     # own state dir and the journal in the etcd.
     got = []
     for opts, cmd in ctls:
-        ctl, overrides = build_parser().parse_known_args(cmd[1:])
+        ctl, overrides = controller_of((opts, cmd))
         assert opts["--nodelist"] == ctl.advertise_host and "--overlap" in opts
         assert overrides == [f"--controller.journal={journal}"]
         assert load_config(ctl.config, overrides).controller.journal == journal
@@ -304,3 +350,20 @@ def test_an_etcd_setting_that_cannot_work_is_one_line(env, says):
     assert len(lines) == 1 and lines[0].startswith("phalanx.sbatch: ") and says in lines[0], (
         r.stderr
     )
+
+
+def test_replicas_that_fit_the_nodes_gpus_start():
+    """One policy replica of 2 ranks per node of 2 GPUs, two rollout replicas of one GPU
+    per node of 2 GPUs: it fits, and nothing is refused."""
+    _, _, _, agents = started(
+        EXAMPLES / "ft_hsdp.toml", SLURM_JOB_NODELIST="n[1-2]", SLURM_GPUS_ON_NODE="2"
+    )
+    assert [agent_of(cmd)[0].nproc for _, cmd in agents] == [2, 2]
+    _, _, _, agents = started(
+        EXAMPLES / "sort_grpo.toml",
+        SLURM_JOB_NODELIST_HET_GROUP_0="a1",
+        SLURM_JOB_NODELIST_HET_GROUP_1="b1",
+        SLURM_GPUS_PER_NODE="2",
+        PHALANX_ROLLOUT_PER_NODE="2",
+    )
+    assert len(agents) == 3

@@ -2,7 +2,9 @@
 controller has stopped): ``controller/config.json`` (the resolved config),
 ``controller/journal.sqlite`` (opened read-only: an audit never writes to a run),
 each replica's ``<replica>.log`` (JSON event lines mixed with log lines) and
-``final/*.safetensors``.
+``final/*.safetensors``. A job dir of ``deploy/slurm/phalanx.sbatch`` is read the
+same way: its replicas' lines are their agents' workers' (``agent-NAME[.K]/genG/
+rank0.out``, in the order the agents started them).
 
 A directory that lacks what every run has raises :class:`~.base.NotARun` in one
 line naming what is missing.
@@ -37,6 +39,10 @@ def load_run(path: Path) -> Run:
     events = {
         p.stem: _events(p) for p in sorted(path.glob("*.log")) if p.stem not in NOT_REPLICA_LOGS
     }
+    for name, outs in _agents_outputs(path).items():
+        events.setdefault(name, [])
+        for out in outs:
+            events[name] += _events(out)
     if not events:
         raise NotARun(
             f"{path} is not a run directory: it has no replica log (<replica>.log) beside "
@@ -53,6 +59,21 @@ def load_run(path: Path) -> Run:
                 for rb in role.get("rollbacks", [])
             ]
     return run
+
+
+def _agents_outputs(path: Path) -> dict[str, list[Path]]:
+    """Each replica's rank-0 outputs under its agents' run dirs (``agent-NAME`` and,
+    for an agent started again elsewhere, ``agent-NAME.K``), oldest first."""
+    found: dict[str, list[tuple[int, int, Path]]] = {}
+    for d in path.glob("agent-*"):
+        name, _, again = d.name.removeprefix("agent-").partition(".")
+        if not d.is_dir() or (again and not again.isdigit()):
+            continue
+        for out in d.glob("gen*/rank0.out"):
+            gen = out.parent.name.removeprefix("gen")
+            if gen.isdigit():
+                found.setdefault(name, []).append((int(again or 0), int(gen), out))
+    return {name: [out for *_, out in sorted(outs)] for name, outs in found.items()}
 
 
 def _config(path: Path) -> Any:
