@@ -331,8 +331,8 @@ def test_a_bad_engine_option_is_one_line(tmp_path: Path, toml: str, message: str
     path.write_text(f"[rl.engine]\n{toml}\n")
     with pytest.raises(ConfigError, match=message) as e:
         load_rl_config(path)
-    # The file, then one line for the one thing wrong.
-    assert len(str(e.value).strip().splitlines()) == 2, str(e.value)
+    # One line: the file, then the one thing wrong.
+    assert len(str(e.value).strip().splitlines()) == 1, str(e.value)
 
 
 def test_keeping_the_old_kv_cache_on_an_update_is_refused_in_one_line(tmp_path: Path):

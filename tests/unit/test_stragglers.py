@@ -203,5 +203,6 @@ def test_a_retried_request_counts_once():
 def test_bad_straggler_settings_are_one_line(key, value, words):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[f"controller.stragglers.{key}={value}"])
-    header, problem = str(e.value).splitlines()  # the house form: one line per problem
+    header, problem = str(e.value).split(": ", 1)  # one line: the file, then the problem
+    assert "\n" not in problem
     assert header.startswith("invalid job config") and f"controller.stragglers.{words}" in problem

@@ -85,15 +85,16 @@ def apply_overrides(
 
 
 def explain(err: ValidationError, what: str, source: str) -> str:
-    """A validation error as one line per field: ``invalid <what> <source>: ...``."""
-    lines = [f"invalid {what} {source}:"]
+    """A validation error as one line: ``invalid <what> <source>: <field>: <problem>``,
+    several problems joined by ``; `` (the house rule: bad input is one line)."""
+    problems = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key; check its spelling against the documented fields"
-        lines.append(f"  {where}: {msg}")
-    return "\n".join(lines)
+        problems.append(f"{where}: {' '.join(msg.split())}")
+    return f"invalid {what} {source}: " + "; ".join(problems)
 
 
 def read_toml(path: str | Path | None, what: str) -> tuple[dict[str, Any], str]:
