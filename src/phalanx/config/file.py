@@ -1,5 +1,5 @@
 """Reading config files: TOML, dotted CLI overrides, and validation errors
-explained one line per field. Shared by the job config and the RL config."""
+explained in one line, a clause per field. Shared by the job config and the RL config."""
 
 from __future__ import annotations
 
