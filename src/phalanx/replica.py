@@ -192,7 +192,9 @@ class Replica:
         if r.committed:
             s.client.report_progress(loss=r.loss)
             sampler = s.manager.sampler
-            cursor, size = (sampler.cursor, sampler.num_samples) if sampler is not None else (0, None)
+            cursor, size = (
+                (sampler.cursor, sampler.num_samples) if sampler is not None else (0, None)
+            )
             samples = s.manager.last_indices if self.cfg.train.log_samples else None
             emit_step(s.client.replica_id, r, cursor, samples, size)
             if after_commit(self.cfg, s, r.step):

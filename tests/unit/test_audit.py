@@ -310,7 +310,10 @@ def sampler_logs(steps: int = 6) -> dict[str, list[dict]]:
     logs: dict[str, list[dict]] = {"policy-0": [], "policy-1": []}
     for step in range(1, steps + 1):
         ids = s.positions((step - 1) * BATCH, BATCH)
-        for name, rid, share in (("policy-0", "policy-0:a", ids[:2]), ("policy-1", "policy-1:b", ids[2:])):
+        for name, rid, share in (
+            ("policy-0", "policy-0:a", ids[:2]),
+            ("policy-1", "policy-1:b", ids[2:]),
+        ):
             logs[name].append(ft_step(rid, step, share, dataset_size=DATASET))
     return logs
 
@@ -347,7 +350,9 @@ def test_data_samples_takes_a_step_short_of_a_killed_replicas_share(tmp_path: Pa
     assert verdict(write_run(tmp_path / "nobody-died", logs), "data.samples") == (
         "FAIL", "1 step(s) lack a participant's share, more than the 0 incarnation(s) that died",
     )  # fmt: skip
-    logs["policy-1"] = [e for e in logs["policy-1"] if e["replica"] != "policy-1:b" or e["event"] != "done"]
+    logs["policy-1"] = [
+        e for e in logs["policy-1"] if e["replica"] != "policy-1:b" or e["event"] != "done"
+    ]
     logs["policy-0"][3]["samples"] = [logs["policy-0"][3]["samples"][0]] * 2
     assert verdict(write_run(tmp_path / "twice", logs), "data.samples") == (
         "FAIL", "step 4: its printed shares are not distinct parts of its batch",

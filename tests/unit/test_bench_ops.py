@@ -18,7 +18,7 @@ assert _spec is not None and _spec.loader is not None
 ops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ops)
 
-PART = '''
+PART = """
 def add_args(p):
     p.add_argument("--{flag}", type=float, default=1.0)
 
@@ -26,7 +26,7 @@ def measure(args):
     if args.{attr} < 0:
         raise RuntimeError("the {name} run failed\\nits last line")
     return {{"{key}": args.{attr} * 2, "{name}_runs": 1}}
-'''
+"""
 
 
 @pytest.fixture

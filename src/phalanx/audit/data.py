@@ -83,7 +83,9 @@ def check_samples(run: Run) -> Check:
             continue
         short += 1
         if not _parts_of(got, want):
-            c.problems.append(f"step {step}: its printed shares are not distinct parts of its batch")
+            c.problems.append(
+                f"step {step}: its printed shares are not distinct parts of its batch"
+            )
     died = _died(run)
     if short > died:
         c.problems.append(

@@ -216,7 +216,7 @@ def emit_step(
     With ``samples`` (``train.log_samples``), ``dataset_size`` goes with them: the
     sampler's, so that ``phalanx audit`` can rebuild each step's global batch from the
     seed alone (:mod:`phalanx.audit.data`)."""
-    logged = {"samples": samples} if samples is not None else {}
+    logged: dict[str, Any] = {"samples": samples} if samples is not None else {}
     if samples is not None and dataset_size is not None:
         logged["dataset_size"] = dataset_size
     emit(

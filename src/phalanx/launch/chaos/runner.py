@@ -193,13 +193,13 @@ class ChaosRunner:
                 r = self.job.replicas.get(name) if name is not None else None
                 if r is not None and r.running and r.progress and r.name not in self.stopped:
                     proc = r.proc
-                if proc is not None:
+                if r is not None and proc is not None:
                     signal_proc(proc, signal.SIGSTOP)
                     if proc.pid != seen and self.spec.slow is not None:
                         seen = proc.pid
                         self.log.fault(
-                            "slow", name, proc.pid,
-                            f"slow {name}: SIGSTOP {frac:.0%} of every {cycle:g} s (pid {proc.pid})",
+                            "slow", r.name, proc.pid,
+                            f"slow {r.name}: SIGSTOP {frac:.0%} of every {cycle:g} s (pid {proc.pid})",
                             fraction=frac, cycle_s=cycle,
                         )  # fmt: skip
             if proc is None:
