@@ -57,7 +57,8 @@ def soak(tmp_path: Path, soak_s: float, every: float, seed: int) -> list[dict[st
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["ok"], doc
     verdicts = {c["check"]: c["verdict"] for c in doc["checks"]}
-    want = ("steps.once", "steps.order", "steps.complete", "final.same", "against.batches")
+    want = ("steps.once", "steps.order", "steps.complete", "data.samples", "final.same")
+    want += ("against.batches",)
     assert all(verdicts[k] == "pass" for k in (*want, "against.final")), verdicts
     lines = (tmp_path / "chaos" / "chaos.jsonl").read_text().splitlines()
     faults = [json.loads(x) for x in lines]
