@@ -191,9 +191,12 @@ class Replica:
             return StepResult(False, s.manager.step, None, 0, 0, error=str(e))
         if r.committed:
             s.client.report_progress(loss=r.loss)
-            cursor = s.manager.sampler.cursor if s.manager.sampler is not None else 0
+            sampler = s.manager.sampler
+            cursor, size = (
+                (sampler.cursor, sampler.num_samples) if sampler is not None else (0, None)
+            )
             samples = s.manager.last_indices if self.cfg.train.log_samples else None
-            emit_step(s.client.replica_id, r, cursor, samples)
+            emit_step(s.client.replica_id, r, cursor, samples, size)
             if after_commit(self.cfg, s, r.step):
                 self.drained = True  # the operator's drain: leave at this step
         else:

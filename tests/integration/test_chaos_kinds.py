@@ -1,8 +1,9 @@
 """``phalanx run --chaos`` with each fault kind, on the FT job (``examples/ft_mlp.toml``)
 and on the RL job (``examples/sort_grpo.toml``), as an operator runs it: the job
-finishes, every FT step is committed once (its replicas agree on it, and end on
-identical states), the RL ledger balances, and ``chaos.jsonl`` lists the faults,
-each also said as a ``chaos:`` line.
+finishes, ``chaos.jsonl`` lists the faults, each also said as a ``chaos:`` line, and
+the product's audit that ends every ``--chaos`` run (:mod:`phalanx.audit`) passes:
+every FT step committed once (its replicas agree on it) and its replicas' final
+states identical, the RL ledger balanced with nothing trained twice.
 
 The default run has one short run of each job with every kind it takes at once;
 each kind alone, on each job, is marked ``slow``.
@@ -21,7 +22,6 @@ from tests.integration.ftjob import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FT, RL = ROOT / "examples" / "ft_mlp.toml", ROOT / "examples" / "sort_grpo.toml"
-FT_BATCH = 96  # ft_mlp.toml's global_batch_size
 RL_PROMPTS = 16  # sort_grpo.toml's prompts_per_step
 
 
@@ -41,34 +41,34 @@ def run(config: Path, run_dir: Path, chaos: str, *more: str) -> dict[str, Any]:
     (audit,) = [x for x in lines if x.get("event") == "audit"]  # the run ends with it
     assert audit["ok"], audit
     summary["faults"] = faults
+    summary["audit"] = {c["check"]: c for c in audit["checks"]}
     return summary
+
+
+def passed(summary: dict[str, Any], *checks: str) -> None:
+    """The audit that ended the run ran each of ``checks`` and found nothing."""
+    for name in checks:
+        assert summary["audit"][name]["verdict"] == "pass", summary["audit"][name]
 
 
 def kinds_of(summary: dict[str, Any]) -> set[str]:
     return {f["kind"] for f in summary["faults"]}
 
 
-def check_ft(run_dir: Path, summary: dict[str, Any], steps: int) -> None:
-    """Every step 1..steps committed, each once: the lines of its replicas agree on
-    its loss, quorum and data cursor (the constant global batch); the final states of
-    the replicas that wrote one are identical."""
-    assert summary["ok"] and summary["steps"] == steps, summary
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for log in run_dir.glob("policy-*.log"):
-        for line in log.read_text().splitlines():
-            if line.startswith('{"event": "step"'):
-                e = json.loads(line)
-                by_step.setdefault(e["step"], []).append(e)
-    assert sorted(by_step) == list(range(1, steps + 1)), "a step is missing"
-    for step, evs in by_step.items():
-        keys = {(e["loss"], e["quorum_id"], e["cursor"]) for e in evs}
-        assert len(keys) == 1 and evs[0]["cursor"] == step * FT_BATCH, (step, evs)
-    finals = sorted((run_dir / "final").glob("*.safetensors"))
-    assert finals and len({f.read_bytes() for f in finals}) == 1
+def check_ft(summary: dict[str, Any], steps: int) -> None:
+    """Every step 1..steps committed, each once and in one quorum (no rollback): the
+    lines of its replicas agree on its loss, quorum and data cursor (step x the
+    constant global batch), and the final states are identical, at the last step."""
+    assert summary["ok"] and summary["steps"] == steps and not summary["rollbacks"], summary
+    passed(summary, "steps.once", "steps.order", "steps.complete", "final.same")
+    assert summary["audit"]["steps.complete"]["detail"].startswith(f"steps 1..{steps} ")
 
 
 def check_rl(summary: dict[str, Any], batches: int) -> None:
+    """The ledger balances, no rollout or prompt was trained twice, and every batch
+    trained its prompts."""
     assert summary["ok"] and summary["ledger_ok"], summary
+    passed(summary, "ledger.balance", "ledger.trained_once")
     assert summary["batches"] == batches and summary["trained"] == batches * RL_PROMPTS
 
 
@@ -82,7 +82,7 @@ RL_ALL = (
 def test_every_kind_on_the_ft_job(tmp_path: Path):
     steps = 60
     s = run(FT, tmp_path / "run", f"{FT_ALL},seed=1", "--train.steps", str(steps))
-    check_ft(tmp_path / "run", s, steps)
+    check_ft(s, steps)
     assert kinds_of(s) == {"kill", "stop", "controller-kill", "slow"}, s["faults"]
 
 
@@ -104,7 +104,7 @@ def test_every_kind_on_the_rl_job(tmp_path: Path):
 def test_each_kind_alone_on_the_ft_job(tmp_path: Path, chaos: str):
     steps = 300
     s = run(FT, tmp_path / "run", f"{chaos},seed=2", "--train.steps", str(steps))
-    check_ft(tmp_path / "run", s, steps)
+    check_ft(s, steps)
     assert kinds_of(s) == {Chaos_kind(chaos)}
 
 

@@ -293,50 +293,19 @@ def test_own_loop_under_chaos_trains_every_step_once(tmp_path: Path):
     args += ["--train.steps", "1500", "--train.log_samples", "true"]
     p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
-    # (The last line is the audit that ends a --chaos run: phalanx.audit.)
+    # The last line is the audit that ends a --chaos run (phalanx.audit): every step
+    # 1..1500 committed once (its printers agree on quorum, participants, cursor and
+    # loss), each global batch the sampler's (a step short of a share: at most one per
+    # replica killed), and the final files identical.
     out = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     summary = next(e for e in out if e["event"] == "summary")
-    assert next(e for e in out if e["event"] == "audit")["ok"], out[-1]
+    audit = next(e for e in out if e["event"] == "audit")
+    assert audit["ok"], audit
     assert summary["ok"] and summary["steps"] == 1500 and summary["kills"] >= 1, summary
-    finals = sorted((run / "final").glob("*.safetensors"))
-    assert finals and len({f.read_bytes() for f in finals}) == 1
-    lines: dict[int, dict[str, dict[str, Any]]] = {}
-    for log in run.glob("policy-*.log"):
-        for line in log.read_text().splitlines():
-            if line.startswith("{") and json.loads(line)["event"] == "step":
-                e = json.loads(line)
-                lines.setdefault(e["step"], {})[e["replica"]] = e
-    check_chaos_steps(lines, 1500, 64, kills=summary["kills"])
-
-
-def check_chaos_steps(
-    lines: dict[int, dict[str, dict[str, Any]]], steps: int, batch: int, kills: int
-) -> None:
-    """Every step 1..steps committed once (its printers agree on it), and its printed
-    shares are disjoint parts of the sampler's global batch for that step, the whole
-    of it where every participant printed. A replica SIGKILLed between its commit and
-    its step line leaves that step short of one line: at most one step per kill."""
-    from phalanx.data.sampler import ElasticSampler
-
-    sampler = ElasticSampler(4096, seed=0)
-    assert sorted(lines) == list(range(1, steps + 1)), "a step is missing"
-    short = 0
-    for step, by_id in lines.items():
-        evs = list(by_id.values())
-        first = evs[0]
-        assert all(
-            (e["quorum_id"], e["participants"], e["cursor"], e["loss"])
-            == (first["quorum_id"], first["participants"], step * batch, first["loss"])
-            for e in evs
-        ), (step, evs)
-        want = sampler.positions((step - 1) * batch, batch)
-        got = [i for rid in sorted(by_id) for i in by_id[rid]["samples"]]
-        if len(evs) == first["participants"]:
-            assert got == want, step
-        else:
-            short += 1
-            assert sorted(got) == sorted(set(got)) and set(got) <= set(want), step
-    assert short <= kills, (short, kills)
+    assert not summary["rollbacks"], summary  # each step in one quorum
+    verdicts = {c["check"]: c["verdict"] for c in audit["checks"]}
+    want = ("steps.once", "steps.order", "steps.complete", "data.samples", "final.same")
+    assert all(verdicts[k] == "pass" for k in want), audit
 
 
 def test_bad_model_and_data_are_one_line(hf: HF, tmp_path: Path, capsys):

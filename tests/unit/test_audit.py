@@ -312,3 +312,65 @@ def test_not_a_run_is_one_line_and_exit_2(tmp_path, capsys, what):
     assert main(["audit", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("phalanx audit: ") and "run" in err
+
+
+# -- data.samples: each global batch is the sampler's -----------------------------
+
+DATASET = 10  # with BATCH 4, batches straddle epochs (an index may repeat in one)
+
+
+def sampler_logs(steps: int = 6) -> dict[str, list[dict]]:
+    """Two replicas that committed ``steps`` steps of the sampler's stream (seed 0)."""
+    from phalanx.data.sampler import ElasticSampler
+
+    s = ElasticSampler(DATASET, seed=0)
+    logs: dict[str, list[dict]] = {"policy-0": [], "policy-1": []}
+    for step in range(1, steps + 1):
+        ids = s.positions((step - 1) * BATCH, BATCH)
+        for name, rid, share in (
+            ("policy-0", "policy-0:a", ids[:2]),
+            ("policy-1", "policy-1:b", ids[2:]),
+        ):
+            logs[name].append(ft_step(rid, step, share, dataset_size=DATASET))
+    return logs
+
+
+def verdict(path: Path, name: str) -> tuple[str, str]:
+    (c,) = [c for c in audit_checks(load_run(path)) if c.name == name]
+    return c.verdict, c.detail
+
+
+def test_data_samples_passes_the_samplers_batches_and_finds_one_out_of_turn(tmp_path: Path):
+    assert verdict(write_run(tmp_path / "ok", sampler_logs()), "data.samples") == (
+        "pass", "6 global batches are the sampler's",
+    )  # fmt: skip
+    logs = sampler_logs()
+    logs["policy-1"][3]["samples"] = logs["policy-1"][4]["samples"]  # step 5's ids at step 4
+    got = verdict(write_run(tmp_path / "bad", logs), "data.samples")
+    assert got == ("FAIL", "step 4: global batch is not the sampler's for the step")
+    logs = sampler_logs()
+    for e in logs["policy-0"] + logs["policy-1"]:
+        e.pop("dataset_size")  # train.log_samples off, or logs of an older phalanx
+    assert verdict(write_run(tmp_path / "none", logs), "data.samples")[0] == "skip"
+
+
+def test_data_samples_takes_a_step_short_of_a_killed_replicas_share(tmp_path: Path):
+    logs = sampler_logs()
+    del logs["policy-1"][3:]  # policy-1:b died after committing step 4, before its line
+    for e in sampler_logs()["policy-1"][4:]:  # its next incarnation took part from step 5
+        logs["policy-1"].append({**e, "replica": "policy-1:c"})
+    logs["policy-1"].append({"event": "done", "replica": "policy-1:c", "step": 6})
+    logs["policy-0"].append({"event": "done", "replica": "policy-0:a", "step": 6})
+    verdict_, detail = verdict(write_run(tmp_path / "ok", logs), "data.samples")
+    assert verdict_ == "pass" and "1 short of a killed replica's share" in detail, detail
+    logs["policy-1"].append({"event": "done", "replica": "policy-1:b", "step": 3})
+    assert verdict(write_run(tmp_path / "nobody-died", logs), "data.samples") == (
+        "FAIL", "1 step(s) lack a participant's share, more than the 0 incarnation(s) that died",
+    )  # fmt: skip
+    logs["policy-1"] = [
+        e for e in logs["policy-1"] if e["replica"] != "policy-1:b" or e["event"] != "done"
+    ]
+    logs["policy-0"][3]["samples"] = [logs["policy-0"][3]["samples"][0]] * 2
+    assert verdict(write_run(tmp_path / "twice", logs), "data.samples") == (
+        "FAIL", "step 4: its printed shares are not distinct parts of its batch",
+    )  # fmt: skip

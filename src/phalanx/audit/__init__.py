@@ -6,6 +6,8 @@ the final states), with no controller running.
 - :mod:`.rundir`: reading a run directory (one line when it is not one);
 - :mod:`.steps`: every step committed once, never backwards, none skipped, and the
   final files of one job identical;
+- :mod:`.data`: an FT job's committed global batches are the sampler's (exactly-once
+  data, from the seed and the dataset's size alone);
 - :mod:`.ledger`: an RL job's ledger balances and nothing was trained twice;
 - :mod:`.against`: the committed global batches and the final state against a
   calm run's;

@@ -22,6 +22,7 @@ EXIT_VIOLATION, EXIT_BAD_INPUT = 1, 2
 def audit_checks(run: Run, calm: Run | None = None) -> list[Check]:
     """Every check of ``run`` (and against ``calm``, when given), in table order."""
     from phalanx.audit.against import check_batches, check_final
+    from phalanx.audit.data import check_samples
     from phalanx.audit.ledger import check_balance, check_trained_once
     from phalanx.audit.steps import check_complete, check_finals, check_once, check_order
 
@@ -29,6 +30,7 @@ def audit_checks(run: Run, calm: Run | None = None) -> list[Check]:
         check_once(run),
         check_order(run),
         check_complete(run),
+        check_samples(run),
         check_finals(run),
         check_balance(run),
         check_trained_once(run),

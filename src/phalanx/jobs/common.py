@@ -205,9 +205,20 @@ def state_hash(model: torch.nn.Module) -> str:
 
 
 def emit_step(
-    replica_id: str | None, r: Any, cursor: int, samples: list[int] | None, **extra: Any
+    replica_id: str | None,
+    r: Any,
+    cursor: int,
+    samples: list[int] | None,
+    dataset_size: int | None = None,
+    **extra: Any,
 ) -> None:
-    """The ``step`` line of a committed FT step ``r`` (a :class:`~phalanx.train.manager.StepResult`)."""
+    """The ``step`` line of a committed FT step ``r`` (a :class:`~phalanx.train.manager.StepResult`).
+    With ``samples`` (``train.log_samples``), ``dataset_size`` goes with them: the
+    sampler's, so that ``phalanx audit`` can rebuild each step's global batch from the
+    seed alone (:mod:`phalanx.audit.data`)."""
+    logged: dict[str, Any] = {"samples": samples} if samples is not None else {}
+    if samples is not None and dataset_size is not None:
+        logged["dataset_size"] = dataset_size
     emit(
         {
             "event": "step",
@@ -219,7 +230,7 @@ def emit_step(
             "healed": r.healed,
             "cursor": cursor,
             **extra,
-            **({"samples": samples} if samples is not None else {}),
+            **logged,
             "t": time.time(),
         }
     )

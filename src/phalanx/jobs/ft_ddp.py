@@ -64,7 +64,9 @@ def run(args: ReplicaArgs) -> int:
                 heal = {"heal": manager.last_heal} if r.healed else {}
                 extra = {**digest, **heal, **task_figures(s, now - last)}
                 last = now
-                emit_step(client.replica_id, r, sampler.cursor, samples, **extra)
+                emit_step(
+                    client.replica_id, r, sampler.cursor, samples, sampler.num_samples, **extra
+                )
                 if after_commit(cfg, s, r.step):
                     return 0
             else:

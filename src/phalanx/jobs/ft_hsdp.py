@@ -261,7 +261,10 @@ class _Run:
             client.report_progress(loss=r.loss)
             samples = manager.replica_indices if cfg.train.log_samples else None
             heal = {"heal": manager.last_heal} if r.healed else {}
-            emit_step(client.replica_id, r, sampler.cursor, samples, ranks=ranks.size, **heal)
+            emit_step(
+                client.replica_id, r, sampler.cursor, samples, sampler.num_samples,
+                ranks=ranks.size, **heal,
+            )  # fmt: skip
             self.orders.poll(r.step)
             ordered = not scheduled and self.orders.checkpoint_due(r.step)
             news = {"drain": self.orders.drain, "save": scheduled or ordered}

@@ -5,7 +5,9 @@
   :mod:`.faults`.
 - A thread of its own for ``slow``: the slowed replica's process group is
   SIGSTOPped for ``F`` of every cycle and SIGCONTed for the rest, on whichever
-  process the replica runs now (a restart is slowed too).
+  process the replica runs now (a restart is slowed too). With ``all-every``, a
+  drawn ``slow`` names its replica and its end (:meth:`ChaosRunner._slow_one`);
+  the thread throttles whichever replica is named, while it is.
 - :meth:`ChaosRunner.close`, in the launcher's ``finally`` (and as soon as the job
   finished): the slow thread ends, and every process a fault stopped is
   continued, so that no replica is left stopped, whatever ended the run.
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 from phalanx.launch.chaos import faults
 from phalanx.launch.chaos.log import ChaosLog
 from phalanx.launch.chaos.schedule import Schedule
-from phalanx.launch.chaos.spec import Chaos
+from phalanx.launch.chaos.spec import ALL_KIND, Chaos
 from phalanx.launch.procs import Proc, signal_proc
 
 if TYPE_CHECKING:
@@ -74,12 +76,25 @@ class ChaosRunner:
         self.stopped: dict[str, tuple[int, float]] = {}
         """Replicas a ``stop`` froze: name -> (pid of the group stopped, when to continue it)."""
         self.slow_target: str | None = None
+        self.slow_until: float | None = None
+        """When a drawn ``slow`` ends (monotonic; None: ``slow=``, for the whole job)."""
+        self.drawable: list[str] = []
+        """``all-every``: the kinds this job can take (:meth:`start`)."""
         self._quit = threading.Event()
         self._slow: threading.Thread | None = None
         self._closed = False
 
     def start(self) -> None:
-        """Start slowing (``slow``); the periodic kinds start with :meth:`tick`."""
+        """Start slowing (``slow``), or the slow thread a drawn ``slow`` needs
+        (``all-every``); the periodic kinds start with :meth:`tick`."""
+        if self.spec.all_every_s is not None:
+            self.drawable = drawable(self.job)
+            if "slow" in self.drawable:
+                self._slow = threading.Thread(
+                    target=self._slow_loop, name="chaos-slow", daemon=True
+                )
+                self._slow.start()
+            return
         if self.spec.slow is None:
             return
         with self.job.lock:
@@ -119,6 +134,9 @@ class ChaosRunner:
             return faults.engine_kill(job, sched, log, set(self.stopped))
         if kind == "controller-kill":
             return faults.controller_kill(job, sched, log)
+        if kind == ALL_KIND:
+            drawn = sched.draw_kind(self.drawable)
+            return self._slow_one() if drawn == "slow" else self._deliver(drawn)
         raise ValueError(f"--chaos {kind} cannot be delivered by this launcher.")
 
     def close(self) -> None:
@@ -138,26 +156,50 @@ class ChaosRunner:
 
     # -- slow --------------------------------------------------------------
 
+    def _slow_one(self) -> bool:
+        """A drawn ``slow`` (``all-every``; the lock held): a replica drawn among those a
+        fault may hit is throttled for a drawn time. One at a time: while one lasts,
+        the next stays due."""
+        if self.slow_target is not None:
+            return False
+        alive = faults.ready(self.job, set(self.stopped))
+        if alive is None:
+            return False
+        r = self.sched.pick("slow", alive)
+        assert r.proc is not None
+        secs, frac, cycle = self.sched.slow_for(), self.spec.slow_fraction, self.spec.slow_cycle_s
+        self.slow_target, self.slow_until = r.name, time.monotonic() + secs
+        self.log.fault(
+            "slow", r.name, r.proc.pid,
+            f"slow {r.name}: SIGSTOP {frac:.0%} of every {cycle:g} s for {secs:.1f} s",
+            **faults.where(r), fraction=frac, cycle_s=cycle, slow_s=round(secs, 3),
+        )  # fmt: skip
+        return True
+
     def _slow_loop(self) -> None:
         """SIGSTOP the slowed replica for ``F`` of every cycle, SIGCONT it for the rest,
         while it runs and no ``stop`` holds it; once it made progress since its start
-        (its start-up is not what is slowed). Logged once per process slowed."""
-        name, frac, cycle = self.slow_target, self.spec.slow_fraction, self.spec.slow_cycle_s
-        assert name is not None
+        (its start-up is not what is slowed). ``slow=``: logged once per process
+        slowed; a drawn slow was logged when drawn, and ends at ``slow_until``."""
+        frac, cycle = self.spec.slow_fraction, self.spec.slow_cycle_s
         seen: int | None = None
         while not self._quit.is_set():
             proc: Proc | None = None
             with self.job.lock:
-                r = self.job.replicas.get(name)
-                if r is not None and r.running and r.progress and name not in self.stopped:
+                name = self.slow_target
+                if self.slow_until is not None and time.monotonic() >= self.slow_until:
+                    self.job.note(f"chaos: SIGCONT {name} (its slow is over)")
+                    name = self.slow_target = self.slow_until = None
+                r = self.job.replicas.get(name) if name is not None else None
+                if r is not None and r.running and r.progress and r.name not in self.stopped:
                     proc = r.proc
-                if proc is not None:
+                if r is not None and proc is not None:
                     signal_proc(proc, signal.SIGSTOP)
-                    if proc.pid != seen:
+                    if proc.pid != seen and self.spec.slow is not None:
                         seen = proc.pid
                         self.log.fault(
-                            "slow", name, proc.pid,
-                            f"slow {name}: SIGSTOP {frac:.0%} of every {cycle:g} s (pid {proc.pid})",
+                            "slow", r.name, proc.pid,
+                            f"slow {r.name}: SIGSTOP {frac:.0%} of every {cycle:g} s (pid {proc.pid})",
                             fraction=frac, cycle_s=cycle,
                         )  # fmt: skip
             if proc is None:
@@ -170,3 +212,15 @@ class ChaosRunner:
                     if name not in self.stopped:  # else a stop holds it, and continues it
                         signal_proc(proc, signal.SIGCONT)
             self._quit.wait((1 - frac) * cycle)
+
+
+def drawable(job: ChaosTarget) -> list[str]:
+    """The kinds ``all-every`` draws from for this job, in :data:`KINDS` order: every
+    kind the launcher delivers that the job can take (``engine-kill`` only with
+    rollout replicas; ``partition`` never: :func:`check`)."""
+    kinds = ["kill", "stop"]
+    if job.controller is not None:
+        kinds.append("controller-kill")
+    if job.rl and any(r.role == "rollout" for r in job.replicas.values()):
+        kinds.append("engine-kill")
+    return [*kinds, "slow"]

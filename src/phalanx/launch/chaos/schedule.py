@@ -9,6 +9,10 @@ fault that is due but cannot be delivered yet (a replica is down, the controller
 is restarting) stays due: the launcher asks again on its next pass, and the next
 draw counts from when it was delivered (:meth:`Schedule.fired`).
 
+``all-every`` is one more stream, ``all``: when its fault is due, its kind is drawn
+(:meth:`Schedule.draw_kind`) and kept until that fault is delivered, and its target
+is then drawn from the drawn kind's own stream, as that kind's would be.
+
 Who calls: the launcher's chaos runner (:mod:`phalanx.launch.chaos.runner`), from
 its loop and its slow thread; not thread-safe by itself (the runner calls each
 stream from one thread: the slow stream only from the slow thread's start).
@@ -20,7 +24,7 @@ import random
 from collections.abc import Sequence
 from typing import TypeVar
 
-from phalanx.launch.chaos.spec import Chaos
+from phalanx.launch.chaos.spec import ALL_KIND, KINDS, Chaos
 
 T = TypeVar("T")
 
@@ -29,8 +33,10 @@ class Schedule:
     def __init__(self, spec: Chaos, now: float):
         self.spec = spec
         self.periods = spec.periods()
-        self.rngs = {k: random.Random(f"{spec.seed}:{k}") for k in (*self.periods, "slow")}
+        self.rngs = {k: random.Random(f"{spec.seed}:{k}") for k in (*KINDS, ALL_KIND)}
         self.next_at = {k: now + self._gap(k) for k in self.periods}
+        self.drawn: str | None = None
+        """The kind of the ``all`` fault that is due and not yet delivered."""
 
     def _gap(self, kind: str) -> float:
         p = self.periods[kind]
@@ -45,6 +51,21 @@ class Schedule:
     def fired(self, kind: str, now: float) -> None:
         """A fault of ``kind`` was delivered at ``now``: draw when its next one is due."""
         self.next_at[kind] = now + self._gap(kind)
+        if kind == ALL_KIND:
+            self.drawn = None
+
+    def draw_kind(self, kinds: Sequence[str]) -> str:
+        """The kind of the ``all`` fault that is due, among ``kinds`` (those the job can
+        take, in :data:`KINDS` order): drawn once, then the same until it is
+        :meth:`fired`, so that a kind that cannot land yet is not redrawn away."""
+        if self.drawn is None:
+            self.drawn = self.rngs[ALL_KIND].choice(list(kinds))
+        return self.drawn
+
+    def slow_for(self) -> float:
+        """How long a drawn ``slow`` lasts: uniform in [slow-for/2, slow-for]."""
+        s = self.spec.slow_for_s
+        return self.rngs["slow"].uniform(0.5 * s, s)
 
     def pick(self, kind: str, options: Sequence[T]) -> T:
         """The target of a fault of ``kind`` among ``options`` (in a stable order: the

@@ -16,10 +16,17 @@ kind, each with its options (an option without its kind is refused)::
     slow=TARGET[:F]           throttle one replica for the whole job: SIGSTOP for F (0.5) of
                               every slow-cycle=S (1), SIGCONT for the rest; TARGET is a
                               replica (policy-1) or a role (one of its replicas, drawn)
+    all-every=S               one fault every S, its kind drawn among every kind this job
+                              and launcher can take (kill, stop, controller-kill,
+                              engine-kill with rollout replicas, slow: a drawn replica
+                              throttled for a drawn time in [slow-for/2, slow-for],
+                              slow-for=S, default 10); alone, with the kinds' options
     seed=N                    the draws' seed (0)
 
 Each ``*-every`` is a mean: the time to a kind's next fault is drawn uniformly in
 [S/2, 3S/2] after its previous one (:mod:`phalanx.launch.chaos.schedule`).
+``all-every=S`` is the soak's: faults of every kind, one at a time on average
+every S, so that a long run meets each kind many times and their mixes.
 ``kill-every=S[,restart-after=S][,seed=N]`` means what it always has. Errors are
 one line shaped "--chaos <thing> must ...: got X". No heavy imports.
 """
@@ -38,18 +45,23 @@ EVERY = {
 """``--chaos`` key of each periodic kind -> the kind's name (in logs and
 ``chaos.jsonl``) and its :class:`Chaos` field."""
 KINDS = (*(kind for kind, _ in EVERY.values()), "slow")
+ALL = "all-every"
+"""The ``--chaos`` key whose faults draw their kind (:data:`ALL_KIND` in the schedule)."""
+ALL_KIND = "all"
 OPTIONS = {
-    "restart-after": ("kill-every", "engine-kill-every"),
-    "stop-for": ("stop-every",),
+    "restart-after": ("kill-every", "engine-kill-every", ALL),
+    "stop-for": ("stop-every", ALL),
     "partition-for": ("partition-every",),
-    "slow-cycle": ("slow",),
+    "slow-cycle": ("slow", ALL),
+    "slow-for": (ALL,),
     "seed": (),
 }
 """Each option -> the kinds it goes with (any of them; none: goes with every kind)."""
 FORM = (
     "KIND=VALUE[,...] with KIND in kill-every, stop-every, controller-kill-every, "
-    "engine-kill-every, partition-every (seconds) or slow=REPLICA_OR_ROLE[:FRACTION], "
-    "and options restart-after, stop-for, partition-for, slow-cycle, seed"
+    "engine-kill-every, partition-every, all-every (seconds) or "
+    "slow=REPLICA_OR_ROLE[:FRACTION], and options restart-after, stop-for, partition-for, "
+    "slow-cycle, slow-for, seed"
 )
 
 
@@ -71,14 +83,21 @@ class Chaos:
     slow_fraction: float = 0.5
     """Of every slow cycle, the share the slowed replica spends stopped."""
     slow_cycle_s: float = 1.0
+    all_every_s: float | None = None
+    """``all-every``: the mean time between faults whose kind is drawn."""
+    slow_for_s: float = 10.0
+    """``all-every``: a drawn slow lasts a time drawn in [slow-for/2, slow-for]."""
 
     def periods(self) -> dict[str, float]:
-        """Each periodic kind asked for -> its mean period in seconds."""
+        """Each periodic kind asked for -> its mean period in seconds (``all``: the
+        faults whose kind is drawn)."""
         every = {kind: getattr(self, field) for kind, field in EVERY.values()}
+        every[ALL_KIND] = self.all_every_s
         return {k: v for k, v in every.items() if v is not None}
 
     def kinds(self) -> list[str]:
-        """The kinds asked for, in :data:`KINDS` order."""
+        """The kinds asked for, in :data:`KINDS` order (``all``: every kind the job can
+        take, drawn)."""
         return [*self.periods(), *(["slow"] if self.slow else [])]
 
     @staticmethod
@@ -92,17 +111,23 @@ class Chaos:
             k, v = k.strip(), v.strip()
             if not sep or not k or not v:
                 raise ValueError(f"--chaos entries must look like key=value: got {part!r}.")
-            if k not in EVERY and k not in OPTIONS and k != "slow":
+            if k not in EVERY and k not in OPTIONS and k not in ("slow", ALL):
                 raise ValueError(
                     f"--chaos has no kind or option {k!r}: got {text!r}; write {FORM}."
                 )
             if k in opts:
                 raise ValueError(f"--chaos must give {k} once: got it twice in {text!r}.")
             opts[k] = v
-        kinds = [k for k in opts if k in EVERY or k == "slow"]
+        kinds = [k for k in opts if k in EVERY or k in ("slow", ALL)]
         if not kinds:
             raise ValueError(
                 f"--chaos must name at least one fault kind: got {text!r}; write {FORM}."
+            )
+        if ALL in opts and len(kinds) > 1:
+            others = ", ".join(k for k in kinds if k != ALL)
+            raise ValueError(
+                f"--chaos {ALL} draws from every kind itself, so it goes alone: got it with "
+                f"{others}. Drop {others}, or drop {ALL}."
             )
         for opt, owners in OPTIONS.items():
             if opt in opts and owners and not any(o in opts for o in owners):
@@ -118,6 +143,9 @@ class Chaos:
         c.stop_for_s = _secs(opts, "stop-for", 5.0)
         c.partition_for_s = _secs(opts, "partition-for", 5.0)
         c.slow_cycle_s = _secs(opts, "slow-cycle", 1.0)
+        if ALL in opts:
+            c.all_every_s = _secs(opts, ALL, 0.0)
+        c.slow_for_s = _secs(opts, "slow-for", 10.0)
         if "slow" in opts:
             c.slow, c.slow_fraction = _slow(opts["slow"])
         return c
