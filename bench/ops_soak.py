@@ -22,6 +22,9 @@ Figures (``--json``: one object):
   second x the soak's wall time), both from the first commit to the last;
 - ``soak_audit``: ``pass`` when the audit that ends the ``--chaos`` run found no
   violation (:mod:`phalanx.audit`), else ``FAIL``; the bench exits 1 then;
+- ``soak_lost_s_<kind>``: what each kind of fault cost, on average: the seconds from
+  the fault to the next one, less the calm time of the steps committed in between
+  (:func:`fault_costs`), which says what dominates a gap to the goal;
 - ``soak_faults`` and ``soak_kinds`` (the kinds delivered, from ``chaos.jsonl``),
   ``soak_steps``, ``soak_wall_s``, ``calm_samples_per_s``, ``soak_s``, ``soak_every_s``.
 
@@ -31,6 +34,7 @@ Figures (``--json``: one object):
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -101,6 +105,21 @@ def window(run_dir: Path) -> tuple[int, float]:
     return b - a, times[b] - times[a]
 
 
+def fault_costs(
+    times: dict[int, float], faults: list[dict[str, Any]], step_s: float
+) -> dict[str, float]:
+    """Kind -> the mean seconds a fault of that kind cost: from the fault to the next (the
+    last: to the last commit), the wall time less ``step_s`` x the steps committed in it."""
+    at = sorted(times.values())
+    lost: dict[str, list[float]] = {}
+    for i, f in enumerate(faults):
+        a = f["t"]
+        b = faults[i + 1]["t"] if i + 1 < len(faults) else at[-1]
+        n = bisect.bisect(at, b) - bisect.bisect(at, a)
+        lost.setdefault(f["kind"], []).append(max(0.0, b - a) - n * step_s)
+    return {k: round(sum(v) / len(v), 2) for k, v in sorted(lost.items())}
+
+
 def batch_of(run_dir: Path) -> int:
     cfg = json.loads((run_dir / "controller" / "config.json").read_text())
     return int(cfg["train"]["global_batch_size"])
@@ -135,6 +154,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             json.loads(x) for x in (tmp / "soak" / "chaos.jsonl").read_text().splitlines() if x
         ] if (tmp / "soak" / "chaos.jsonl").exists() else []  # fmt: skip
         ok = soak["returncode"] == 0 and bool(soak.get("audit", {}).get("ok"))
+        costs = fault_costs(commit_times(tmp / "soak"), faults, batch / rate)
         return {
             "soak_goodput": round(n * batch / (rate * secs), 3),
             "soak_audit": "pass" if ok else "FAIL",
@@ -145,6 +165,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             "calm_samples_per_s": round(rate, 1),
             "soak_s": args.soak_s,
             "soak_every_s": args.soak_every,
+            **{f"soak_lost_s_{k.replace('-', '_')}": v for k, v in costs.items()},
         }
 
 

@@ -92,3 +92,13 @@ def test_a_part_that_leaves_out_its_figure_is_an_error(parts, monkeypatch: pytes
     out = ops.run(ops.parser(found).parse_args([]), found, ["ops_t_a"])
     assert out["errors"] == {"ops_t_a": "bench/ops_t_a.py gave no a_other"}
     assert out["a_figure"] == 2.0
+
+
+def test_fault_costs_are_the_wall_time_less_the_calm_time_of_the_steps_between():
+    from ops_soak import fault_costs
+
+    # Calm: a step per 0.1 s. A stop at t=1 stalls 2 s; a kill at t=5 costs nothing.
+    times = {i: 0.1 * i for i in range(1, 11)} | {i: 2.0 + 0.1 * i for i in range(11, 81)}
+    faults = [{"t": 1.0, "kind": "stop"}, {"t": 5.0, "kind": "kill"}]
+    costs = fault_costs(times, faults, 0.1)
+    assert costs == {"kill": 0.0, "stop": 2.0}
