@@ -206,3 +206,38 @@ def test_bad_straggler_settings_are_one_line(key, value, words):
     header, problem = str(e.value).split(": ", 1)  # one line: the file, then the problem
     assert "\n" not in problem
     assert header.startswith("invalid job config") and f"controller.stragglers.{words}" in problem
+
+
+def test_the_peers_median_kept_sorted_is_the_median_of_the_others():
+    """Each role's medians are kept sorted as reports come in (a report is a bisection,
+    not a pass over thousands of peers): the peers' median read from them equals the
+    median of the other members' own medians, through joins, reports and departures."""
+    import random
+    from statistics import median
+
+    from phalanx.controller.core.base import ChangeLog
+    from phalanx.controller.core.stragglers import Stragglers
+
+    cfg = load_config(overrides=["controller.stragglers.enabled=true"]).controller.stragglers
+    sg = Stragglers(cfg, ChangeLog(history=100))
+    rng = random.Random(5)
+    ids = [f"policy-{i}:x" for i in range(40)]
+    for n in range(1200):
+        rid = rng.choice(ids)
+        if rng.random() < 0.03:
+            sg.forget(rid)
+            continue
+        sg.report(
+            rid, rid[:-2], "policy", f"q{n}", rng.uniform(0.1, 2.0), rng.randint(1, 9), wall=n
+        )
+        w = sg.watches[rid]
+        full = [v for v in sg.watches.values() if len(v.times) >= cfg.window]
+        others = [v for v in full if v is not w]
+        got = sg.speeds["policy"].peers_of(w)
+        if w.counted is None or not others:
+            assert got is None
+            continue
+        assert got == (
+            median(median(v.times) for v in others),
+            median(median(v.rates) for v in others),
+        )

@@ -25,13 +25,16 @@ the controller keeps the last ``window`` of each (``[controller.stragglers]``):
    it is cleared once it needs no less than :data:`CLEAR_AT` of an equal share.
 
 A replica with fewer than ``window`` reports, or a role where fewer than two members
-report, is not judged. What the controller knows here is not journaled: after a
+report, is not judged. Each role keeps its members' medians in sorted lists
+(:class:`Speeds`), updated as each report comes in, so a report costs a bisection and a
+list move, not a pass over the role: the watch stays cheap at thousands of replicas. What the controller knows here is not journaled: after a
 restart the watch starts over (the quorums already journaled keep their shares).
 No I/O; every decision is a function of the reports, in order.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -64,6 +67,48 @@ class Watch:
     at_floor: int = 0
     """Reports running with its share at the floor and still too slow."""
     last_request: str = ""
+    counted: tuple[float, float] | None = None
+    """Its (median time, median per-sample time) as its role's :class:`Speeds` hold
+    them, once its window is full; None before."""
+
+
+def _median_without(values: list[float], x: float) -> float:
+    """The median of the sorted ``values`` with one ``x`` (which they hold) left out,
+    without copying them."""
+    i = bisect.bisect_left(values, x)
+    n = len(values) - 1
+
+    def at(k: int) -> float:
+        return values[k] if k < i else values[k + 1]
+
+    return (at((n - 1) // 2) + at(n // 2)) / 2
+
+
+@dataclass
+class Speeds:
+    """One role's medians of the members whose window is full: their share times and
+    their per-sample times, each a sorted list."""
+
+    times: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+
+    def add(self, w: Watch) -> None:
+        w.counted = (median(w.times), median(w.rates))
+        bisect.insort(self.times, w.counted[0])
+        bisect.insort(self.rates, w.counted[1])
+
+    def remove(self, w: Watch) -> None:
+        if w.counted is not None:
+            self.times.pop(bisect.bisect_left(self.times, w.counted[0]))
+            self.rates.pop(bisect.bisect_left(self.rates, w.counted[1]))
+            w.counted = None
+
+    def peers_of(self, w: Watch) -> tuple[float, float] | None:
+        """The median of the other members' median times and per-sample times, or None
+        when ``w`` has no peer with a full window."""
+        if w.counted is None or len(self.times) < 2:
+            return None
+        return _median_without(self.times, w.counted[0]), _median_without(self.rates, w.counted[1])
 
 
 @dataclass
@@ -82,6 +127,8 @@ class Stragglers:
     cfg: StragglersSection
     log: ChangeLog
     watches: dict[str, Watch] = field(default_factory=dict)
+    speeds: dict[str, Speeds] = field(default_factory=dict)
+    """Role -> its members' medians (:class:`Speeds`)."""
     remembered: dict[tuple[str, str], int] = field(default_factory=dict)
     """(role, name) -> the weight of an incarnation evicted as a straggler, which a
     new incarnation of that name starts at."""
@@ -116,23 +163,17 @@ class Stragglers:
         w.last_request = request_id
         w.times.append(compute_s)
         w.rates.append(compute_s / samples)
+        speeds = self.speeds.setdefault(role, Speeds())
+        speeds.remove(w)
+        if len(w.times) >= self.cfg.window:
+            speeds.add(w)
         return self._judge(replica_id, w, wall)
 
-    def _peers(self, replica_id: str, role: str) -> list[Watch]:
-        n = self.cfg.window
-        return [
-            w
-            for rid, w in self.watches.items()
-            if rid != replica_id and w.role == role and len(w.times) >= n
-        ]
-
     def _judge(self, replica_id: str, w: Watch, wall: float) -> Verdict:
-        peers = self._peers(replica_id, w.role)
-        if len(w.times) < self.cfg.window or not peers:
+        peers = self.speeds[w.role].peers_of(w)
+        if peers is None or w.counted is None:
             return Verdict()
-        peer_time = median(median(p.times) for p in peers)
-        peer_rate = median(median(p.rates) for p in peers)
-        mine_time, mine_rate = median(w.times), median(w.rates)
+        (peer_time, peer_rate), (mine_time, mine_rate) = peers, w.counted
         slow = peer_time > 0 and mine_time > self.cfg.factor * peer_time
         ratio = round(mine_time / peer_time, 2) if peer_time > 0 else 0.0
         if not w.flagged:
@@ -190,7 +231,9 @@ class Stragglers:
 
     def forget(self, replica_id: str) -> None:
         """The replica left or was evicted: its reports no longer count."""
-        self.watches.pop(replica_id, None)
+        w = self.watches.pop(replica_id, None)
+        if w is not None and w.role in self.speeds:
+            self.speeds[w.role].remove(w)
 
     def share_of(self, replica_id: str) -> float:
         """The replica's share weight as a fraction of an equal share."""
