@@ -27,6 +27,10 @@ Figures (medians of the step intervals of ``policy-0``'s committed steps, from t
 - ``straggler_share``: the slowed replica's share then, over an equal one.
 - ``straggler_audit_ok``: ``phalanx audit RUN --against CALM`` passed (every step
   once, the calm run's global batches, bit-identical final state).
+- ``straggler_report_us``: what the watch costs the controller per report at
+  ``--watch-replicas`` (10,000) replicas of one role, each reporting every round
+  (the controller's own :class:`~phalanx.controller.core.stragglers.Stragglers`,
+  in this process; no job runs).
 
 Every process is ``phalanx run``'s own, which kills its children by process group.
 """
@@ -53,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4, help="policy replicas (>= 3)")
     p.add_argument("--steps", type=int, default=40, help="steps of each job")
     p.add_argument("--step-delay-s", type=float, default=0.01, help="per micro-batch (sample)")
+    p.add_argument(
+        "--watch-replicas", type=int, default=10_000, help="replicas for straggler_report_us"
+    )
 
 
 def overrides(replicas: int, steps: int, delay_s: float, slow: bool) -> list[str]:
@@ -136,6 +143,26 @@ def figures(calm: Path, slowed: Path, replicas: int) -> dict[str, Any]:
     }
 
 
+def report_us(replicas: int, rounds: int = 8) -> float:
+    """Microseconds per report of the controller's straggler watch, ``replicas`` of one
+    role reporting share times (within 10 % of each other) for ``rounds`` rounds."""
+    import random
+    import time
+
+    from phalanx.config import load_config
+    from phalanx.controller.core.base import ChangeLog
+    from phalanx.controller.core.stragglers import Stragglers
+
+    cfg = load_config(overrides=["controller.stragglers.enabled=true"]).controller.stragglers
+    watch, rng = Stragglers(cfg, ChangeLog(history=1000)), random.Random(1)
+    ids = [f"policy-{i}:x" for i in range(replicas)]
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for rid in ids:
+            watch.report(rid, rid[:-2], "policy", str(r), rng.uniform(0.9, 1.1), 8, wall=r)
+    return (time.perf_counter() - t0) / (rounds * replicas) * 1e6
+
+
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     if args.replicas < 3:
         raise SystemExit(f"--replicas must be >= 3 (a median of peers): got {args.replicas}.")
@@ -147,6 +174,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         verdict = audit(slowed, calm)
     out["straggler_audit_ok"] = int(verdict.get("rc") == 0)
     out["straggler_replicas"] = args.replicas
+    out["straggler_report_us"] = round(report_us(args.watch_replicas), 1)
     return out
 
 
