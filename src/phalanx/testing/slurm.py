@@ -1,19 +1,22 @@
-"""A real Slurm cluster for the tests, on one host: munged (its own key, socket and
-pid file), ``slurmctld`` and two ``slurmd`` "nodes" (:data:`NODES`), each a
-``NodeName``/``Port`` pair on localhost (``slurmd -N NAME``), all in a tmp dir, on
-free ports, started in the foreground (``-D``) so that we own their pids, and
-stopped by those pids (never by name).
+"""A real Slurm cluster on one host, for the tests and ``bench/ops_slurm.py``: munged
+(its own key, socket and pid file), ``slurmctld`` and four ``slurmd`` "nodes"
+(:data:`NODES`), each a ``NodeName``/``Port`` pair on localhost (``slurmd -N NAME``),
+all in a tmp dir, on free ports, started in the foreground (``-D``) so that we own
+their pids, and stopped by those pids (never by name).
 
-    from slurm_cluster import slurm  # noqa: F401  (a module-scoped pytest fixture)
+    cluster = SlurmCluster(tmp_dir)
+    cluster.start()
+    try:
+        job = cluster.sbatch(str(edited_script(tmp_dir, (2, 2))), "job.toml", env=...)
+    finally:
+        cluster.stop()
 
-    def test_x(slurm):
-        job = slurm.sbatch(script, "job.toml")
-
-No cgroups here: ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``.
-Clients find the cluster through ``SLURM_CONF`` (:attr:`SlurmCluster.env`). Where
-Slurm or munge is missing, or we are not root (slurmd must run as root), the tests
-that use the fixture skip with the reason; ``make install`` installs them where it
-can (root and apt-get).
+The tests use it through the module-scoped fixture ``slurm`` of
+``tests/integration/slurm_cluster.py``. No cgroups here:
+``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``. Clients find the
+cluster through ``SLURM_CONF`` (:attr:`SlurmCluster.env`). :func:`missing` says why the
+cluster cannot run (Slurm or munge missing, or not root: slurmd must run as root);
+``make install`` installs them where it can (root and apt-get).
 
 A node is lost (:meth:`SlurmCluster.lose_node`) by SIGKILL of its ``slurmd`` and of
 its job steps: the ``slurmstepd`` processes that hold that node's log file open
@@ -22,15 +25,14 @@ its job steps: the ``slurmstepd`` processes that hold that node's log file open
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-
-import pytest
 
 from phalanx.net import free_port
 
@@ -38,10 +40,17 @@ DAEMONS = {
     name: shutil.which(name) or f"/usr/sbin/{name}" for name in ("slurmctld", "slurmd", "munged")
 }
 CLIENTS = ("sbatch", "scontrol", "sinfo", "squeue")
-NODES = ("n1", "n2")
-"""The two nodes' names, each with ``NodeAddr=127.0.0.1``: the script reaches a node
-at its NodeAddr (the names do not resolve here). n1 is the batch host (it holds the
-batch script and the controller)."""
+NODES = ("n1", "n2", "n3", "n4")
+"""The nodes' names, each with ``NodeAddr=127.0.0.1``: the script reaches a node at
+its NodeAddr (the names do not resolve here). n1 is the batch host (it holds the
+batch script and the controller). Four, for a hetjob that loses a node and goes on:
+the components of a hetjob cannot share a node, and Slurm (22.05,
+``kill_running_job_by_node_name``) treats a node lost by one component as lost by
+every component; a component of one node is then requeued (with it the whole job),
+``--no-kill`` or not, and only a component of two nodes or more just drops the node.
+So each component needs two nodes (policy n1, n2; rollout n3, n4)."""
+SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "slurm" / "phalanx.sbatch"
+"""``deploy/slurm/phalanx.sbatch`` of this checkout."""
 SLURMD_TIMEOUT_S = 5
 """How long a silent slurmd takes to be marked DOWN (Slurm checks it on its own
 ping cycle: in practice a few times this)."""
@@ -113,6 +122,9 @@ class SlurmCluster:
             for n, p in zip(NODES, ports, strict=True)
         )
         r = self.root
+        # Slurm schedules a hetjob by backfill alone, every bf_interval (30 s by
+        # default): 1 s starts one at once, as the main scheduler starts the others.
+        backfill = "SchedulerParameters=bf_interval=1"
         self.conf.write_text(
             f"""ClusterName=phalanx-test
 SlurmctldHost=localhost
@@ -134,6 +146,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+{backfill}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
@@ -292,14 +305,29 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                     pass
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    why = missing()
-    if why is not None:
-        pytest.skip(why)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
+def edited_script(tmp: Path, groups: tuple[int, ...]) -> Path:
+    """``phalanx.sbatch`` with its resources edited to this cluster, as its header tells
+    a user to: ``groups`` holds each component's node count, ``(2,)`` for a job without
+    rollout replicas (the hetjob lines deleted) and ``(2, 2)`` for an RL job that may
+    lose a node (see :data:`NODES`). Written to ``tmp``."""
+    text = SCRIPT.read_text()
+    start, end = text.index("## group 0"), text.index("\nset -uo pipefail")
+    group = "#SBATCH --nodes={}\n#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n"
+    group += "#SBATCH --no-kill\n"
+    out = tmp / "phalanx.sbatch"
+    out.write_text(text[:start] + "#SBATCH hetjob\n".join(map(group.format, groups)) + text[end:])
+    return out
+
+
+def steps_seen(job_dir: Path) -> list[int]:
+    """The steps a Slurm job's replicas have printed as committed so far (their agents'
+    workers' lines, ``agent-NAME[.K]/genG/rank0.out``)."""
+    out = []
+    for f in job_dir.glob("agent-*/gen*/rank0.out"):
+        for line in f.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"event": "step"' in line:
+                try:
+                    out.append(int(json.loads(line)["step"]))
+                except (ValueError, KeyError):
+                    continue
+    return out
