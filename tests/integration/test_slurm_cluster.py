@@ -111,7 +111,7 @@ def test_an_rl_job_goes_on_when_a_rollout_node_is_lost_and_the_audit_passes(
     requeued with the whole job: see ``NODES``). With ``roles.rollout.min_replicas =
     2`` no prompt is leased while rollout-1 is away, so the job can only end once its
     agent runs again on a node the job still has."""
-    batches = 30  # each >= 16 prompts x 0.1 s over 2 replicas: the loss lands mid-job
+    batches = 20  # each >= 16 prompts x 0.1 s over 2 replicas: the loss lands mid-job
     job, job_dir = submit(
         slurm,
         tmp_path,
