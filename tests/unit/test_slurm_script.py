@@ -196,6 +196,32 @@ def test_a_role_given_fewer_replicas_than_n_init_starts_its_first_quorum_with_th
     assert "roles.policy.min_replicas in the job config must be <= 2, got 3" in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        # No GPU info (a CPU cluster): one policy replica per node still bounds them.
+        (
+            "--roles.policy.min_replicas=3",
+            "roles.policy.min_replicas in the job config must be <= 2, got 3",
+        ),
+        ("--replica.ranks=two", "replica.ranks in the job config must be integers"),
+    ],
+)
+def test_overrides_are_checked_against_the_allocation_as_the_file_is(override, says):
+    r = dry_run(EXAMPLES / "ft_mlp.toml", override, SLURM_JOB_NODELIST="a1,a2")
+    assert r.returncode != 0 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert says in r.stderr
+    # With GPU info, an override of the ranks is held to it as the file's would be.
+    r = dry_run(
+        EXAMPLES / "ft_mlp.toml",
+        "--replica.ranks=4",
+        SLURM_JOB_NODELIST="a1",
+        SLURM_GPUS_ON_NODE="2",
+    )
+    assert r.returncode != 0 and r.stderr.count("\n") == 1
+    assert "[replica] ranks = 4 in the job config" in r.stderr, r.stderr
+
+
 def test_https_when_given_a_certificate():
     r = dry_run(
         EXAMPLES / "ft_mlp.toml",
