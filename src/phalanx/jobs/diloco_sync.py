@@ -60,6 +60,8 @@ def run(args: ReplicaArgs) -> int:
                 continue
             client.report_progress(loss=r.loss)
             extra = {"samples": r.samples} if tc.log_samples else {}
+            if tc.log_samples and m.sampler is not None:
+                extra["dataset_size"] = m.sampler.num_samples  # (phalanx.audit.data)
             emit(
                 {
                     **extra,
