@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from phalanx.audit.base import NotARun, Rollback, Run
