@@ -30,8 +30,7 @@ from ftjob import (
     assert_close,
     assert_identical,
     assert_same_files,
-    check_samples,
-    check_steps,
+    audit_job,
     cleanup_jobs,
     step_lines,
     write_job,
@@ -74,18 +73,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
     root = tmp_path_factory.mktemp("reference")
     jobs: list[FTJob] = []
     try:
-        runs: dict[str, list[Replica]] = {}
+        runs: dict[str, tuple[FTJob, list[Replica]]] = {}
         for n in (3, 1):
             job = _job(root, f"ref{n}", jobs, policy={"n_init_replicas": n})
             job.start_controller()
-            runs[str(n)] = [job.start_replica(f"r{i}") for i in range(n)]
+            runs[str(n)] = (job, [job.start_replica(f"r{i}") for i in range(n)])
         out = {}
-        for n, replicas in runs.items():
+        for n, (job, replicas) in runs.items():
             finals = [r.finish() for r in replicas]
             assert_identical(finals)
             assert_same_files(replicas, STEPS)  # the calm run's files: byte for byte
+            audit_job(job, STEPS)
             lines = step_lines(replicas)
-            check_steps(lines, STEPS, BATCH)
             assert {e["participants"] for by_id in lines.values() for e in by_id.values()} == {
                 int(n)
             }
@@ -96,12 +95,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
 
 
 def check_run(
-    replicas: list[Replica], finals: list[dict[str, Any]], reference: dict[str, Any]
+    job: FTJob, replicas: list[Replica], finals: list[dict[str, Any]], reference: dict[str, Any]
 ) -> dict[int, dict[str, dict[str, Any]]]:
-    """The invariants every scenario must keep (see the module docstring)."""
+    """The invariants every scenario must keep (see the module docstring): the product
+    audit of the job, and the final states. Returns ``replicas``' step lines."""
+    audit_job(job, STEPS)
     lines = step_lines(replicas)
-    check_steps(lines, STEPS, BATCH)
-    check_samples(lines, DATASET, SEED, BATCH)
     assert_identical(finals)
     assert_same_files(replicas, STEPS)
     worst = assert_close(finals[0], reference, ATOL)
@@ -135,6 +134,7 @@ def first_step(p: Proc) -> dict[str, Any]:
 
 @dataclass
 class KillRestart:
+    job: FTJob
     survivors: list[Replica]
     victim: Replica
     restarted: Replica
@@ -175,7 +175,7 @@ def kill_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillResta
         c.kill()
         a.wait_step(RESTART_AT)
         restart.release()
-        run = KillRestart([a, b], c, restart)
+        run = KillRestart(job, [a, b], c, restart)
         run.killed_at = c.steps()[-1]["step"]
         run.restarted_at = a.steps()[-1]["step"]
         run.finals = [r.finish() for r in (a, b, run.restarted)]
@@ -188,7 +188,9 @@ def kill_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillResta
 def test_kill_and_restart(kill_restart: KillRestart, reference: dict[str, dict[str, Any]]):
     run = kill_restart
     a = run.survivors[0]
-    lines = check_run([*run.survivors, run.victim, run.restarted], run.finals, reference["3"])
+    lines = check_run(
+        run.job, [*run.survivors, run.victim, run.restarted], run.finals, reference["3"]
+    )
     assert run.killed_at == KILL_AT
     # The survivors kept committing while the victim was down.
     for step in range(1, run.killed_at + 1):
@@ -214,9 +216,8 @@ def test_data_exactly_once(kill_restart: KillRestart):
     """Across a kill and a restart: every committed step's global batch was trained
     exactly once, split among the replicas that committed it."""
     run = kill_restart
+    audit_job(run.job, STEPS)
     lines = step_lines([*run.survivors, run.victim, run.restarted])
-    check_steps(lines, STEPS, BATCH)
-    check_samples(lines, DATASET, SEED, BATCH)
     # The victim's lines stop where it died; its restarted incarnation has no step
     # before it healed: no step was trained twice by one name.
     by_name: dict[str, list[int]] = {}
@@ -267,7 +268,7 @@ def test_late_joiner(make_job: MakeJob, reference: dict[str, dict[str, Any]]):
             r.signal(signal.SIGCONT)
     joined = d.wait_step(1)
     finals = [r.finish() for r in [*first, d]]
-    lines = check_run([*first, d], finals, reference["3"])
+    lines = check_run(job, [*first, d], finals, reference["3"])
     assert joined["healed"] is True and joined["participants"] == 4, joined
     assert joined["step"] > 5
     for step in range(1, joined["step"]):
@@ -318,7 +319,7 @@ def test_hang_evict_and_come_back(make_job: MakeJob, reference: dict[str, dict[s
         (e["replica_id"], e.get("reason")) for e in evicted
     ]
     finals = [r.finish() for r in (a, b, c)]
-    lines = check_run([a, b, c], finals, reference["3"])
+    lines = check_run(job, [a, b, c], finals, reference["3"])
     stopped_at = max(e["step"] for e in b.steps() if e["replica"] == old_id)
     assert back["healed"] is True and back["participants"] == 3, back
     assert back["replica"].split(":")[0] == "b"
@@ -353,7 +354,7 @@ def test_min_replicas_blocks_until_back(make_job: MakeJob, reference: dict[str, 
     resumed = a.wait_step(killed_at + 1)
     assert resumed["_at"] > alone_until
     finals = [r.finish() for r in (a, b2)]
-    lines = check_run([a, b, b2], finals, reference["3"])
+    lines = check_run(job, [a, b, b2], finals, reference["3"])
     assert {e["participants"] for by_id in lines.values() for e in by_id.values()} == {2}
     assert first_step(b2)["healed"] is True
     assert_job_finished(job)
@@ -383,7 +384,7 @@ def test_controller_restart(make_job: MakeJob, reference: dict[str, dict[str, An
     job.start_controller()
     assert (job.state_dir / "url").read_text() == url  # same port: replicas re-attach
     finals = [r.finish() for r in (a, b)]
-    lines = check_run([a, b], finals, reference["3"])
+    lines = check_run(job, [a, b], finals, reference["3"])
     for r in (a, b):
         assert [e["step"] for e in r.steps()] == list(range(1, STEPS + 1)), r.label
     assert {e["participants"] for by_id in lines.values() for e in by_id.values()} == {2}

@@ -24,8 +24,7 @@ from ftjob import (
     WAIT_S,
     FTJob,
     assert_identical,
-    check_samples,
-    check_steps,
+    audit_job,
     cleanup_jobs,
     step_lines,
     write_job,
@@ -63,13 +62,13 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         runs = {}
         for n in (3, 1):
             job = make(root, f"calm{n}", made, policy={"n_init_replicas": n})
-            runs[str(n)] = [job.start_replica(f"r{i}") for i in range(n)]
+            runs[str(n)] = (job, [job.start_replica(f"r{i}") for i in range(n)])
         out: dict[str, Any] = {}
-        for n, replicas in runs.items():
+        for n, (job, replicas) in runs.items():
             finals = [r.finish() for r in replicas]
             assert_identical(finals)
+            audit_job(job, STEPS)
             lines = step_lines(replicas)
-            check_steps(lines, STEPS, BATCH)
             out[n] = finals[0]
             out[f"losses{n}"] = {s: next(iter(by.values()))["loss"] for s, by in lines.items()}
         yield out
@@ -139,9 +138,8 @@ def test_kills_a_hang_and_a_late_joiner_end_bit_identical_to_calm_runs(
         assert joined["step"] < STEPS, "the faults must land before the job's end: pace it more"
         replicas = [a, b, c, c2, d]
         finals = [r.finish() for r in (a, b, c2, d)]
+        audit_job(job, STEPS)
         lines = step_lines(replicas)
-        check_steps(lines, STEPS, BATCH)
-        check_samples(lines, DATASET, SEED, BATCH)
         assert_identical(finals)
         seen = {e["participants"] for by in lines.values() for e in by.values()}
         assert seen >= {2, 3, 4}, seen

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from ftjob import FTJob, assert_same_files, check_samples, check_steps, step_lines
+from ftjob import FTJob, assert_same_files, audit_job
 from procs import child_env, write_job_toml
 
 from phalanx.config import load_config
@@ -167,11 +167,10 @@ def test_a_replica_killed_mid_step_heals_and_the_job_trains_the_calm_runs_batche
     a.wait_step(6)
     back.release()
     finals = [r.finish() for r in (a, b, back)]
-    lines = step_lines([a, b, c, back])
-    check_steps(lines, STEPS, BATCH)
-    # Every committed global batch is the sampler's (the calm run's): the same samples
-    # in the same steps, whoever trained them.
-    check_samples(lines, dataset_size(hf, kind), SEED, BATCH)
+    # The product audit: every step committed once, and every committed global batch
+    # the sampler's (the calm run's): the same samples in the same steps, whoever
+    # trained them.
+    audit_job(job, STEPS, dataset_size=dataset_size(hf, kind))
     first = back.steps()[0]
     assert first["healed"] and first["participants"] == 3, first
     assert_same_files([a, b, back], STEPS)
@@ -193,11 +192,9 @@ def test_hsdp_and_sync_diloco_train_the_hf_model(hf: HF, tmp_path: Path, jobs: l
     sync = [dl.start_replica(n) for n in "ab"]
     for r in [*ranks, *sync]:
         r.finish()
-    hl = step_lines(ranks)
-    check_steps(hl, 8, BATCH)
-    check_samples(hl, dataset_size(hf, "pretrain"), SEED, BATCH)
+    audit_job(h, 8, dataset_size=dataset_size(hf, "pretrain"))
     assert_same_files(ranks, 8)
-    check_steps(step_lines(sync), 4, 4 * BATCH)
+    audit_job(dl, 4, dataset_size=dataset_size(hf, "pretrain"))  # rounds of H = 4 steps
     assert_same_files(sync, 4)
 
 
@@ -374,9 +371,7 @@ def test_the_hf_job_on_cuda(hf: HF, tmp_path: Path, jobs: list[FTJob], plane: st
     back.release()
     for r in (a, back):
         r.finish()
-    lines = step_lines([a, b, back])
-    check_steps(lines, STEPS, BATCH)
-    check_samples(lines, dataset_size(hf, "pretrain"), SEED, BATCH)
+    audit_job(job, STEPS, dataset_size=dataset_size(hf, "pretrain"))
     assert back.steps()[0]["healed"]
     assert_same_files([a, back], STEPS)
     assert all(e["peak_mem_mb"] > 0 for e in a.steps())

@@ -9,8 +9,8 @@ import signal
 from pathlib import Path
 
 import test_hf_jobs
-from ftjob import FTJob, assert_same_files, check_steps, step_lines
-from test_hf_jobs import BATCH, HF, sections, start_job
+from ftjob import FTJob, assert_same_files, audit_job
+from test_hf_jobs import HF, sections, start_job
 
 from phalanx.rl.lora import nbytes
 from phalanx.rl.model import load_model
@@ -34,7 +34,7 @@ def test_a_killed_lora_replica_heals_only_the_adapter(hf: HF, tmp_path: Path, jo
     back.release()
     for r in (a, back):
         r.finish()
-    check_steps(step_lines([a, b, back]), STEPS, BATCH)
+    audit_job(job, STEPS)
     first = back.steps()[0]
     assert first["healed"], first
     whole = nbytes(load_model(hf.model).state_dict())

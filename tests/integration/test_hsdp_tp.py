@@ -28,10 +28,8 @@ from ftjob import (
     assert_close,
     assert_identical,
     assert_same_files,
-    check_samples,
-    check_steps,
+    audit_job,
     kill_a_rank_and_heal,
-    step_lines,
 )
 from procs import child_env, write_job_toml
 
@@ -157,9 +155,7 @@ def test_tp_replicas_survive_a_rank_killed_mid_step_and_heal_shard_to_shard(
     assert healed["participants"] == 2 and healed["step"] > gone["step"]
     assert healed["heal"]["replica"]["bytes"] > 0, healed
     finals = [a.finish(), b2.finish()]
-    lines = step_lines([a, b, b2])
-    check_steps(lines, STEPS, BATCH)
-    check_samples(lines, dataset_size(llama), SEED, BATCH)
+    audit_job(job, STEPS, dataset_size=dataset_size(llama))
     assert_identical(finals)
     assert_same_files([a, b, b2], STEPS)
     worst = assert_close(finals[0], reference, ATOL)
@@ -197,9 +193,7 @@ def test_tp_times_fsdp_replicas_match_one_unsharded_replica(
     r0 = ref.start_replica("r0")
     a, b = job.start_replica("a", ranks=4), job.start_replica("b", ranks=4)
     finals = [a.finish(), b.finish()]
-    lines = step_lines([a, b])
-    check_steps(lines, steps, BATCH)
-    check_samples(lines, dataset_size(llama), SEED, BATCH)
+    audit_job(job, steps, dataset_size=dataset_size(llama))
     assert_identical(finals)
     worst = assert_close(finals[0], r0.finish(), ATOL)
     print(f"largest difference from the unsharded run: {worst:.3g}")

@@ -192,11 +192,23 @@ def trained_prompts(policy: list[RLReplica]) -> list[int]:
     return [int(rid[1:].split(".")[0]) for b in sorted(seen) for rid in seen[b]]
 
 
-def check_ledger(st: dict[str, Any], prompts: list[int]) -> None:
+def check_ledger(ctl: Controller, st: dict[str, Any], policy: list[RLReplica]) -> Any:
+    """The product audit (``phalanx audit --state-dir``) of the job, from its
+    controller's state dir and ``policy``'s outputs: no check finds a violation, and
+    the ledger's checks ran: it balances, as rebuilt from the journal, its trained
+    prompts and rollouts are those the policy's lines acknowledged, and no prompt or
+    rollout was trained twice. ``st``: the live controller's ledger, which must
+    balance too. Returns the audited :class:`phalanx.audit.Run`."""
+    from phalanx.audit import audit_checks, load_job
+
     assert st["ok"], f"ledger does not balance: {st}"
-    assert len(prompts) == len(set(prompts)), "a prompt was trained twice"
-    assert st["prompts"]["trained"] == len(prompts)
-    assert st["rollouts"]["trained"] == len(prompts)
+    run = load_job(ctl.state_dir, [p.out for p in policy])
+    checks = {c.name: c for c in audit_checks(run)}
+    bad = [f"{c.name}: {c.detail}" for c in checks.values() if c.verdict == "FAIL"]
+    assert not bad, "the audit found violations:\n" + "\n".join(bad)
+    for name in ("steps.once", "steps.order", "ledger.balance", "ledger.trained_once"):
+        assert checks[name].verdict == "pass", f"{name} did not run: {checks[name].detail}"
+    return run
 
 
 def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job):
@@ -239,8 +251,8 @@ def test_rl_job_survives_a_rollout_killed_with_a_lease_and_takes_a_joiner(rl_job
     joiner = start("rollout", "rollout-late")
     st = wait_finished(ctl, [policy, joiner])
 
+    check_ledger(ctl, st, [policy])
     prompts = trained_prompts([policy])
-    check_ledger(st, prompts)
     # Re-dispatched prompts go first into the next leases; the job may stop at its
     # target before their batch trains, and then the balanced ledger holds them.
     assert lost <= set(prompts) or st["prompts"]["issued"] > st["prompts"]["trained"]
@@ -270,7 +282,7 @@ def test_rl_stale_rollouts_are_discarded_and_counted(rl_job):
     st = wait_finished(ctl, [policy, fast, slow])
     stale = sum(e["stale"] for e in slow.events("rollout"))
     assert stale > 0 and st["rollouts"]["discarded"].get("stale", 0) >= stale
-    check_ledger(st, trained_prompts([policy]))
+    check_ledger(ctl, st, [policy])
     assert all(
         v >= b * 2 - 4 for e in policy.events("step") for b in [e["batch"]] for v in e["versions"]
     )
@@ -328,7 +340,7 @@ def test_a_late_rollout_gets_its_weights_from_a_rollout_peer(rl_job):
     assert any(f"relayed by rollout {r0_id} to 1" in t for t in timeline), timeline
     policy_b = start("policy", "policy-0")
     st = wait_finished(ctl, [policy_b, r0, late], timeout=300)
-    check_ledger(st, trained_prompts([policy, policy_b]))
+    check_ledger(ctl, st, [policy, policy_b])
     # It resumed from the leader's last checkpoint, never behind an acknowledged step.
     assert policy_b.events("step")[0]["step"] > acked_at_kill
     rolls = late.events("rollout")
@@ -364,7 +376,7 @@ def test_rl_policy_killed_with_two_policy_replicas_rejoins_on_restart(rl_job):
     # resumed from is at the group's step (saves run back to back), as it is.
     first = next(e for e in p1b.events("step") if e["participants"] == 2)
     assert first["healed"] or "resumed from" in p1b.err.read_text(), first
-    check_ledger(st, trained_prompts([p0, p1b]))
+    check_ledger(ctl, st, [p0, p1b])
 
 
 def test_rl_controller_restart_keeps_ledger_and_step(rl_job):
@@ -380,5 +392,5 @@ def test_rl_controller_restart_keeps_ledger_and_step(rl_job):
     assert after["prompts"]["trained"] >= before["prompts"]["trained"]
     assert after["prompts"]["issued"] >= before["prompts"]["issued"] and after["ok"]
     st = wait_finished(ctl, [policy, roll])
-    check_ledger(st, trained_prompts([policy]))
+    check_ledger(ctl, st, [policy])
     assert ctl.status()["epoch"] == 2

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from agentic_models import make_agentic_model
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 from phalanx.rl.sandbox.bwrap import BwrapSandbox
 
@@ -71,7 +71,7 @@ def test_a_rollout_killed_mid_episode_is_finished_by_another_from_its_last_turn(
     doomed.kill()
     rescue = start("rollout", "rollout-rescue")
     st = wait_finished(ctl, [policy, rescue], timeout=300.0)
-    check_ledger(st, trained_prompts([policy]))
+    check_ledger(ctl, st, [policy])
     ep = st["episodes"]
     assert ep["resumed"] >= 1 and ep["turns_carried"] >= 1, ep
     rolls = rescue.events("rollout")

@@ -83,8 +83,8 @@ def test_drained_replicas_leave_at_a_boundary_and_lose_nothing(tmp_path: Path, p
     # The rollout replica left between two batches: what it submitted was trained, the
     # lease it held when it left went back at once (not at its deadline) and was
     # trained too, and nothing was trained twice.
+    check_ledger(ctl, st, [p0, p1])
     prompts = trained_prompts([p0, p1])
-    check_ledger(st, prompts)
     submitted = {rollout_prompt(x)[0] for e in r1.events("rollout") for x in e["rollouts"]}
     released = [
         e for e in events if e["kind"] == "lease_expired" and e["replica_id"] == ids["rollout-1"]

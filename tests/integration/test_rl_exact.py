@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 from phalanx.train.snapshot import load_state
 
@@ -83,7 +83,7 @@ def calm_run(root: Path, made: list[Procs], n: int, steps: int) -> dict[str, Any
     ps = [policy(procs, ctl, config, f"policy-{i}") for i in range(n)]
     roll = RLReplica(procs, ctl, config, "rollout", "rollout-0")
     st = wait_finished(ctl, [p for p, _ in ps] + [roll], timeout=3 * PROGRESS_S)
-    check_ledger(st, trained_prompts([p for p, _ in ps]))
+    check_ledger(ctl, st, [p for p, _ in ps])
     finals = [state(out) for _, out in ps]
     for f in finals[1:]:
         assert_same_bits(finals[0], f)
@@ -134,7 +134,7 @@ def test_a_policy_replica_killed_and_restarted_ends_with_a_calm_runs_bits(
     )
     p1b.release()
     st = wait_finished(ctl, [p0, p1b, roll], timeout=3 * PROGRESS_S)
-    check_ledger(st, trained_prompts([p0, p1, p1b]))
+    check_ledger(ctl, st, [p0, p1, p1b])
     seen = {e["participants"] for p in (p0, p1, p1b) for e in p.events("step")}
     assert 1 in seen, seen
     assert rollouts_by_step([p0, p1, p1b]) == calm["rollouts"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 STEPS = 8
 
@@ -60,7 +60,7 @@ def test_a_sync_lands_during_a_long_generation(inflight_job, weights):
     # lease, so the syncs the policy's commits order find it generating.
     slow = start("rollout", "rollout-0", "--rl.loop.chunk_delay_s", "0.2")
     st = wait_finished(ctl, [policy, slow])
-    check_ledger(st, trained_prompts([policy]))
+    check_ledger(ctl, st, [policy])
 
     inflight = [e for e in slow.events("sync") if e["inflight"]]
     assert inflight, f"no sync landed during a generation: {slow.events('sync')}"
@@ -91,7 +91,7 @@ def test_a_rollout_killed_during_an_inflight_sync_leaves_whole_weights(inflight_
     wait_for(doomed_named_while_generating, PROGRESS_S, "a sync in flight to name a busy replica")
     doomed.kill()
     st = wait_finished(ctl, [policy, keep])
-    check_ledger(st, trained_prompts([policy]))
+    check_ledger(ctl, st, [policy])
     assert st["policy_step"] >= STEPS
     held = synced_versions(keep)
     rolls = keep.events("rollout")

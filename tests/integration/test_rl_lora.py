@@ -28,7 +28,6 @@ from test_rl import (
     check_ledger,
     job_sections,
     rl_status,
-    trained_prompts,
     wait_finished,
 )
 
@@ -134,7 +133,7 @@ def test_merged_export_generates_what_the_adapter_serving_engine_does(tmp_path, 
     pol = RLReplica(procs, ctl, config, "policy", "policy-0")
     roll = RLReplica(procs, ctl, config, "rollout", "rollout-0")
     st = wait_finished(ctl, [pol, roll], timeout=300)
-    check_ledger(st, trained_prompts([pol]))
+    check_ledger(ctl, st, [pol])
     out = tmp_path / "merged"
     said = _export_hf(procs.workdir / "policy-state", config, out)
     assert "merged" in said, said

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from redis_server import redis_url  # noqa: F401  (a pytest fixture)
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 from phalanx.transport.redis_conn import connect
 
@@ -59,7 +59,7 @@ def test_rl_job_with_a_replay_trains_the_same_batches_on_every_replica(
     st = wait_finished(ctl, [p0, roll])
     seen = audit([p0, p1])
     assert sorted(seen) == list(range(BATCHES))
-    check_ledger(st, trained_prompts([p0, p1]))  # fresh rollouts: each prompt once
+    check_ledger(ctl, st, [p0, p1])  # fresh rollouts: each prompt once
     # Half of a batch is replayed (rollouts trained before it) once the server holds
     # any: a batch frozen before the last one's rollouts were written draws from
     # what the server held then (none, for the first ones).

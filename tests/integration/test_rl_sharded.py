@@ -27,7 +27,7 @@ from typing import Any
 
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from safetensors.torch import load_file
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 from phalanx.launch.ranks import rank_pids
 from phalanx.train.snapshot import load_state
@@ -123,7 +123,7 @@ def test_sharded_policy_replicas_lose_a_rank_and_the_replica_comes_back(
     assert back[0]["step"] > alone["step"]
     assert back[0]["healed"] or "resumed from" in b2.err.read_text(), back[0]
     st = wait_finished(ctl, [a, b2, roll], timeout=PROGRESS_S)
-    check_ledger(st, trained_prompts([a, b, b2]))
+    check_ledger(ctl, st, [a, b, b2])
     # The rollout replica got every version from a sharded leader, whole.
     syncs = [e for p in (a, b, b2) for e in p.events("sync")]
     assert syncs and all(e["ok"] for e in syncs[-3:]), syncs[-3:]
@@ -149,7 +149,7 @@ def test_a_lone_sharded_policy_resumes_from_its_sharded_checkpoint(tmp_path: Pat
     acked = rl_status(ctl)["policy_step"]
     p2 = RLReplica(procs, ctl, config, "policy", "policy-0", "--out", str(out), ranks=2)
     st = wait_finished(ctl, [p2, roll], timeout=PROGRESS_S)
-    check_ledger(st, trained_prompts([p, p2]))
+    check_ledger(ctl, st, [p, p2])
     assert "resumed from" in p2.err.read_text()
     assert p2.events("step")[0]["step"] > acked  # nothing acknowledged is trained again
     state = procs.workdir / "policy-state"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
 from safetensors.torch import load_file
-from test_rl import RLReplica, check_ledger, job_sections, rl_status, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 from test_rl_sharded import HELD_TIMEOUTS, kill_a_rank
 
 from phalanx.train.snapshot import load_state
@@ -66,7 +66,7 @@ def test_a_lone_tp_policy_loses_a_rank_and_resumes(tmp_path: Path, procs: Procs)
     acked = rl_status(ctl)["policy_step"]
     p2 = RLReplica(procs, ctl, config, "policy", "policy-0", "--out", str(out), ranks=2)
     st = wait_finished(ctl, [p2, roll], timeout=PROGRESS_S)
-    check_ledger(st, trained_prompts([p, p2]))
+    check_ledger(ctl, st, [p, p2])
     assert "resumed from" in p2.err.read_text()
     assert p2.events("step")[0]["step"] > acked  # nothing acknowledged is trained again
     state = procs.workdir / "policy-state"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from procs import Controller, Procs, write_job_toml
-from test_rl import RLReplica, check_ledger, job_sections, trained_prompts, wait_finished
+from test_rl import RLReplica, check_ledger, job_sections, wait_finished
 
 from phalanx.config.rl import RLConfig
 from phalanx.rl.lora import adapter_state, apply_lora, nbytes
@@ -49,7 +49,7 @@ def test_a_vllm_rollout_replica_serves_the_synced_adapter(tmp_path, procs: Procs
     pol = RLReplica(procs, ctl, config, "policy", "policy-0")
     roll = RLReplica(procs, ctl, config, "rollout", "rollout-0")
     st = wait_finished(ctl, [pol, roll], timeout=600)
-    check_ledger(st, trained_prompts([pol]))
+    check_ledger(ctl, st, [pol])
     assert [e["engine"] for e in roll.events("start")] == ["vllm"]
     syncs = pol.events("sync")
     assert syncs and all(e["ok"] and e["bytes"] == adapter for e in syncs), syncs

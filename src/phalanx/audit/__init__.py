@@ -3,7 +3,9 @@ correctness from what it left behind (the controller's journal, the replicas' lo
 the final states), with no controller running.
 
 - :mod:`.base`: the verdict types and the loaded run (:class:`~.base.Run`);
-- :mod:`.rundir`: reading a run directory (one line when it is not one);
+- :mod:`.rundir`: reading a run directory, or a job another launcher started (the
+  controller's state dir and the replicas' outputs: :func:`load_job`), one line when
+  it is not one;
 - :mod:`.steps`: every step committed once, never backwards, none skipped, and the
   final files of one job identical;
 - :mod:`.data`: an FT job's committed global batches are the sampler's (exactly-once
@@ -16,5 +18,6 @@ the final states), with no controller running.
 
 from phalanx.audit.base import Check, NotARun, Run
 from phalanx.audit.cli import audit_checks
+from phalanx.audit.rundir import load_job, load_run
 
-__all__ = ["Check", "NotARun", "Run", "audit_checks"]
+__all__ = ["Check", "NotARun", "Run", "audit_checks", "load_job", "load_run"]

@@ -10,6 +10,9 @@ id), must concatenate to exactly those positions' sample indices: no sample
 dropped, repeated or taken out of turn, whoever failed. So a chaos run is checked
 against the sampler, with no calm run needed (``--against`` compares with one).
 
+A synchronous DiLoCo job's step is an outer round of ``H`` (``sync_every``) global
+batches: its shares, taken together, must be the round's ``H B`` positions.
+
 A participant SIGKILLed between its commit and its line leaves that step short of a
 share: the shares printed must then be distinct parts of the step's batch, and such
 steps can number at most the incarnations that ended without their ``done`` line
@@ -21,13 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.audit.base import Check, Run
+from phalanx.audit.steps import step_batch
 
 
 def _applies(run: Run) -> str | None:
     if run.rl:
         return "an RL job: its data is the ledger's (ledger.*)"
-    if run.config.diloco is not None:
-        return "a DiLoCo job: a step line is an outer round, not one global batch"
+    if step_batch(run) is None:
+        return "a decoupled DiLoCo job: its replicas read their own shards, with no global cursor"
     return None
 
 
@@ -66,16 +70,25 @@ def check_samples(run: Run) -> Check:
     if not steps:
         c.skipped = "no sample ids with the dataset's size in the logs (train.log_samples)"
         return c
-    batch = run.config.train.global_batch_size
+    batch = step_batch(run)
+    assert batch is not None  # (_applies)
+    # A DiLoCo round's shares interleave its inner steps: compared as multisets.
+    rounds = run.config.diloco is not None
     sizes = {int(e["dataset_size"]) for lines in steps.values() for e in lines.values()}
     if len(sizes) > 1:
         c.problems.append(f"the replicas' samplers disagree on the dataset's size: {sorted(sizes)}")
         return c
-    sampler = ElasticSampler(sizes.pop(), seed=run.config.job.seed)
+    size = sizes.pop()
+    sampler = ElasticSampler(size, seed=run.config.job.seed)
+    repeats = _repeats_in_an_epoch(sampler, max(steps) * batch)
+    if repeats:
+        c.problems.append(repeats)
     short = 0
     for step, lines in sorted(steps.items()):
         want = sampler.positions((step - 1) * batch, batch)
         got = [i for rid in sorted(lines) for i in lines[rid]["samples"]]
+        if rounds:
+            got, want = sorted(got), sorted(want)
         parts = int(next(iter(lines.values())).get("participants", 1))
         if len(lines) >= parts:
             if got != want:
@@ -98,6 +111,18 @@ def check_samples(run: Run) -> Check:
         else ""
     )
     return c
+
+
+def _repeats_in_an_epoch(sampler: Any, n: int) -> str | None:
+    """The sampler's first ``n`` positions take each sample once per epoch (what makes
+    "the sampler's batches" mean exactly-once data)."""
+    stream = sampler.positions(0, n)
+    size = sampler.num_samples
+    for start in range(0, len(stream), size):
+        epoch = stream[start : start + size]
+        if len(set(epoch)) != len(epoch):
+            return f"the sampler repeats a sample within epoch {start // size}"
+    return None
 
 
 def _parts_of(got: list[int], want: list[int]) -> bool:

@@ -52,8 +52,9 @@ def prompt_of(rollout_id: str) -> int:
 
 
 def check_balance(run: Run) -> Check:
-    """The ledger, rebuilt from the journal, balances; its trained counts are those of
-    the batches the policy's logs acknowledged."""
+    """The ledger, rebuilt from the journal, balances; its trained rollouts, and its
+    trained prompts (one rollout each), are those of the batches the policy's logs
+    acknowledged."""
     c = Check("ledger.balance", "")
     if not run.rl:
         c.skipped = "not an RL job (no ledger)"
@@ -68,10 +69,16 @@ def check_balance(run: Run) -> Check:
     p, r = bal["prompts"], bal["rollouts"]
     if not bal["ok"]:
         c.problems.append(f"the ledger does not balance: prompts {p}, rollouts {r}")
-    trained = sum(len(v) for v in lineage_batches(run).values())
+    batches = lineage_batches(run)
+    trained = sum(len(v) for v in batches.values())
     if r["trained"] != trained:
         c.problems.append(
             f"the ledger counts {r['trained']} rollouts trained, the policy's logs {trained}"
+        )
+    if p["trained"] != trained:  # a prompt is trained through its one rollout (a group)
+        c.problems.append(
+            f"the ledger counts {p['trained']} prompts trained, the policy's logs {trained} "
+            f"(one rollout a prompt)"
         )
     c.what = (
         f"balanced: {p['issued']} prompts issued, {r['accepted']} rollouts accepted, "

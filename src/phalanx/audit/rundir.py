@@ -6,6 +6,12 @@ each replica's ``<replica>.log`` (JSON event lines mixed with log lines) and
 same way: its replicas' lines are their agents' workers' (``agent-NAME[.K]/genG/
 rank0.out``, in the order the agents started them).
 
+A job started by another launcher (Kubernetes, a user's own scripts) has no run
+directory: :func:`load_job` reads the served controller's state dir (its
+``config.json`` and ``journal.sqlite``) and the replicas' output files instead, each
+file's replica taken from its JSON lines' ``replica`` field (``name:incarnation``),
+not from the file's name.
+
 A directory that lacks what every run has raises :class:`~.base.NotARun` in one
 line naming what is missing.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +55,57 @@ def load_run(path: Path) -> Run:
             f"{path} is not a run directory: it has no replica log (<replica>.log) beside "
             f"controller/. Give the directory phalanx run printed."
         )
-    journal = _journal(path / "controller" / "journal.sqlite")
-    run = Run(path, config, events, sorted((path / "final").glob("*.safetensors")), journal)
+    finals = sorted((path / "final").glob("*.safetensors"))
+    return _with_journal(Run(path, config, events, finals, None), path / "controller")
+
+
+def load_job(state_dir: Path, logs: Sequence[Path], finals: Sequence[Path] = ()) -> Run:
+    """A job that ``phalanx run`` did not start, from the served controller's state dir
+    (``--state-dir``: ``config.json``, ``journal.sqlite``) and its replicas' outputs
+    (their stdout: JSON event lines mixed with other lines), in the order given (a
+    replica's restarts after its first run), and its final files. Each output is the
+    replica its lines name (``replica``: ``name:incarnation``), whatever the file is
+    called. Raises :class:`NotARun` (one line) when the state dir holds no resolved
+    config, a file is not a replica's output, or no output holds a step."""
+    if not state_dir.is_dir():
+        why = "it is not a directory" if state_dir.exists() else "it does not exist"
+        raise NotARun(f"{state_dir} is not a controller state dir: {why}.")
+    cfg_path = state_dir / "config.json"
+    if not cfg_path.is_file():
+        raise NotARun(
+            f"{state_dir} is not a controller state dir: it has no config.json (the resolved "
+            f"config the served controller writes). Give the controller's --state-dir."
+        )
+    config = _config(cfg_path)
+    if not logs:
+        raise NotARun("no replica output given: name each replica's stdout file after the dir.")
+    events: dict[str, list[dict[str, Any]]] = {}
+    for log in logs:
+        if not log.is_file():
+            raise NotARun(f"{log} is not a replica's output: it is not a file.")
+        evs = _events(log)
+        name = next((str(e["replica"]) for e in evs if e.get("replica")), None)
+        if name is None:
+            raise NotARun(
+                f"{log} is not a replica's output: no JSON event line names a replica. Give "
+                f"the stdout of phalanx replica."
+            )
+        events.setdefault(name.split(":", 1)[0], []).extend(evs)
+    if not any(e.get("event") == "step" for evs in events.values() for e in evs):
+        raise NotARun(
+            f"no step line in {len(logs)} replica output(s): none committed a step, or these "
+            f"are not the outputs of the job in {state_dir}."
+        )
+    for f in finals:
+        if not f.is_file():
+            raise NotARun(f"{f} is not a final state: it is not a file.")
+    return _with_journal(Run(state_dir, config, events, list(finals), None), state_dir)
+
+
+def _with_journal(run: Run, state_dir: Path) -> Run:
+    """``run`` with the policy's step and rollbacks from ``state_dir/journal.sqlite``."""
+    journal = _journal(state_dir / "journal.sqlite")
+    run.journal = journal
     if journal is not None:
         role = journal.get("meta", {}).get("role/policy")
         if role is not None:

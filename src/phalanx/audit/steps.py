@@ -18,8 +18,10 @@ from typing import Any
 
 from phalanx.audit.base import Check, Rollback, Run
 
-CONTENT_KEYS = ("loss", "participants", "cursor", "batch", "rollouts")
-"""Fields that every line of one committed step must agree on (those present)."""
+CONTENT_KEYS = ("loss", "participants", "cursor", "batch", "rollouts", "state_hash")
+"""Fields that every line of one committed step must agree on (those present):
+``state_hash`` (``train.log_state_hash``) is the digest of the state the replica
+committed, so replicas of one step hold one state."""
 
 
 def rolled_back_between(rbs: list[Rollback], q1: int, q2: int, step: int) -> bool:
@@ -104,30 +106,69 @@ def check_order(run: Run) -> Check:
     return c
 
 
+def resumed_from(run: Run) -> int:
+    """The checkpoint step every replica of the policy started from (``start`` lines'
+    ``resumed_from``; 0: one started fresh): a job restarted whole from a checkpoint,
+    under a new controller, holds only the steps after it in its logs."""
+    starts = [
+        e.get("resumed_from") or 0
+        for evs in run.events.values()
+        for e in evs
+        if e.get("event") == "start" and e.get("role", "policy") == "policy"
+    ]
+    return min(starts, default=0)
+
+
+def step_batch(run: Run) -> int | None:
+    """Samples one committed step takes (its cursor's stride): the global batch, or a
+    synchronous DiLoCo round's ``sync_every`` of them; None where no cursor says (RL,
+    decoupled DiLoCo)."""
+    cfg = run.config
+    if run.rl:
+        return None
+    if cfg.diloco is None:
+        return int(cfg.train.global_batch_size)
+    if cfg.diloco.mode == "sync":
+        return int(cfg.diloco.sync_every * cfg.train.global_batch_size)
+    return None
+
+
 def check_complete(run: Run) -> Check:
-    """No committed step is missing: steps 1 to the journal's step each appear in some
-    log, and no log holds a step past it. FT-DDP: each step's cursor is
-    ``step x global_batch_size`` (the global batch is constant)."""
+    """No committed step is missing: steps 1 (or the checkpoint every replica resumed
+    from, plus one) to the journal's step, or the logs' last if later, each appear in
+    some log, and none a step at or below that checkpoint. FT: each step's cursor is
+    ``step x`` :func:`step_batch` (the global batch is constant)."""
     c = Check("steps.complete", "")
     steps = {int(e["step"]) for e in run.steps()}
     top = max(steps, default=0)
-    last = run.committed_step if run.committed_step is not None else top
-    missing = sorted(set(range(1, last + 1)) - steps)
+    # The controller learns a step from the next quorum or heartbeat, which the job's
+    # last step (or a step just before a whole-job kill) may never have: the journal
+    # may be behind the logs, never ahead of them.
+    journaled = run.committed_step if run.committed_step is not None else top
+    last = max(journaled, top)
+    floor = resumed_from(run)
+    missing = sorted(set(range(floor + 1, last + 1)) - steps)
     if missing:
-        c.problems.append(f"step(s) {_ranges(missing)} committed (journal: {last}) but in no log")
-    if top > last:
-        c.problems.append(f"a log holds step {top}, past the journal's step {last}")
-    cfg = run.config
-    if not run.rl and cfg.diloco is None:
-        batch = cfg.train.global_batch_size
+        c.problems.append(
+            f"step(s) {_ranges(missing)} committed (journal: {journaled}) but in no log"
+        )
+    if floor and min(steps, default=floor + 1) <= floor:
+        c.problems.append(
+            f"a log holds step {min(steps)}, at or below the checkpoint (step {floor}) every "
+            f"replica resumed from"
+        )
+    batch = step_batch(run)
+    if batch is not None:
         bad = [e for e in run.steps() if "cursor" in e and e["cursor"] != e["step"] * batch]
         for e in bad[:3]:
             c.problems.append(
                 f"step {e['step']} by {e['replica']}: cursor {e['cursor']}, expected "
-                f"{e['step'] * batch} (step x global_batch_size {batch})"
+                f"{e['step'] * batch} (step x {batch} samples a step)"
             )
-    c.what = f"steps 1..{last} all in the logs" + (
-        " (the journal's step)" if run.committed_step is not None else ""
+    c.what = (
+        f"steps {floor + 1}..{last} all in the logs"
+        + (f" (the journal's step: {journaled})" if run.committed_step is not None else "")
+        + (f"; resumed from the checkpoint of step {floor}" if floor else "")
     )
     return c
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from phalanx.client import QuorumTimeout
 from phalanx.jobs.base import JobError, ReplicaArgs
@@ -59,7 +60,9 @@ def run(args: ReplicaArgs) -> int:
                 emit_retry(s, r.round, r.error)
                 continue
             client.report_progress(loss=r.loss)
-            extra = {"samples": r.samples} if tc.log_samples else {}
+            extra: dict[str, Any] = {"samples": r.samples} if tc.log_samples else {}
+            if tc.log_samples and m.sampler is not None:
+                extra["dataset_size"] = m.sampler.num_samples  # (phalanx.audit.data)
             emit(
                 {
                     **extra,
