@@ -243,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         "with kill-every=S (SIGKILL a replica; restart-after=S), stop-every=S (SIGSTOP a "
         "replica; stop-for=S), controller-kill-every=S, engine-kill-every=S (a rollout "
         "replica's engine), slow=REPLICA_OR_ROLE[:FRACTION] (slow-cycle=S), "
-        "partition-every=S (namespace hosts, root), all-every=S (each fault's kind drawn among "
-        "them all; slow-for=S), seed=N; e.g. kill-every=20,stop-every=30,seed=3 (see "
-        "docs/operations.md)",
+        "partition-every=S (a replica's packets dropped; partition-for=S; root, nftables), "
+        "all-every=S (each fault's kind drawn among them all; slow-for=S), seed=N; e.g. "
+        "kill-every=20,stop-every=30,seed=3 (see docs/operations.md)",
     )
     u.add_argument("--run-dir", help="where logs and state go (default runs/JOB-TIME)")
     u.add_argument("--plain", action="store_true", help="plain log lines instead of a live table")

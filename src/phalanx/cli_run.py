@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
         counts, extra = launch_counts(cfg, args.replicas)
         if chaos is not None:
-            check_chaos(chaos, cfg, counts)
+            check_chaos(chaos, cfg, counts, args.launcher)
     except ValueError as e:
         raise SystemExit(f"phalanx run: {e}") from None
     local_etcd, journal = controllers_of(args, cfg.controller.journal)

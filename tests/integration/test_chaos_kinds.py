@@ -11,6 +11,7 @@ each kind alone, on each job, is marked ``slow``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -20,7 +21,11 @@ from typing import Any
 import pytest
 from tests.integration.ftjob import child_env
 
+from phalanx.launch.chaos import partition
+
 ROOT = Path(__file__).resolve().parents[2]
+CANNOT_CUT = partition.unavailable()
+"""Why partitions cannot be delivered here (not root, no nftables), or None."""
 FT, RL = ROOT / "examples" / "ft_mlp.toml", ROOT / "examples" / "sort_grpo.toml"
 RL_PROMPTS = 16  # sort_grpo.toml's prompts_per_step
 
@@ -31,7 +36,8 @@ def run(config: Path, run_dir: Path, chaos: str, *more: str) -> dict[str, Any]:
     args += ["--run-dir", str(run_dir), "--chaos", chaos, *more]
     p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
-    said = [x for x in p.stdout.splitlines() if "  chaos: " in x and "SIGCONT" not in x]
+    ends = ("chaos: SIGCONT", "chaos: heal")  # a stop's or a partition's end: not a fault
+    said = [x for x in p.stdout.splitlines() if "  chaos: " in x and not any(e in x for e in ends)]
     faults = [json.loads(x) for x in (run_dir / "chaos.jsonl").read_text().splitlines()]
     assert len(said) == len(faults), (said, faults)  # each fault said and written
     for f in faults:
@@ -128,6 +134,59 @@ def test_each_kind_alone_on_the_rl_job(tmp_path: Path, chaos: str):
     assert kinds_of(s) == {Chaos_kind(chaos)}
 
 
+def cut_off_and_back(summary: dict[str, Any], run_dir: Path, least: int) -> None:
+    """At least ``least`` partitions, one at a time, each logged with its gid and length;
+    a replica cut off past the heartbeat timeout found itself evicted once healed and
+    came back as a new incarnation; and no nftables table of a finished run is left."""
+    cuts = [f for f in summary["faults"] if f["kind"] == "partition"]
+    assert len(cuts) >= least, summary["faults"]
+    for f in cuts:
+        assert f["detail"]["gid"] >= partition.GID_BASE and f["detail"]["partition_s"] > 0, f
+    for a, b in itertools.pairwise(cuts):  # (one at a time: the next after the heal)
+        assert b["t"] >= a["t"] + a["detail"]["partition_s"] - 0.01, (a, b)  # (rounding)
+    back = [
+        f["target"]
+        for f in cuts
+        if "evicted by the controller; registering a new incarnation"
+        in (run_dir / f"{f['target']}.log").read_text()
+    ]
+    assert back, cuts
+    left = [t for t in partition.tables() if not Path(f"/proc/{t.rsplit('_', 1)[1]}").exists()]
+    assert not left, left
+
+
+@pytest.mark.skipif(CANNOT_CUT is not None, reason=str(CANNOT_CUT))
+@pytest.mark.xfail(
+    reason="open: the rule drops only what the cut replica sends, so a collective it is in "
+    "when cut can finish on its side alone; it commits a branch step (healed away later) "
+    "that the audit's steps.once reports as committed twice (docs/operations.md, chaos)",
+    strict=False,
+)
+def test_partitions_on_the_ft_job(tmp_path: Path):
+    """Each partition lasts past the heartbeat timeout (4 s): the cut replica is evicted,
+    the other two go on, and once healed it rejoins and heals from a peer."""
+    steps = 200
+    chaos = "partition-every=3,partition-for=9,seed=1"
+    s = run(FT, tmp_path / "run", chaos, "--train.steps", str(steps))
+    check_ft(s, steps)
+    assert kinds_of(s) == {"partition"}
+    cut_off_and_back(s, tmp_path / "run", 2)
+
+
+@pytest.mark.skipif(CANNOT_CUT is not None, reason=str(CANNOT_CUT))
+def test_partitions_on_the_rl_job(tmp_path: Path):
+    """The policy replica and the rollout replicas cut off in turn, past the heartbeat
+    timeout (6 s): the job waits for its one policy replica, a rollout replica's lease
+    runs out and its prompts go to the other, and the ledger balances."""
+    batches = 20
+    more = ["--rl.grpo.steps", str(batches), "--rl.loop.target_exact_match=null"]
+    s = run(RL, tmp_path / "run", "partition-every=3,partition-for=12,seed=1", *more)
+    check_rl(s, batches)
+    assert kinds_of(s) == {"partition"}
+    cut_off_and_back(s, tmp_path / "run", 2)
+    assert {f["target"].split("-")[0] for f in s["faults"]} == {"policy", "rollout"}
+
+
 def Chaos_kind(chaos: str) -> str:  # noqa: N802
     key = chaos.split("=", 1)[0]
     return "slow" if key == "slow" else key.removesuffix("-every")
@@ -138,7 +197,11 @@ def Chaos_kind(chaos: str) -> str:  # noqa: N802
     [
         (FT, "explode-every=3", "--chaos has no kind or option 'explode-every'"),
         (FT, "engine-kill-every=3", "--chaos engine-kill-every needs a job with rollout"),
-        (FT, "partition-every=3", "--chaos partition-every needs"),
+        *(
+            [(FT, "partition-every=3", "--chaos partition-every needs")]
+            if CANNOT_CUT is not None
+            else []
+        ),
         (FT, "slow=rollout", "--chaos slow must name a replica (policy-0, policy-1, policy-2)"),
     ],
 )
@@ -151,3 +214,14 @@ def test_bad_chaos_is_one_line_before_anything_starts(
     assert p.returncode != 0 and p.stdout == ""
     assert p.stderr.startswith(f"phalanx run: {says}") and p.stderr.count("\n") == 1, p.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(CANNOT_CUT is not None, reason=str(CANNOT_CUT))
+def test_partition_every_on_ray_is_one_line_before_anything_starts(tmp_path: Path):
+    args = [sys.executable, "-m", "phalanx.cli", "run", str(FT), "--plain", "--launcher", "ray"]
+    args += ["--run-dir", str(tmp_path / "run"), "--chaos", "partition-every=3"]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and p.stdout == ""
+    says = "phalanx run: --chaos partition-every needs the replicas on this host"
+    assert p.stderr.startswith(says) and p.stderr.count("\n") == 1, p.stderr
+    assert "--launcher ray" in p.stderr and not (tmp_path / "run").exists()

@@ -128,10 +128,7 @@ def test_a_fault_the_job_cannot_take_is_one_line():
         check(Chaos.parse("slow=policy-2"), ft, {"policy": 2})
     check(Chaos.parse("slow=policy-1"), ft, {"policy": 2})
     check(Chaos.parse("slow=policy"), ft, {"policy": 2})
-    with pytest.raises(ValueError, match="partition-every needs") as e:
-        check(Chaos.parse("partition-every=5"), ft, {"policy": 2})
-    why = "root" if os.geteuid() != 0 else "network-namespace hosts"
-    assert why in str(e.value) and "\n" not in str(e.value)
+    # (partition-every, refused without root or nftables: tests/unit/test_chaos_partition.py)
 
 
 # -- the actions, on real processes ---------------------------------------------

@@ -134,16 +134,21 @@ class Zygote:
         return self._ready.wait(timeout) and not self.dead
 
     def spawn(
-        self, argv: list[str], log_path: Path, pipe_stdout: bool, module: str = "phalanx.cli"
+        self,
+        argv: list[str],
+        log_path: Path,
+        pipe_stdout: bool,
+        module: str = "phalanx.cli",
+        gid: int | None = None,
     ) -> ForkedProc | None:
         """Fork ``phalanx ARGV`` (``module``'s ``main(argv)``) with stderr (and stdout,
         unless ``pipe_stdout``: then a pipe, read from the handle's ``stdout``) appended
-        to ``log_path``. None: the zygote cannot (dead, or not ready in time); start
-        the replica another way."""
+        to ``log_path``; with ``gid``, as that group alone. None: the zygote cannot
+        (dead, or not ready in time); start the replica another way."""
         if not self.ready(120.0):
             return None
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        req = {"argv": argv, "env": env, "cwd": os.getcwd(), "module": module}
+        req = {"argv": argv, "env": env, "cwd": os.getcwd(), "module": module, "gid": gid}
         r = w = None
         with log_path.open("ab") as f:
             if pipe_stdout:

@@ -30,6 +30,7 @@ from phalanx.config import JobConfig
 from phalanx.console.poll import StatusPoller
 from phalanx.console.view import View
 from phalanx.jobs.base import EXIT_UNRECOVERABLE
+from phalanx.launch.chaos import partition
 from phalanx.launch.chaos.runner import ChaosRunner
 from phalanx.launch.chaos.spec import Chaos
 from phalanx.launch.controllers.base import Controllers
@@ -103,6 +104,13 @@ class LocalJob(ReplicaOps):
         """The controller's dashboard, with the job token in the URL fragment."""
         self.chaos_runner: ChaosRunner | None = None
         """Delivers ``chaos``'s faults from the loop (made at the start of :meth:`run`)."""
+        drawn = chaos is not None and chaos.all_every_s is not None
+        wanted = chaos is not None and (chaos.partition_every_s is not None or drawn)
+        self.gids: dict[str, int] | None = (
+            {} if wanted and partition.unavailable() is None else None
+        )
+        """Each replica's gid of its own, so that a partition can cut it off (only when
+        ``chaos`` may partition: ``partition-every``, or ``all-every`` as root)."""
         self.tracking: JobTracking | None = None
         """The job's metrics, logged once (``[track]``: TensorBoard, wandb, MLflow)."""
         self.use_zygote = zygote
@@ -160,12 +168,13 @@ class LocalJob(ReplicaOps):
 
     def start_replica(self, r: Replica) -> None:
         cmd, log = self.replica_cmd(r), self.run_dir / f"{r.name}.log"
+        gid = partition.gid_of(self.gids, r.name) if self.gids is not None else None
         forked = None
         if self.zygote is not None and cmd[:3] == [sys.executable, "-m", "phalanx.cli"]:
-            forked = self.zygote.spawn(cmd[3:], log, True)
+            forked = self.zygote.spawn(cmd[3:], log, True, gid=gid)
         elif self.zygote is not None and cmd[:3] == [sys.executable, "-m", RANKS]:
-            forked = self.zygote.spawn(["--fork", *cmd[3:]], log, True, module=RANKS)
-        r.proc = forked or spawn(cmd, log, subprocess.PIPE)
+            forked = self.zygote.spawn(["--fork", *cmd[3:]], log, True, module=RANKS, gid=gid)
+        r.proc = forked or spawn(cmd, log, subprocess.PIPE, gid=gid)
         r.started()
         threading.Thread(target=self._read, args=(r, r.proc), daemon=True).start()
 

@@ -65,9 +65,12 @@ def exit_as(body: Callable[[], int]) -> NoReturn:
         os._exit(rc & 0xFF)
 
 
-def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log: Path, stdout: int | None = None, gid: int | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in a new session, its stderr (and stdout, unless given) appended
-    to ``log``."""
+    to ``log``; with ``gid`` (root only), as that group alone (no supplementary
+    groups), so that its sockets carry it (:mod:`phalanx.launch.chaos.partition`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("ab") as f:
         return subprocess.Popen(
@@ -77,6 +80,8 @@ def spawn(cmd: list[str], log: Path, stdout: int | None = None) -> subprocess.Po
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             env=env,
+            group=gid,
+            extra_groups=None if gid is None else [],
         )
 
 

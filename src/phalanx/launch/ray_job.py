@@ -129,6 +129,7 @@ class RayJob(LocalJob):
     def __init__(self, *args: Any, ray: RayOptions, **kwargs: Any):
         kwargs["zygote"] = False  # replicas start on the nodes, not from a local fork
         super().__init__(*args, **kwargs)
+        self.gids = None  # replicas on the nodes, which no nftables rule here cuts off
         self.run_dir = self.run_dir.absolute()
         self.ray = ray
         self.executor: Any = None

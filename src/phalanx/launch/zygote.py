@@ -12,9 +12,11 @@ The wire is an ``AF_UNIX`` ``SOCK_SEQPACKET`` pair, one JSON object per
 message, with file descriptors passed alongside (``SCM_RIGHTS``):
 
 - launcher -> zygote: ``{"argv", "env", "cwd"}`` with the child's stdout and
-  stderr, and ``"module"`` when the child runs another module's ``main(argv)``
+  stderr, ``"module"`` when the child runs another module's ``main(argv)``
   than ``phalanx.cli``'s (a replica's ranks launcher, :mod:`phalanx.launch.
-  ranks`); the zygote answers ``{"pid"}`` (or ``{"error"}``);
+  ranks`), and ``"gid"`` when the child runs as a group of its own (its sockets
+  carry it: :mod:`phalanx.launch.chaos.partition`); the zygote answers
+  ``{"pid"}`` (or ``{"error"}``);
 - zygote -> launcher: ``{"ready"}`` once the imports are done, and
   ``{"exit": pid, "rc": code}`` when a child ends (``rc`` as Popen gives it:
   ``-N`` for signal ``N``).
@@ -67,6 +69,9 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int], started: in
     def become() -> int:
         sock.close()
         os.setsid()
+        if req.get("gid") is not None:  # before any socket is opened: they carry it
+            os.setgroups([])
+            os.setgid(int(req["gid"]))
         os.close(started)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(

@@ -28,6 +28,10 @@ class ChaosTarget(Protocol):
     lock: threading.Lock
     controller: Controllers | None
     tracking: JobTracking | None
+    gids: dict[str, int] | None
+    """Each replica's group id of its own (:mod:`.partition`), given as it starts; None
+    when this launcher does not give them (no partitions asked for, or replicas
+    started elsewhere: Ray)."""
 
     def note(self, text: str) -> None:
         """A line in the run's output."""

@@ -73,11 +73,16 @@ def kill(job: ChaosTarget, sched: Schedule, log: ChaosLog, stopped: set[str]) ->
 
 
 def stop(
-    job: ChaosTarget, sched: Schedule, log: ChaosLog, stopped: dict[str, tuple[int, float]]
+    job: ChaosTarget,
+    sched: Schedule,
+    log: ChaosLog,
+    stopped: dict[str, tuple[int, float]],
+    busy: set[str] | None = None,
 ) -> bool:
     """SIGSTOP a replica's process group; ``stopped`` gets its name -> (pid, when to
-    SIGCONT it, monotonic), which the runner honours (:func:`resume`)."""
-    alive = ready(job, set(stopped))
+    SIGCONT it, monotonic), which the runner honours (:func:`resume`). ``busy``: other
+    replicas a fault holds (cut off), which count as down."""
+    alive = ready(job, set(stopped) | (busy or set()))
     if alive is None:
         return False
     r = sched.pick("stop", alive)

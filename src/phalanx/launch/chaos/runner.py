@@ -8,9 +8,12 @@
   process the replica runs now (a restart is slowed too). With ``all-every``, a
   drawn ``slow`` names its replica and its end (:meth:`ChaosRunner._slow_one`);
   the thread throttles whichever replica is named, while it is.
+- ``partition`` (:mod:`.partition`): a replica's packets dropped by an nftables rule
+  for a drawn time; :meth:`ChaosRunner.tick` deletes the rule when it is over.
 - :meth:`ChaosRunner.close`, in the launcher's ``finally`` (and as soon as the job
-  finished): the slow thread ends, and every process a fault stopped is
-  continued, so that no replica is left stopped, whatever ended the run.
+  finished): the slow thread ends, every process a fault stopped is continued and
+  every partition healed (the run's nftables table deleted), so that no replica is
+  left stopped or cut off, whatever ended the run.
 
 :func:`check` refuses, in one line, a fault the job cannot take before anything
 starts.
@@ -18,13 +21,12 @@ starts.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from phalanx.launch.chaos import faults
+from phalanx.launch.chaos import faults, partition
 from phalanx.launch.chaos.log import ChaosLog
 from phalanx.launch.chaos.schedule import Schedule
 from phalanx.launch.chaos.spec import ALL_KIND, Chaos
@@ -35,21 +37,20 @@ if TYPE_CHECKING:
     from phalanx.launch.chaos.base import ChaosTarget
 
 
-def check(spec: Chaos, cfg: JobConfig, counts: dict[str, int]) -> None:
+def check(spec: Chaos, cfg: JobConfig, counts: dict[str, int], launcher: str = "local") -> None:
     """Raise ``ValueError`` (one line) for a fault kind this job, this launcher or this
-    user cannot have. ``counts``: the replicas launched per role."""
+    user cannot have. ``counts``: the replicas launched per role; ``launcher``: ``phalanx
+    run --launcher``'s (``partition-every`` only on this host: :mod:`.partition`)."""
     if spec.partition_every_s is not None:
-        if os.geteuid() != 0:
+        why = partition.unavailable()
+        if why is not None:
+            raise ValueError(why)
+        if launcher != "local":
             raise ValueError(
-                "--chaos partition-every needs root (it cuts a host's traffic with nftables "
-                "inside its network namespace): run as root, or drop partition-every."
+                f"--chaos partition-every needs the replicas on this host (it drops their "
+                f"packets with nftables here): got --launcher {launcher}. Use --launcher "
+                f"local, or drop partition-every."
             )
-        raise ValueError(
-            "--chaos partition-every needs replicas on network-namespace hosts, and phalanx "
-            "run starts every replica on this host, where there is no link of theirs to cut: "
-            "drop partition-every (partitions of namespace hosts are delivered by "
-            "phalanx.testing.netns in the multi-host tests)."
-        )
     if spec.engine_kill_every_s is not None and (cfg.rl is None or not counts.get("rollout")):
         raise ValueError(
             "--chaos engine-kill-every needs a job with rollout replicas (it kills a rollout "
@@ -75,6 +76,13 @@ class ChaosRunner:
         self.log = ChaosLog(job.run_dir, job.note)
         self.stopped: dict[str, tuple[int, float]] = {}
         """Replicas a ``stop`` froze: name -> (pid of the group stopped, when to continue it)."""
+        self.cuts = partition.Cuts()
+        self.cut: dict[str, tuple[int, float]] = {}
+        """Replicas a ``partition`` cut off: name -> (its nftables rule, when to heal it)."""
+        self.rejoining: dict[str, tuple[int, int]] = {}
+        """Replicas healed of a partition that have not made progress since: name -> (its
+        pid, its steps or rollouts at the heal). Evicted while cut off, each still has to
+        rejoin (and heal from a peer), so it counts as down until it moves on."""
         self.slow_target: str | None = None
         self.slow_until: float | None = None
         """When a drawn ``slow`` ends (monotonic; None: ``slow=``, for the whole job)."""
@@ -120,18 +128,28 @@ class ChaosRunner:
                 if now >= until:
                     del self.stopped[name]
                     faults.resume(self.job, name, pid, "its stop is over")
+            for name, (handle, until) in list(self.cut.items()):
+                if now >= until:
+                    del self.cut[name]
+                    partition.heal(self.job, self.cuts, name, handle, "its partition is over")
+                    r = self.job.replicas.get(name)
+                    if r is not None and r.proc is not None:
+                        self.rejoining[name] = (r.proc.pid, sum(faults.where(r).values()))
             for kind in self.sched.due(now):
                 if self._deliver(kind):
                     self.sched.fired(kind, time.monotonic())
 
     def _deliver(self, kind: str) -> bool:
         job, sched, log = self.job, self.sched, self.log
+        busy = self._busy()  # one replica fault at a time
         if kind == "kill":
-            return faults.kill(job, sched, log, set(self.stopped))
+            return faults.kill(job, sched, log, busy)
         if kind == "stop":
-            return faults.stop(job, sched, log, self.stopped)
+            return faults.stop(job, sched, log, self.stopped, busy - set(self.stopped))
         if kind == "engine-kill":
-            return faults.engine_kill(job, sched, log, set(self.stopped))
+            return faults.engine_kill(job, sched, log, busy)
+        if kind == "partition":
+            return partition.partition(job, sched, log, busy, self.cuts, self.cut)
         if kind == "controller-kill":
             return faults.controller_kill(job, sched, log)
         if kind == ALL_KIND:
@@ -139,10 +157,21 @@ class ChaosRunner:
             return self._slow_one() if drawn == "slow" else self._deliver(drawn)
         raise ValueError(f"--chaos {kind} cannot be delivered by this launcher.")
 
+    def _busy(self) -> set[str]:
+        """The replicas a fault holds (lock held): stopped, cut off, or healed of a
+        partition and not yet moved on (a replica restarted since is not: its own
+        progress since its start is what :func:`faults.ready` waits for)."""
+        for name, (pid, mark) in list(self.rejoining.items()):
+            r = self.job.replicas.get(name)
+            gone = r is None or r.proc is None or r.proc.pid != pid
+            if gone or r is None or sum(faults.where(r).values()) > mark:
+                del self.rejoining[name]
+        return set(self.stopped) | set(self.cut) | set(self.rejoining)
+
     def close(self) -> None:
-        """End the slowing and continue every stopped replica (idempotent). Call it in
-        the launcher's ``finally``, before it stops its children: a stopped process
-        takes no SIGTERM."""
+        """End the slowing, continue every stopped replica and heal every partition, its
+        nftables table deleted (idempotent). Call it in the launcher's ``finally``,
+        before it stops its children: a stopped process takes no SIGTERM."""
         if self._closed:
             return
         self._closed = True
@@ -153,6 +182,13 @@ class ChaosRunner:
             for name, (pid, _) in list(self.stopped.items()):
                 faults.resume(self.job, name, pid, "the run is ending")
             self.stopped.clear()
+            for name in sorted(self.cut):
+                self.job.note(f"chaos: heal {name} (the run is ending)")
+            self.cut.clear()
+            try:
+                self.cuts.close()
+            except RuntimeError as e:  # the children must still be stopped
+                self.job.note(f"chaos: {e}")
 
     # -- slow --------------------------------------------------------------
 
@@ -162,7 +198,7 @@ class ChaosRunner:
         the next stays due."""
         if self.slow_target is not None:
             return False
-        alive = faults.ready(self.job, set(self.stopped))
+        alive = faults.ready(self.job, self._busy())
         if alive is None:
             return False
         r = self.sched.pick("slow", alive)
@@ -217,10 +253,13 @@ class ChaosRunner:
 def drawable(job: ChaosTarget) -> list[str]:
     """The kinds ``all-every`` draws from for this job, in :data:`KINDS` order: every
     kind the launcher delivers that the job can take (``engine-kill`` only with
-    rollout replicas; ``partition`` never: :func:`check`)."""
+    rollout replicas; ``partition`` where the launcher gave each replica a gid of its
+    own, which it does as root with nftables installed: :mod:`.partition`)."""
     kinds = ["kill", "stop"]
     if job.controller is not None:
         kinds.append("controller-kill")
     if job.rl and any(r.role == "rollout" for r in job.replicas.values()):
         kinds.append("engine-kill")
+    if job.gids is not None:
+        kinds.append("partition")
     return [*kinds, "slow"]

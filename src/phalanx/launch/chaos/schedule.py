@@ -76,3 +76,8 @@ class Schedule:
         """How long the next ``stop`` lasts: uniform in [stop-for/2, stop-for]."""
         s = self.spec.stop_for_s
         return self.rngs["stop"].uniform(0.5 * s, s)
+
+    def partition_for(self) -> float:
+        """How long the next ``partition`` lasts: uniform in [partition-for/2, partition-for]."""
+        s = self.spec.partition_for_s
+        return self.rngs["partition"].uniform(0.5 * s, s)

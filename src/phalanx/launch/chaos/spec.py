@@ -11,14 +11,17 @@ kind, each with its options (an option without its kind is refused)::
     engine-kill-every=S       SIGKILL a rollout replica's engine: its worker processes where
                               it has them (vLLM, tensor_parallel_size > 1), else the replica
                               (its engine runs in-process); restart-after applies
-    partition-every=S         cut a namespace host off the others for partition-for=S (5)
-                              (root, replicas on namespace hosts)
+    partition-every=S         cut a replica off every other process for a drawn time in
+                              [partition-for/2, partition-for] (partition-for=S, default 5):
+                              its packets dropped by an nftables rule matching the group id
+                              it runs as (root, nftables, --launcher local)
     slow=TARGET[:F]           throttle one replica for the whole job: SIGSTOP for F (0.5) of
                               every slow-cycle=S (1), SIGCONT for the rest; TARGET is a
                               replica (policy-1) or a role (one of its replicas, drawn)
     all-every=S               one fault every S, its kind drawn among every kind this job
                               and launcher can take (kill, stop, controller-kill,
-                              engine-kill with rollout replicas, slow: a drawn replica
+                              engine-kill with rollout replicas, partition as root with
+                              nftables, slow: a drawn replica
                               throttled for a drawn time in [slow-for/2, slow-for],
                               slow-for=S, default 10); alone, with the kinds' options
     seed=N                    the draws' seed (0)
@@ -51,7 +54,7 @@ ALL_KIND = "all"
 OPTIONS = {
     "restart-after": ("kill-every", "engine-kill-every", ALL),
     "stop-for": ("stop-every", ALL),
-    "partition-for": ("partition-every",),
+    "partition-for": ("partition-every", ALL),
     "slow-cycle": ("slow", ALL),
     "slow-for": (ALL,),
     "seed": (),
