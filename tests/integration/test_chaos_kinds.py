@@ -111,7 +111,7 @@ def test_each_kind_alone_on_the_ft_job(tmp_path: Path, chaos: str):
     steps = 300
     s = run(FT, tmp_path / "run", f"{chaos},seed=2", "--train.steps", str(steps))
     check_ft(s, steps)
-    assert kinds_of(s) == {Chaos_kind(chaos)}
+    assert kinds_of(s) == {chaos_kind(chaos)}
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_each_kind_alone_on_the_rl_job(tmp_path: Path, chaos: str):
     more = ["--rl.grpo.steps", str(batches), "--rl.loop.target_exact_match=null"]
     s = run(RL, tmp_path / "run", f"{chaos},seed=2", *more)
     check_rl(s, batches)
-    assert kinds_of(s) == {Chaos_kind(chaos)}
+    assert kinds_of(s) == {chaos_kind(chaos)}
 
 
 def cut_off_and_back(summary: dict[str, Any], run_dir: Path, least: int) -> None:
@@ -156,12 +156,6 @@ def cut_off_and_back(summary: dict[str, Any], run_dir: Path, least: int) -> None
 
 
 @pytest.mark.skipif(CANNOT_CUT is not None, reason=str(CANNOT_CUT))
-@pytest.mark.xfail(
-    reason="open: the rule drops only what the cut replica sends, so a collective it is in "
-    "when cut can finish on its side alone; it commits a branch step (healed away later) "
-    "that the audit's steps.once reports as committed twice (docs/operations.md, chaos)",
-    strict=False,
-)
 def test_partitions_on_the_ft_job(tmp_path: Path):
     """Each partition lasts past the heartbeat timeout (4 s): the cut replica is evicted,
     the other two go on, and once healed it rejoins and heals from a peer."""
@@ -187,7 +181,7 @@ def test_partitions_on_the_rl_job(tmp_path: Path):
     assert {f["target"].split("-")[0] for f in s["faults"]} == {"policy", "rollout"}
 
 
-def Chaos_kind(chaos: str) -> str:  # noqa: N802
+def chaos_kind(chaos: str) -> str:
     key = chaos.split("=", 1)[0]
     return "slow" if key == "slow" else key.removesuffix("-every")
 

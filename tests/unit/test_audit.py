@@ -179,6 +179,26 @@ def test_a_step_committed_again_in_a_later_quorum_without_a_rollback(tmp_path):
     assert "step 3 committed in quorum 1 and again in quorum 2" in v["steps.once"][1]
 
 
+def test_a_cut_off_replicas_lone_commit_healed_away_is_a_discarded_branch(tmp_path):
+    """A partition inside step 3's all-reduce: policy-0 (its sends lost, its peer's
+    arriving) finished step 3 alone in quorum 1; policy-1 timed out and committed it
+    again in quorum 2 without it; policy-0's incarnation ended there and its name came
+    back healed. Not a second commit; the same, had policy-0:a gone on, would be."""
+    logs = ft_logs(2)
+    logs["policy-0"].append(ft_step("policy-0:a", 3, [8, 9]))  # alone, 2 took part
+    logs["policy-1"].append(ft_step("policy-1:b", 3, [8, 9, 10, 11], q=2, parts=1))
+    logs["policy-1"].append(ft_step("policy-1:b", 4, [12, 13], q=3))
+    logs["policy-0"].append(ft_step("policy-0:c", 4, [14, 15], q=3))  # healed, new incarnation
+    v = verdicts(write_run(tmp_path / "run", logs, step=4))
+    assert "steps.once" not in failed(v), v["steps.once"]
+    assert "1 commit(s) on a cut-off branch, discarded" in v["steps.once"][1]
+    assert "step 3 by policy-0:a (quorum 1)" in v["steps.once"][1]
+
+    logs["policy-0"].append(ft_step("policy-0:a", 4, [12, 13], q=1))  # the branch went on
+    v = verdicts(write_run(tmp_path / "on", logs, step=4))
+    assert "step 3 committed in quorum 1 and again in quorum 2" in v["steps.once"][1]
+
+
 def test_steps_going_backwards(tmp_path):
     logs = ft_logs()
     logs["policy-0"].append(ft_step("policy-0:a", 2, [4, 5], q=2, loss=0.5))

@@ -37,7 +37,7 @@ def test_all_every_parses_with_the_kinds_options():
         ("all-every=5,kill-every=2", "all-every draws from every kind itself, so it goes alone"),
         ("all-every=5,slow=policy-1", "got it with slow"),
         ("kill-every=5,slow-for=3", "slow-for goes with all-every"),
-        ("all-every=5,partition-for=3", "partition-for goes with partition-every"),
+        ("kill-every=5,partition-for=3", "partition-for goes with partition-every or all-every"),
         ("mix-every=5", "no kind or option 'mix-every'"),
     ],
 )

@@ -63,20 +63,53 @@ def check_once(run: Run) -> Check:
                 f"step {step} (quorum {q}): {len(set(ids))} replicas printed it but "
                 f"{parts} took part"
             )
+    last: dict[str, int] = {}
+    for e in run.steps():
+        last[e["replica"]] = max(last.get(e["replica"], 0), int(e["step"]))
+    discarded: list[str] = []
     for step, qs in sorted(quorums.items()):
         for q1, q2 in pairwise(qs):
-            if not rolled_back_between(run.rollbacks, q1, q2, step):
-                c.problems.append(
-                    f"step {step} committed in quorum {q1} and again in quorum {q2} with no "
-                    f"rollback between"
-                )
-    again = sum(len(qs) - 1 for qs in quorums.values())
+            if rolled_back_between(run.rollbacks, q1, q2, step):
+                continue
+            cut = _discarded_branch(groups[(q1, step)], groups[(q2, step)], last)
+            if cut:
+                discarded.append(f"step {step} by {', '.join(cut)} (quorum {q1})")
+                continue
+            c.problems.append(
+                f"step {step} committed in quorum {q1} and again in quorum {q2} with no "
+                f"rollback between"
+            )
+    again = sum(len(qs) - 1 for qs in quorums.values()) - len(discarded)
     c.what = f"{len(quorums)} steps, each committed once" + (
         f" ({again} again after a rollback)" if again else ""
     )
+    if discarded:
+        c.what += (
+            f"; {len(discarded)} commit(s) on a cut-off branch, discarded (the replica "
+            f"that made it alone ended there and came back healed): {'; '.join(discarded[:3])}"
+        )
     if not quorums:
         c.problems.append("no replica log holds a committed step")
     return c
+
+
+def _discarded_branch(
+    first: list[dict[str, Any]], again: list[dict[str, Any]], last: dict[str, int]
+) -> list[str]:
+    """The replicas of ``first`` (one step's lines in one quorum) when that commit was
+    a branch the job discarded, else []. A replica cut off inside the step's collective
+    (its sends lost, its peers' still arriving) can finish it on its side alone while
+    its peers time out and commit the step again in a later quorum without it. Its
+    commit is a discarded branch, not a second commit, when fewer replicas printed it
+    than took part, none of them printed the later commit, and each of them (that
+    incarnation) committed nothing after it: it was evicted there, and its name came
+    back as a new incarnation that healed from the job."""
+    ids = {e["replica"] for e in first}
+    parts = int(first[0].get("participants", 1))
+    step = int(first[0]["step"])
+    if len(ids) >= parts or ids & {e["replica"] for e in again}:
+        return []
+    return sorted(ids) if all(last[i] == step for i in ids) else []
 
 
 def check_order(run: Run) -> Check:
