@@ -195,6 +195,10 @@ def test_a_stopped_replica_is_continued_at_its_end_and_at_close(job: LocalJob):
         time.sleep(0.01)
     wait_state(pid, "S")
     run.sched.next_at["stop"] = 0.0
+    run.tick()  # continued, it may have been evicted: down until it moves on
+    assert not run.stopped and name in run.rejoining
+    r = job.replicas[name]
+    r.step, r.rollouts = r.step + 1, r.rollouts + 1
     run.tick()  # another stop, ended by close (the run ends before it does)
     (name,) = run.stopped
     pid = job.replicas[name].proc.pid  # type: ignore[union-attr]

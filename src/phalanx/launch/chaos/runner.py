@@ -80,9 +80,10 @@ class ChaosRunner:
         self.cut: dict[str, tuple[int, float]] = {}
         """Replicas a ``partition`` cut off: name -> (its nftables rule, when to heal it)."""
         self.rejoining: dict[str, tuple[int, int]] = {}
-        """Replicas healed of a partition that have not made progress since: name -> (its
-        pid, its steps or rollouts at the heal). Evicted while cut off, each still has to
-        rejoin (and heal from a peer), so it counts as down until it moves on."""
+        """Replicas continued from a stop or healed of a partition that have not made
+        progress since: name -> (its pid, its steps or rollouts then). Evicted while
+        stopped or cut off, each may still have to rejoin (and heal from a peer), so it
+        counts as down until it moves on."""
         self.slow_target: str | None = None
         self.slow_until: float | None = None
         """When a drawn ``slow`` ends (monotonic; None: ``slow=``, for the whole job)."""
@@ -128,16 +129,22 @@ class ChaosRunner:
                 if now >= until:
                     del self.stopped[name]
                     faults.resume(self.job, name, pid, "its stop is over")
+                    self._rejoin(name)
             for name, (handle, until) in list(self.cut.items()):
                 if now >= until:
                     del self.cut[name]
                     partition.heal(self.job, self.cuts, name, handle, "its partition is over")
-                    r = self.job.replicas.get(name)
-                    if r is not None and r.proc is not None:
-                        self.rejoining[name] = (r.proc.pid, sum(faults.where(r).values()))
+                    self._rejoin(name)
             for kind in self.sched.due(now):
                 if self._deliver(kind):
                     self.sched.fired(kind, time.monotonic())
+
+    def _rejoin(self, name: str) -> None:
+        """Replica ``name`` is continued or healed (lock held): it counts as down until
+        it moves on, since it may have been evicted meanwhile and must rejoin."""
+        r = self.job.replicas.get(name)
+        if r is not None and r.proc is not None:
+            self.rejoining[name] = (r.proc.pid, sum(faults.where(r).values()))
 
     def _deliver(self, kind: str) -> bool:
         job, sched, log = self.job, self.sched, self.log
@@ -158,8 +165,8 @@ class ChaosRunner:
         raise ValueError(f"--chaos {kind} cannot be delivered by this launcher.")
 
     def _busy(self) -> set[str]:
-        """The replicas a fault holds (lock held): stopped, cut off, or healed of a
-        partition and not yet moved on (a replica restarted since is not: its own
+        """The replicas a fault holds (lock held): stopped, cut off, or continued or
+        healed and not yet moved on (a replica restarted since is not: its own
         progress since its start is what :func:`faults.ready` waits for)."""
         for name, (pid, mark) in list(self.rejoining.items()):
             r = self.job.replicas.get(name)
