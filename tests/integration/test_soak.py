@@ -76,9 +76,14 @@ def test_a_short_soak_of_every_kind_passes_the_audit_against_a_calm_run(tmp_path
     assert len(faults) >= 3 and len(kinds) >= 2 and kinds <= FT_KINDS, faults
 
 
+def _soak_s() -> float:
+    return float(os.environ.get(SOAK_S_ENV, "1800"))
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(int(_soak_s() * 3) + 600)  # the chaos run, then a calm run as long
 def test_the_soak_passes_the_audit_against_a_calm_run(tmp_path: Path):
-    soak_s = float(os.environ.get(SOAK_S_ENV, "1800"))
+    soak_s = _soak_s()
     faults = soak(tmp_path, soak_s, 15.0, seed=1)
     if soak_s >= 300:  # long enough to draw every kind (at 15 s: 20 faults or more)
         assert {f["kind"] for f in faults} == FT_KINDS, faults
