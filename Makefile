@@ -24,7 +24,7 @@ $(STAMP):
 		&& (apt-get install -y -q etcd-server >/dev/null 2>&1 \
 		    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q etcd-server >/dev/null 2>&1)) \
 		|| echo "etcd-server not installed (needs root and apt-get): the etcd journal tests will skip"; }
-	@# The Slurm tests start their own cluster (slurmctld, two slurmd, munged: Debian's
+	@# The Slurm tests start their own cluster (slurmctld, four slurmd, munged: Debian's
 	@# slurm-wlm and munge); they skip without them.
 	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& (apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 \
