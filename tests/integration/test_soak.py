@@ -1,6 +1,6 @@
 """The soak (issue 40): the FT job (``examples/ft_mlp.toml``) under ``phalanx run
 --chaos all-every=S``, a fault every S seconds on average with its kind drawn among
-every kind the job takes (kill, stop, controller-kill, slow), then ``phalanx audit
+every kind the job takes (kill, stop, controller-kill, slow; partition as root), then ``phalanx audit
 --against`` a calm run of as many steps: every step committed once and never
 backwards, the same global batches (sample ids) step for step, and the final state
 within the documented tolerance.
@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 from procs import PROGRESS_S, child_env
 
+from phalanx.launch.chaos import partition
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("ops_soak", ROOT / "bench" / "ops_soak.py")
 assert _spec is not None and _spec.loader is not None
@@ -35,7 +37,10 @@ SOAK_S_ENV = "PHALANX_SOAK_S"
 """The slow soak's length in seconds (default 1800: issue 40's 30 minutes)."""
 SHORT_S, SHORT_EVERY_S = 30.0, 4.0
 PROBE_STEPS = 40
-FT_KINDS = {"kill", "stop", "controller-kill", "slow"}
+FT_KINDS = {"kill", "stop", "controller-kill", "slow"} | (
+    set() if partition.unavailable() is not None else {"partition"}
+)
+"""The kinds ``all-every`` draws on the FT job here (``partition`` as root with nftables)."""
 
 
 def soak(tmp_path: Path, soak_s: float, every: float, seed: int) -> list[dict[str, Any]]:
