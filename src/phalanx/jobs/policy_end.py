@@ -25,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from phalanx.client import QuorumTimeout
+from phalanx.jobs.common import emit
 from phalanx.train.base import JobFinished
 
 if TYPE_CHECKING:
@@ -33,6 +34,16 @@ if TYPE_CHECKING:
     from phalanx.train.manager import Manager
 
 log = logging.getLogger("phalanx.jobs.policy_end")
+
+
+def joined_finished(client: Any) -> None:
+    """Say ``done`` for a policy replica that registered after the job finished: it
+    holds none of the last step and writes no final file, as one that fell behind a
+    finished job (``finished_elsewhere``); then leave the controller. The leader's."""
+    rid = client.replica_id
+    emit({"event": "done", "role": "policy", "replica": rid, "step": 0, "finished_elsewhere": True})
+    client.close("job already finished")
+
 
 END_POLL_S = 1.0
 """How long a replica at the last step waits for the job to finish before it forms

@@ -42,6 +42,7 @@ import torch
 from phalanx.client import ControllerClient, QuorumTimeout
 from phalanx.config import JobConfig
 from phalanx.config.rl_diloco import round_batches
+from phalanx.jobs import policy_end
 from phalanx.jobs.base import JobError, ReplicaArgs
 from phalanx.jobs.common import emit, job_store_name, keep_freed_memory
 from phalanx.jobs.policy_ranks import Publisher
@@ -151,8 +152,7 @@ class Slot:
         c.register()
         st = c.status()
         if st.rl is not None and st.rl.finished:
-            emit({"event": "done", "role": "policy", "replica": c.replica_id, "step": 0})
-            c.close("job already finished")
+            policy_end.joined_finished(c)
             return 0
         c.start_heartbeat()
         try:

@@ -179,8 +179,7 @@ def _run(args: ReplicaArgs, ranks: Any, device: torch.device) -> int:
     finished = bool(facts["finished"])
     if finished:
         if lead:
-            emit({"event": "done", "role": "policy", "replica": client.replica_id, "step": 0})
-            client.close("job already finished")
+            policy_end.joined_finished(client)
         return 0
     if lead:
         client.start_heartbeat()
