@@ -60,12 +60,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soak-keep", type=Path, help="keep both run dirs here (default: a temp dir)")
 
 
-def run_ft(run_dir: Path, steps: int, chaos: str | None = None) -> dict[str, Any]:
-    """``phalanx run examples/ft_mlp.toml`` for ``steps`` steps (sample ids logged), to its
-    end. Returns its JSON lines by event (``summary``, and ``audit`` after ``--chaos``)
-    plus ``returncode`` and ``tail`` (its output's end, for a failure's message)."""
+def run_ft(
+    run_dir: Path, steps: int, chaos: str | None = None, more: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``phalanx run examples/ft_mlp.toml`` for ``steps`` steps (sample ids logged; ``more``:
+    further overrides), to its end. Returns its JSON lines by event (``summary``, and
+    ``audit`` after ``--chaos``) plus ``returncode`` and ``tail`` (its output's end, for a
+    failure's message)."""
     args = [sys.executable, "-m", "phalanx.cli", "run", str(FT), "--plain", "--json"]
-    args += ["--run-dir", str(run_dir), "--train.steps", str(steps)]
+    args += ["--run-dir", str(run_dir), "--train.steps", str(steps), *more]
     args += ["--train.log_samples", "true", *(["--chaos", chaos] if chaos else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
