@@ -230,6 +230,17 @@ def test_a_journaled_rollback_is_not_a_violation(tmp_path):
     assert {"steps.once", "steps.order", "ledger.trained_once"} <= set(failed(v))
 
 
+def test_an_rl_policy_killed_before_its_step_was_saved_trains_it_again(tmp_path):
+    # policy-0:a printed step 3 (quorum 1), then died before a save held it; policy-0:b
+    # resumed from the save of step 2 and trained step 3 again in quorum 2.
+    a = [rl_step(1, 0, []), rl_step(2, 0, ["p0.0", "p1.0"]), rl_step(3, 1, [])]
+    b = [{**rl_step(s, 1, r, q=2), "replica": "policy-0:b"} for s, r in ((3, []), (4, ["p2.0"]))]
+    logs = {"policy-0": a + b, "rollout-0": [{"event": "rollout", "replica": "rollout-0:r"}]}
+    v = verdicts(write_run(tmp_path / "run", logs, rl=True, ledger=ledger_meta(3)))
+    assert "steps.once" not in failed(v), v["steps.once"]
+    assert "step 3 by policy-0:a (quorum 1)" in v["steps.once"][1]
+
+
 def test_a_step_missing_from_every_log(tmp_path):
     logs = ft_logs(4)
     for evs in logs.values():

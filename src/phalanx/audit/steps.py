@@ -71,7 +71,7 @@ def check_once(run: Run) -> Check:
         for q1, q2 in pairwise(qs):
             if rolled_back_between(run.rollbacks, q1, q2, step):
                 continue
-            cut = _discarded_branch(groups[(q1, step)], groups[(q2, step)], last)
+            cut = _discarded_branch(groups[(q1, step)], groups[(q2, step)], last, run.rl)
             if cut:
                 discarded.append(f"step {step} by {', '.join(cut)} (quorum {q1})")
                 continue
@@ -94,7 +94,7 @@ def check_once(run: Run) -> Check:
 
 
 def _discarded_branch(
-    first: list[dict[str, Any]], again: list[dict[str, Any]], last: dict[str, int]
+    first: list[dict[str, Any]], again: list[dict[str, Any]], last: dict[str, int], rl: bool
 ) -> list[str]:
     """The replicas of ``first`` (one step's lines in one quorum) when that commit was
     a branch the job discarded, else []. A replica cut off inside the step's collective
@@ -103,11 +103,18 @@ def _discarded_branch(
     commit is a discarded branch, not a second commit, when fewer replicas printed it
     than took part, none of them printed the later commit, and each of them (that
     incarnation) committed nothing after it: it was evicted there, and its name came
-    back as a new incarnation that healed from the job."""
+    back as a new incarnation that healed from the job.
+
+    RL (``rl``): the policy's leader prints a step when it commits, before a save holds
+    it, and the ledger counts a batch trained only once one does. A policy killed in
+    between loses the step with its process; the restarted one resumes from the last
+    save and trains the step again (the ledger's checks hold each rollout trained
+    once). So there, a step whose printers all ended at it is a discarded branch even
+    when every participant printed it."""
     ids = {e["replica"] for e in first}
     parts = int(first[0].get("participants", 1))
     step = int(first[0]["step"])
-    if len(ids) >= parts or ids & {e["replica"] for e in again}:
+    if (len(ids) >= parts and not rl) or ids & {e["replica"] for e in again}:
         return []
     return sorted(ids) if all(last[i] == step for i in ids) else []
 
