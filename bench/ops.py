@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -137,17 +138,41 @@ def main(argv: list[str] | None = None) -> int:
     out = run(a, parts, names)
     out |= {"skipped": skipped, "goals": GOALS}
     out["host"] = f"{platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}"
-    if a.json:
-        print(json.dumps(out))
-    else:
+    if not a.json:
         for name, why in skipped.items():
             print(f"skipped {name}: {why}")
         for name, why in out["errors"].items():
             print(f"error in {name}: {why}")
-        for k, v in out.items():
-            if k not in ("skipped", "errors"):
-                print(f"{k:>24}: {v}")
+    show({k: v for k, v in out.items() if a.json or k not in ("skipped", "errors")}, a.json)
     return 1 if out["errors"] else 0
+
+
+def show(figures: dict[str, Any], as_json: bool) -> None:
+    """Figures as one JSON line, or as a table of one figure a line."""
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        for k, v in figures.items():
+            print(f"{k:>24}: {v}")
+
+
+def part_main(
+    part: ModuleType,
+    argv: list[str] | None = None,
+    ok: Callable[[Figures], bool] = lambda _: True,
+) -> int:
+    """One part run on its own (``python bench/ops_soak.py [--json] [its flags]``): its
+    flags alone, its figures as :func:`show` prints them; exit 1 where ``ok`` says
+    its figures fail (the soak's audit, say)."""
+    p = argparse.ArgumentParser(
+        description=part.__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    part.add_args(p)
+    a = p.parse_args(argv)
+    out = part.measure(a)
+    show(out, a.json)
+    return 0 if ok(out) else 1
 
 
 if __name__ == "__main__":

@@ -42,10 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from phalanx.net import free_port  # noqa: E402
 from phalanx.testing.slurm import (  # noqa: E402
     SlurmCluster,
-    edited_script,
     missing,
     steps_seen,
     wait_until,
@@ -108,20 +106,10 @@ def slurm_job(cluster: SlurmCluster, tmp: Path, steps: int) -> tuple[float, bool
     COMPLETED)."""
     work = tmp / f"slurm-{time.monotonic_ns()}"
     work.mkdir()
-    job_dir = work / "job"
-    e = env()
-    e.update(
-        PHALANX_BIN=str(Path(sys.executable).parent / "phalanx"),
-        PHALANX_PYTHON=sys.executable,
-        PHALANX_JOB_DIR=str(job_dir),
-        PHALANX_PORT=str(free_port()),
-    )
-    script = edited_script(work, (REPLICAS,))
     t0 = time.monotonic()
-    job = cluster.sbatch(
-        f"--output={work}/slurm-%j.out", str(script), str(CONFIG), f"--train.steps={steps}",
-        env=e, cwd=work,
-    )  # fmt: skip
+    job, job_dir = cluster.submit(
+        work, CONFIG, f"--train.steps={steps}", groups=(REPLICAS,), env=env()
+    )
     done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
     wait_until(
         lambda: steps_seen(job_dir) or cluster.job_state(job) in done,
@@ -167,17 +155,9 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="one JSON object")
-    add_args(ap)
-    args = ap.parse_args(argv)
-    r = measure(args)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        for k, v in r.items():
-            print(f"{k:32s} {v}")
-    return 0
+    from ops import part_main  # beside this file, on the path of a script run from bench/
+
+    return part_main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

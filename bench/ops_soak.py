@@ -173,17 +173,9 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    add_args(p)
-    a = p.parse_args(argv)
-    out = measure(a)
-    if a.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:>20}: {v}")
-    return 0 if out["soak_audit"] == "pass" else 1
+    from ops import part_main  # beside this file, on the path of a script run from bench/
+
+    return part_main(sys.modules[__name__], argv, ok=lambda out: out["soak_audit"] == "pass")
 
 
 if __name__ == "__main__":

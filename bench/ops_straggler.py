@@ -179,17 +179,9 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="one JSON object")
-    add_args(ap)
-    args = ap.parse_args(argv)
-    r = measure(args)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        for k, v in r.items():
-            print(f"{k:32s} {v}")
-    return 0
+    from ops import part_main  # beside this file, on the path of a script run from bench/
+
+    return part_main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

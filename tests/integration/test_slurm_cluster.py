@@ -19,8 +19,7 @@ from pathlib import Path
 from slurm_cluster import slurm  # noqa: F401  (a module-scoped fixture)
 from tests.integration.ftjob import child_env
 
-from phalanx.net import free_port
-from phalanx.testing.slurm import NODES, SlurmCluster, edited_script, steps_seen, wait_until
+from phalanx.testing.slurm import NODES, SlurmCluster, steps_seen, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -31,20 +30,8 @@ def submit(
     cluster: SlurmCluster, tmp: Path, config: Path, *overrides: str, groups: tuple[int, ...]
 ) -> tuple[str, Path]:
     """Submit the job (``groups``: each component's nodes); returns (job id, job dir)."""
-    job_dir = tmp / "job"
-    env = child_env()
-    env.update(
-        PHALANX_BIN=str(Path(sys.executable).parent / "phalanx"),
-        PHALANX_PYTHON=sys.executable,
-        PHALANX_JOB_DIR=str(job_dir),
-        PHALANX_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    script = edited_script(tmp, groups)
-    job = cluster.sbatch(
-        f"--output={tmp}/slurm-%j.out", str(script), str(config), *overrides, env=env, cwd=tmp
-    )
-    return job, job_dir
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    return cluster.submit(tmp, config, *overrides, groups=groups, env=env)
 
 
 def audit(job_dir: Path) -> dict:

@@ -7,6 +7,7 @@ are small modules written to a temporary directory with the parts' interface
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -102,3 +103,14 @@ def test_fault_costs_are_the_wall_time_less_the_calm_time_of_the_steps_between()
     faults = [{"t": 1.0, "kind": "stop"}, {"t": 5.0, "kind": "kill"}]
     costs = fault_costs(times, faults, 0.1)
     assert costs == {"kill": 0.0, "stop": 2.0}
+
+
+def test_a_part_run_on_its_own_takes_only_its_flags_and_exits_by_its_verdict(parts, capsys):
+    found, _ = ops.load_parts(("ops_t_a",))
+    part = found["ops_t_a"]
+    assert ops.part_main(part, ["--json", "--a-s", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"a_figure": 4.0, "ops_t_a_runs": 1}
+    assert ops.part_main(part, ["--a-s", "2"], ok=lambda out: out["a_figure"] > 5) == 1
+    assert capsys.readouterr().out.splitlines()[0] == "                a_figure: 4.0"
+    with pytest.raises(SystemExit):
+        ops.part_main(part, ["--b-ratio", "1"])  # another part's flag

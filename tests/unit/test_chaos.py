@@ -63,6 +63,14 @@ def test_several_kinds_combine_in_one_value():
         ("kill-every=1,seed=x", "seed must be a whole number"),
         ("slow=policy-0:1.5", "slow's fraction"),
         ("slow=:0.5", "slow must name a replica or a role"),
+        # all-every, the soak's faults (test_chaos_all.py)
+        ("all-every=0", "all-every must be a number of seconds > 0"),
+        ("all-every=x", "all-every must be a number of seconds > 0"),
+        ("all-every=5,kill-every=2", "all-every draws from every kind itself, so it goes alone"),
+        ("all-every=5,slow=policy-1", "got it with slow"),
+        ("kill-every=5,slow-for=3", "slow-for goes with all-every"),
+        ("kill-every=5,partition-for=3", "partition-for goes with partition-every or all-every"),
+        ("mix-every=5", "no kind or option 'mix-every'"),
     ],
 )
 def test_bad_chaos_is_one_line_naming_what_is_wrong(text: str, says: str):

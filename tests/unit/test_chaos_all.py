@@ -9,8 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from phalanx.config import JobConfig
 from phalanx.launch.chaos.log import read
 from phalanx.launch.chaos.runner import ChaosRunner, drawable
@@ -27,24 +25,6 @@ def test_all_every_parses_with_the_kinds_options():
         1.0, 3.0, 0.5, 6.0, 4,
     )  # fmt: skip
     assert Chaos.parse("all-every=15").slow_for_s == 10.0
-
-
-@pytest.mark.parametrize(
-    ("text", "says"),
-    [
-        ("all-every=0", "all-every must be a number of seconds > 0"),
-        ("all-every=x", "all-every must be a number of seconds > 0"),
-        ("all-every=5,kill-every=2", "all-every draws from every kind itself, so it goes alone"),
-        ("all-every=5,slow=policy-1", "got it with slow"),
-        ("kill-every=5,slow-for=3", "slow-for goes with all-every"),
-        ("kill-every=5,partition-for=3", "partition-for goes with partition-every or all-every"),
-        ("mix-every=5", "no kind or option 'mix-every'"),
-    ],
-)
-def test_bad_all_every_is_one_line(text: str, says: str):
-    with pytest.raises(ValueError, match="--chaos") as e:
-        Chaos.parse(text)
-    assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def drawn(seed: int, kinds: list[str], fails: set[int] = frozenset(), n: int = 200) -> list[str]:

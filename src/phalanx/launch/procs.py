@@ -30,6 +30,18 @@ class Proc(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts: signalling it is
+    refused, not unknown)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 PR_SET_PDEATHSIG = 1
 
 

@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -264,6 +265,31 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         if r.returncode:
             raise AssertionError(f"sbatch exited {r.returncode}: {r.stderr.strip()}")
         return r.stdout.strip().split(";")[0]
+
+    def submit(
+        self,
+        work: Path,
+        config: Path,
+        *overrides: str,
+        groups: tuple[int, ...],
+        env: dict[str, str],
+    ) -> tuple[str, Path]:
+        """``sbatch`` of :func:`edited_script` (``groups``) on ``config`` and its
+        ``--section.key=VALUE`` ``overrides``, from ``work``: phalanx and Python are this
+        interpreter's, the controller on a free port, the job dir ``work/job`` and the
+        script's output ``work/slurm-JOB.out``. ``env``: the job's environment (its
+        ``PYTHONPATH``, say). Returns (job id, job dir)."""
+        job_dir = work / "job"
+        env = {
+            **env,
+            "PHALANX_BIN": str(Path(sys.executable).parent / "phalanx"),
+            "PHALANX_PYTHON": sys.executable,
+            "PHALANX_JOB_DIR": str(job_dir),
+            "PHALANX_PORT": str(free_port()),
+        }
+        script = edited_script(work, groups)
+        out = f"--output={work}/slurm-%j.out"
+        return self.sbatch(out, str(script), str(config), *overrides, env=env, cwd=work), job_dir
 
     def job_state(self, job: str) -> str:
         out = self.run("scontrol", "show", "job", job, check=False)

@@ -17,19 +17,11 @@ import os
 import signal
 from pathlib import Path
 
+from phalanx.launch.procs import pid_alive
+
 PID_FILE = "agent.pid"
 RESIZE_FILE = "resize.json"
 WORKERS_FILE = "workers.json"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_pid(run_dir: Path) -> int | None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from phalanx.launch.chaos.faults import ready, where
 from phalanx.launch.chaos.log import ChaosLog
 from phalanx.launch.chaos.schedule import Schedule
+from phalanx.launch.procs import pid_alive
 
 if TYPE_CHECKING:
     from phalanx.launch.chaos.base import ChaosTarget
@@ -86,16 +87,6 @@ def tables() -> list[str]:
     return [n for n in names if n.startswith(TABLE_PREFIX)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Cuts:
     """The run's nftables table, and the rules of the partitions that last."""
 
@@ -106,7 +97,7 @@ class Cuts:
     def _make(self) -> None:
         for name in tables():  # tables of launchers that died without their finally
             tail = name.removeprefix(TABLE_PREFIX)
-            if name != self.table and tail.isdigit() and not _alive(int(tail)):
+            if name != self.table and tail.isdigit() and not pid_alive(int(tail)):
                 nft("delete", "table", "inet", name)
         nft(
             "-f", "-",
