@@ -27,7 +27,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,50 @@ to its end or ``close()`` it before the channel's next order."""
 Report = Callable[[SyncResult], None]
 """Called once per order with its outcome (from the channel's own thread on the
 sending side). It reports to the controller (``ControllerClient.sync_done``)."""
+
+
+class Sends:
+    """A source's sends, one at a time on a thread of their own, newest order first
+    in spirit: a send whose order was superseded by a newer one before it began is
+    not made, and reported failed at once. A source is handed a new order while its
+    last send still runs only when the controller lost track of it (a restarted
+    controller orders again); without this, each controller restart queued one more
+    send behind the running one, every queued send waited out its receivers, who had
+    long moved on to the newer order, and under repeated restarts the source fell
+    ever further behind and no sync completed again. The report frees the source on
+    a controller that still waits for it, and is ignored as an old sync otherwise."""
+
+    def __init__(self, thread_name: str):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self.newest = 0
+        """The newest order's ``seq`` handed to :meth:`submit`."""
+
+    def submit(
+        self, order: SyncOrder, version: int, send: Callable[[], SyncResult], report: Report
+    ) -> Future[SyncResult]:
+        self.newest = max(self.newest, order.seq)
+        return self._pool.submit(self._run, order, version, send, report)
+
+    def _run(
+        self, order: SyncOrder, version: int, send: Callable[[], SyncResult], report: Report
+    ) -> SyncResult:
+        newest = self.newest
+        if order.seq < newest:
+            res = SyncResult(
+                order.seq,
+                version,
+                False,
+                0.0,
+                0,
+                len(order.members),
+                f"sync {order.seq} was superseded by sync {newest} before it began: not sent",
+            )
+            report(res)
+            return res
+        return send()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class WeightChannel(ABC):

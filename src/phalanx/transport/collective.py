@@ -31,13 +31,14 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Generator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 
 import torch
 
 from phalanx.comm.base import CommError
 from phalanx.comm.torch_pg import TorchCommunicator
-from phalanx.transport.base import Pairs, Report, SyncOrder, SyncResult, WeightChannel
+from phalanx.transport.base import Pairs, Report, Sends, SyncOrder, SyncResult, WeightChannel
 from phalanx.transport.streamed import (
     BUCKET,
     drain_buckets,
@@ -96,7 +97,7 @@ class CollectiveWeightChannel(WeightChannel):
         self.bucket = bucket
         """Bytes per broadcast when this channel sends (a receiver follows the header's)."""
         self._mesh: tuple[int, int, int] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-weights")
+        self._sends = Sends("phalanx-weights")
         self.pending: Future[SyncResult] | None = None
         """The leader's last send (tests and benchmarks wait on it)."""
         self.kept: tuple[int, int, torch.Tensor] | None = None
@@ -120,7 +121,8 @@ class CollectiveWeightChannel(WeightChannel):
         if order.rank != 0:
             raise ValueError(f"publish must be called by the mesh's rank 0: got rank {order.rank}.")
         flat, fp = pack(weights), fingerprint(weights)
-        self.pending = self._pool.submit(self._send, version, flat, fp, order, report)
+        send = partial(self._send, version, flat, fp, order, report)
+        self.pending = self._sends.submit(order, version, send, report)
 
     def relay(self, order: SyncOrder, version: int) -> SyncResult:
         if order.rank != 0:
@@ -212,5 +214,5 @@ class CollectiveWeightChannel(WeightChannel):
         self.kept = (version, fp, flat)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sends.shutdown()
         self._fail()

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 
 import torch
 
 from phalanx.comm.base import CommError
 from phalanx.transport.base import (
     Report,
+    Sends,
     SyncOrder,
     SyncResult,
     TransportError,
@@ -50,7 +52,7 @@ def check_like(
 class StoreWeightChannel(WeightChannel):
     def __init__(self, store: WeightStore, timeout_s: float):
         self.store, self.timeout_s = store, timeout_s
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-publish")
+        self._sends = Sends("phalanx-publish")
         self.pending: Future[SyncResult] | None = None
         """The leader's last publish (tests and benchmarks wait on it)."""
 
@@ -65,7 +67,8 @@ class StoreWeightChannel(WeightChannel):
             if isinstance(weights, Packed)
             else {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
         )
-        self.pending = self._pool.submit(self._publish, version, snap, order, report)
+        send = partial(self._publish, version, snap, order, report)
+        self.pending = self._sends.submit(order, version, send, report)
 
     def _publish(
         self, version: int, snap: dict[str, torch.Tensor], order: SyncOrder, report: Report
@@ -103,5 +106,5 @@ class StoreWeightChannel(WeightChannel):
         return version, check_like(got, like, "the weight store")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sends.shutdown()
         self.store.close()
