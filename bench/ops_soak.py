@@ -2,7 +2,7 @@
 from all chaos kinds, and how much of its calm throughput it keeps.
 
     python bench/ops_soak.py [--json] [--soak-s S] [--soak-every S] [--calm-steps N]
-                             [--soak-seed N] [--soak-keep DIR]
+                             [--soak-seed N] [--soak-keep DIR] [--soak-set S.K=V ...]
 
 Two runs of ``examples/ft_mlp.toml`` (3 replicas, float32 MLP, global batch 96,
 ``train.log_samples`` on), one after the other, by ``phalanx run`` as an operator runs
@@ -26,7 +26,10 @@ Figures (``--json``: one object):
   the fault to the next one, less the calm time of the steps committed in between
   (:func:`fault_costs`), which says what dominates a gap to the goal;
 - ``soak_faults`` and ``soak_kinds`` (the kinds delivered, from ``chaos.jsonl``),
-  ``soak_steps``, ``soak_wall_s``, ``calm_samples_per_s``, ``soak_s``, ``soak_every_s``.
+  ``soak_steps``, ``soak_wall_s``, ``calm_samples_per_s``, ``soak_s``, ``soak_every_s``,
+  ``soak_set`` (the ``--soak-set`` overrides both runs took: the example's config is
+  the default; ``timeouts.collective_s`` bounds the stall of a stopped, slowed or cut
+  replica, which its peers wait out before they report it).
 
 :func:`measure` and :func:`add_args` are what ``bench/ops.py`` assembles.
 """
@@ -58,6 +61,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calm-steps", type=int, default=300, help="steps of the calm run")
     p.add_argument("--soak-seed", type=int, default=1, help="the chaos draws' seed")
     p.add_argument("--soak-keep", type=Path, help="keep both run dirs here (default: a temp dir)")
+    p.add_argument(
+        "--soak-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config override for both runs, as phalanx run takes it (repeatable): "
+        "timeouts.collective_s=1.0 bounds what a stopped replica stalls",
+    )
 
 
 def run_ft(
@@ -128,6 +139,17 @@ def batch_of(run_dir: Path) -> int:
     return int(cfg["train"]["global_batch_size"])
 
 
+def overrides(sets: list[str]) -> tuple[str, ...]:
+    """``--soak-set`` values as ``phalanx run`` flags; one line for one not KEY=VALUE."""
+    bad = [x for x in sets if "=" not in x or "." not in x.split("=", 1)[0]]
+    if bad:
+        raise SystemExit(
+            f"ops_soak: --soak-set takes SECTION.KEY=VALUE (timeouts.collective_s=1.0): got "
+            f"{', '.join(map(repr, bad))}."
+        )
+    return tuple(f"--{x}" for x in sets)
+
+
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     """The calm run, then the soak; the figures of the module docstring."""
     if args.soak_s <= 0 or args.soak_every <= 0 or args.calm_steps < 10:
@@ -141,7 +163,8 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             tmp.mkdir(parents=True, exist_ok=True)
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="phalanx-soak-")))
-        calm = run_ft(tmp / "calm", args.calm_steps)
+        more = overrides(args.soak_set)
+        calm = run_ft(tmp / "calm", args.calm_steps, None, more)
         if calm["returncode"] != 0:
             raise RuntimeError(f"the calm run failed: {calm['tail']}")
         batch = batch_of(tmp / "calm")
@@ -149,7 +172,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         rate = n * batch / secs
         steps = max(args.calm_steps, round(rate / batch * args.soak_s))
         chaos = f"all-every={args.soak_every:g},seed={args.soak_seed}"
-        soak = run_ft(tmp / "soak", steps, chaos)
+        soak = run_ft(tmp / "soak", steps, chaos, more)
         if soak["returncode"] not in (0, 1) or "summary" not in soak:
             raise RuntimeError(f"the soak failed: {soak['tail']}")
         n, secs = window(tmp / "soak")
@@ -168,6 +191,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             "calm_samples_per_s": round(rate, 1),
             "soak_s": args.soak_s,
             "soak_every_s": args.soak_every,
+            "soak_set": " ".join(args.soak_set),
             **{f"soak_lost_s_{k.replace('-', '_')}": v for k, v in costs.items()},
         }
 

@@ -114,3 +114,18 @@ def test_a_part_run_on_its_own_takes_only_its_flags_and_exits_by_its_verdict(par
     assert capsys.readouterr().out.splitlines()[0] == "                a_figure: 4.0"
     with pytest.raises(SystemExit):
         ops.part_main(part, ["--b-ratio", "1"])  # another part's flag
+
+
+def test_the_soaks_overrides_go_to_both_runs_as_phalanx_run_flags_or_are_one_line():
+    spec = importlib.util.spec_from_file_location("ops_soak_t", ROOT / "bench" / "ops_soak.py")
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    sets = ["timeouts.collective_s=1.0", "train.exact_reduction=true"]
+    assert soak.overrides(sets) == (
+        "--timeouts.collective_s=1.0",
+        "--train.exact_reduction=true",
+    )
+    with pytest.raises(SystemExit, match=r"--soak-set takes SECTION\.KEY=VALUE") as e:
+        soak.overrides(["collective_s=1", "timeouts.heartbeat_s"])
+    assert "'collective_s=1', 'timeouts.heartbeat_s'" in str(e.value)
