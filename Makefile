@@ -53,7 +53,7 @@ $(STAMP):
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples scripts
