@@ -336,6 +336,41 @@ def check_rounds(histories: list[list[dict[str, Any]]]) -> dict[int, dict[str, A
     return rounds
 
 
+def run_to_end(
+    args: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True)`` for a command that starts
+    processes of its own (``phalanx run``: a zygote, replicas, a controller, each in its
+    own session), in a session of its own. Past ``timeout`` it is stopped as a user stops
+    it (SIGTERM: the launcher stops what it started), then SIGKILLed with its group, and
+    TimeoutExpired raised: ``subprocess.run`` SIGKILLs only the launcher, and what it had
+    started lived on past the test (a chaos run's controller, still restarted an hour
+    later, loading every test after it)."""
+    p = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env() if env is None else env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+        raise
+    return subprocess.CompletedProcess(args, p.returncode, out, err)
+
+
 def start_run(args: list[str]) -> subprocess.Popen[str]:
     """``python -m phalanx.cli run ARGS`` as a user starts it, in a session of its own,
     its output piped (read it with :func:`finish_run`)."""

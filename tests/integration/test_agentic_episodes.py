@@ -270,10 +270,9 @@ def test_an_environment_that_does_not_load_is_one_line(module, args, message, ta
 def test_phalanx_run_refuses_an_environment_that_does_not_load_before_starting(
     taught: Path, tmp_path: Path
 ):
-    import subprocess
     import sys
 
-    from procs import child_env, write_job_toml
+    from procs import child_env, run_to_end, write_job_toml
 
     config = write_job_toml(
         tmp_path / "bad.toml",
@@ -286,13 +285,11 @@ def test_phalanx_run_refuses_an_environment_that_does_not_load_before_starting(
             "rl.env": {"module": "agentic_models:nope"},
         },
     )
-    p = subprocess.run(
+    p = run_to_end(
         [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain"],
-        capture_output=True,
-        text=True,
+        300,
         env={**child_env(), "PYTHONPATH": str(Path(__file__).parent)},
         cwd=tmp_path,
-        timeout=300,
     )
     assert p.returncode != 0
     lines = [x for x in p.stderr.splitlines() if x.strip()]

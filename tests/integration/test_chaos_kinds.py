@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.integration.ftjob import child_env
+from tests.integration.procs import run_to_end
 
 from phalanx.launch.chaos import partition
 
@@ -34,7 +33,7 @@ def run(config: Path, run_dir: Path, chaos: str, *more: str) -> dict[str, Any]:
     """``phalanx run --plain --json --chaos`` to its end; returns its summary."""
     args = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain", "--json"]
     args += ["--run-dir", str(run_dir), "--chaos", chaos, *more]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=600, cwd=ROOT)
+    p = run_to_end(args, 600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
     ends = ("chaos: SIGCONT", "chaos: heal")  # a stop's or a partition's end: not a fault
     said = [x for x in p.stdout.splitlines() if "  chaos: " in x and not any(e in x for e in ends)]
@@ -159,9 +158,14 @@ def cut_off_and_back(summary: dict[str, Any], run_dir: Path, least: int) -> None
 def test_partitions_on_the_ft_job(tmp_path: Path):
     """Each partition lasts past the heartbeat timeout (4 s): the cut replica is evicted,
     the other two go on, and once healed it rejoins and heals from a peer."""
-    steps = 200
+    steps = 60
     chaos = "partition-every=3,partition-for=9,seed=1"
-    s = run(FT, tmp_path / "run", chaos, "--train.steps", str(steps))
+    # Steps of 0.15 s or more a micro-batch, so that the job outlasts two cuts (about
+    # 30 s, 3 cuts, on a quiet machine): at the example's 0.02 s, one ran 200 steps
+    # within the first 9 s cut, and the cut replica had not rejoined (nor could a
+    # second fault land) when it ended.
+    more = ["--train.steps", str(steps), "--train.step_delay_s", "0.15"]
+    s = run(FT, tmp_path / "run", chaos, *more)
     check_ft(s, steps)
     assert kinds_of(s) == {"partition"}
     cut_off_and_back(s, tmp_path / "run", 2)
@@ -204,7 +208,7 @@ def test_bad_chaos_is_one_line_before_anything_starts(
 ):
     args = [sys.executable, "-m", "phalanx.cli", "run", str(config), "--plain"]
     args += ["--run-dir", str(tmp_path / "run"), "--chaos", chaos]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+    p = run_to_end(args, 120, cwd=ROOT)
     assert p.returncode != 0 and p.stdout == ""
     assert p.stderr.startswith(f"phalanx run: {says}") and p.stderr.count("\n") == 1, p.stderr
     assert not (tmp_path / "run").exists()
@@ -214,7 +218,7 @@ def test_bad_chaos_is_one_line_before_anything_starts(
 def test_partition_every_on_ray_is_one_line_before_anything_starts(tmp_path: Path):
     args = [sys.executable, "-m", "phalanx.cli", "run", str(FT), "--plain", "--launcher", "ray"]
     args += ["--run-dir", str(tmp_path / "run"), "--chaos", "partition-every=3"]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+    p = run_to_end(args, 120, cwd=ROOT)
     assert p.returncode != 0 and p.stdout == ""
     says = "phalanx run: --chaos partition-every needs the replicas on this host"
     assert p.stderr.startswith(says) and p.stderr.count("\n") == 1, p.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from ftjob import (
     audit_job,
     write_job,
 )
-from procs import child_env
+from procs import run_to_end
 
 from phalanx.checkpoint import Checkpointer, CheckpointStore
 from phalanx.checkpoint.base import step_dir
@@ -141,7 +140,7 @@ def test_no_usable_checkpoint_stops_the_job_in_one_line(tmp_path: Path):
     args = [sys.executable, "-m", "phalanx.cli", "run", str(example), "--plain", "--json"]
     args += ["--run-dir", str(tmp_path / "run"), "--checkpoint.url", f"file://{root}"]
     args += ["--train.steps", "20", "--roles.policy.n_init_replicas", "2"]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=240)
+    p = run_to_end(args, 240)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["error"].startswith("policy-"), s
@@ -160,7 +159,7 @@ def _run(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, Any], Path]:
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "phalanx.cli", "run", str(example), "--plain", "--json"]
     cmd += ["--run-dir", str(run_dir), "--roles.policy.n_init_replicas", "2", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    p = run_to_end(cmd, 600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), run_dir
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from ftjob import FTJob, assert_same_files, audit_job
-from procs import child_env, write_job_toml
+from procs import child_env, run_to_end, write_job_toml
 
 from phalanx.config import load_config
 from phalanx.data.text import load_text_data
@@ -288,7 +288,7 @@ def test_own_loop_under_chaos_trains_every_step_once(tmp_path: Path):
     args = [sys.executable, "-m", "phalanx.cli", "run", str(ROOT / "examples" / "own_loop.toml")]
     args += ["--plain", "--json", "--run-dir", str(run), "--chaos", "kill-every=3"]
     args += ["--train.steps", "1500", "--train.log_samples", "true"]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=900, cwd=ROOT)
+    p = run_to_end(args, 900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
     # The last line is the audit that ends a --chaos run (phalanx.audit): every step
     # 1..1500 committed once (its printers agree on quorum, participants, cursor and

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from agentic_models import make_agentic_model
-from procs import PROGRESS_S, Controller, Procs, wait_for, write_job_toml
+from procs import PROGRESS_S, Controller, Procs, run_to_end, wait_for, write_job_toml
 from test_rl import RLReplica, check_ledger, job_sections, rl_status, wait_finished
 
 from phalanx.rl.sandbox.bwrap import BwrapSandbox
@@ -91,16 +91,13 @@ def test_the_agentic_example_under_chaos(model: Path, tmp_path: Path):
     from their reported turns, no turn is aborted by a weight update, the ledger
     balances."""
     import json
-    import subprocess
     import sys
-
-    from procs import child_env
 
     root = Path(__file__).parents[2]
     args = [sys.executable, "-m", "phalanx.cli", "run", str(root / "examples/agentic_code.toml")]
     args += ["--plain", "--json", "--chaos", "kill-every=20", "--run-dir", str(tmp_path / "run")]
     args += ["--rl.model.path", str(model), "--rl.task.tokenizer_path", str(model)]
-    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=900)
+    p = run_to_end(args, 900)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["ledger_ok"] and s["kills"] >= 3 and s["trained"] == 120, s

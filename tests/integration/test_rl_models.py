@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from procs import child_env
+from procs import child_env, run_to_end
 
 from phalanx.config import ConfigError
 from phalanx.config.rl import ModelSection, load_rl_config
@@ -166,7 +166,7 @@ def test_an_rl_job_on_the_math_dataset_runs_to_its_end(made, tmp_path: Path):
     args += ["--rl.grpo.activation_checkpointing=true"]
     env = child_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
-    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    p = run_to_end(args, 600, env=env)
     assert p.returncode == 0, f"{p.stderr[-3000:]}\n{p.stdout[-3000:]}"
     s: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["event"] == "summary" and s["ledger_ok"] and s["batches"] == 3

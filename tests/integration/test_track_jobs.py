@@ -11,11 +11,10 @@ theirs (test_agent.py, test_ray_launch.py)."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
-from procs import PROGRESS_S, child_env
+from procs import PROGRESS_S, run_to_end
 
 from phalanx.testing.track import mlflow_metrics, tensorboard_scalars
 
@@ -28,7 +27,7 @@ def run(example: str, run_dir: Path, *args: str) -> None:
     cmd += ["--run-dir", str(run_dir), *args]
     if HAVE_MLFLOW:
         cmd += ["--track.mlflow", "true"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=PROGRESS_S)
+    p = run_to_end(cmd, PROGRESS_S)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
 
 
